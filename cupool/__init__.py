@@ -1,0 +1,36 @@
+"""cupool: one GPU device-memory pool for CuPy and Numba.
+
+Best fit with split and coalesce, stream-aware reuse, PyTorch-style statistics,
+and a simulated device so the same pool runs (and is tested) without a GPU.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._units import format_bytes, parse_size
+from .device import CudaDevice, Device, SimDevice
+from .errors import (
+    DoubleFreeError,
+    ForeignAllocationError,
+    InvalidFreeError,
+    OutOfMemoryError,
+)
+from .pool import Allocation, Pool
+
+try:
+    __version__ = version("cupool")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Allocation",
+    "CudaDevice",
+    "Device",
+    "DoubleFreeError",
+    "ForeignAllocationError",
+    "InvalidFreeError",
+    "OutOfMemoryError",
+    "Pool",
+    "SimDevice",
+    "format_bytes",
+    "parse_size",
+]

@@ -1,0 +1,81 @@
+"""Byte sizes as people write them ("2GB", "512MiB", "50%") and as people read them."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*|%)\s*$")
+
+
+def as_nbytes(value: object, name: str = "nbytes") -> int:
+    """Validate a byte count given to malloc-like calls.
+
+    Integers (and objects with ``__index__``, e.g. numpy integers) are accepted;
+    ``bool``, floats and strings are not, because a silent conversion would hide a
+    caller's bug (``malloc(1.5)`` or ``malloc("1MB")`` almost always is one).
+    """
+    if type(value) is int:
+        n = value
+    elif isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an integer number of bytes, got {type(value).__name__} {value!r}")
+    else:
+        n = operator.index(value)
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
+def parse_size(value: object, total: int | None = None, name: str = "size") -> int:
+    """Parse a configured size: an int, or a string such as "2GB", "512MiB", "1.5G" or "50%".
+
+    KB/MB/GB are decimal and KiB/MiB/GiB (or K/M/G) are binary, as on the labels of
+    disks and in ``nvidia-smi`` respectively.  Percentages need ``total``: they are
+    taken of the device's memory.
+    """
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"{name}: cannot parse {value!r} as a size (try 2GB, 512MiB or 50%)")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit == "%":
+            if total is None:
+                raise ValueError(f"{name}: {value!r} is a percentage, but there is no total to take it of")
+            if number > 100:
+                raise ValueError(f"{name}: {value!r} is more than 100%")
+            return int(total * number / 100)
+        if unit not in _UNITS:
+            raise ValueError(f"{name}: unknown unit {m.group(2)!r} in {value!r}")
+        return int(number * _UNITS[unit])
+    return as_nbytes(value, name)
+
+
+def format_bytes(n: float) -> str:
+    """Human units, binary, three significant figures: 1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,258 @@
+"""Placement: segments, blocks, best fit, split and coalesce over integer addresses.
+
+Pure bookkeeping, no CUDA, so it can be tested exhaustively.  A segment is one
+piece of memory obtained from the device; it is tiled, in address order, by
+blocks that are either allocated or free.  Free blocks are indexed by
+``(size, address)`` in a sorted list per *tag*, which makes best fit
+O(log n): the smallest free block that is large enough, lowest address first.
+
+Tags carry the pool's stream rule without the heap knowing about streams: a
+block freed on stream ``s`` is tagged ``s`` and only requests for ``s`` may take
+it, until the pool learns that ``s`` has finished with it and retags it to
+``None`` (any stream).  Blocks coalesce with free neighbours of the same tag or of
+tag ``None``; the merged block keeps the stricter tag, so a merge never hands
+bytes to a stream that may not use them yet (it may briefly withhold untagged
+bytes from other streams, which is safe).  ``epoch`` records, for a free block,
+the latest moment (in its stream's reckoning) any of its bytes was freed; a
+merge keeps the larger one, and untagged blocks have epoch 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+
+from sortedcontainers import SortedList
+
+Tag = Hashable | None
+
+
+class Block:
+    __slots__ = ("addr", "size", "segment", "prev", "next", "free", "tag", "epoch", "payload")
+
+    def __init__(self, addr: int, size: int, segment: Segment, tag: Tag) -> None:
+        self.addr = addr
+        self.size = size
+        self.segment = segment
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.free = True
+        self.tag = tag
+        self.epoch = 0
+        # Whatever the pool hangs on an allocated block (its Allocation); None when free.
+        self.payload: object = None
+
+    def __repr__(self) -> str:
+        state = f"free tag={self.tag!r}" if self.free else "used"
+        return f"Block({self.addr:#x}, {self.size}, {state})"
+
+
+class Segment:
+    __slots__ = ("addr", "size", "used", "head", "keep", "stream")
+
+    def __init__(self, addr: int, size: int, stream: Tag, keep: bool) -> None:
+        self.addr = addr
+        self.size = size
+        self.used = 0  # bytes in allocated blocks
+        self.head: Block | None = None
+        self.keep = keep  # preallocated: empty_cache leaves it alone
+        self.stream = stream  # the stream it was first allocated for (reported in snapshots)
+
+    def blocks(self) -> Iterator[Block]:
+        b = self.head
+        while b is not None:
+            yield b
+            b = b.next
+
+    def __repr__(self) -> str:
+        return f"Segment({self.addr:#x}, {self.size}, used={self.used})"
+
+
+class Heap:
+    """Best fit with split and coalesce over a set of segments."""
+
+    def __init__(self, alignment: int = 512) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.alignment = alignment
+        self.segments: dict[int, Segment] = {}
+        self._index: dict[Tag, SortedList] = {}
+        self._free: dict[int, Block] = {}
+        self.reserved = 0
+        self.allocated = 0
+        self.n_allocated = 0
+
+    # -- segments -------------------------------------------------------------
+    def add_segment(self, addr: int, size: int, tag: Tag = None, keep: bool = False) -> Segment:
+        if addr % self.alignment or size % self.alignment or size <= 0:
+            raise ValueError(f"segment [{addr:#x}, +{size}) is not aligned to {self.alignment}")
+        if addr in self.segments:
+            raise ValueError(f"segment at {addr:#x} already exists")
+        seg = Segment(addr, size, tag, keep)
+        seg.head = Block(addr, size, seg, tag)
+        self.segments[addr] = seg
+        self.reserved += size
+        self._insert(seg.head)
+        return seg
+
+    def remove_segment(self, seg: Segment) -> None:
+        """Forget a wholly free segment; the caller returns its memory to the device."""
+        if seg.used:
+            raise ValueError(f"{seg!r} still has allocated blocks")
+        for b in seg.blocks():
+            self._remove(b)
+        del self.segments[seg.addr]
+        self.reserved -= seg.size
+
+    def free_segments(self) -> list[Segment]:
+        return [s for s in self.segments.values() if s.used == 0]
+
+    # -- placement ------------------------------------------------------------
+    def find(self, size: int, tag: Tag) -> Block | None:
+        """Best fit for ``size`` among free blocks usable by ``tag`` (its own and untagged)."""
+        best = None
+        for t in (tag, None) if tag is not None else (None,):
+            idx = self._index.get(t)
+            if not idx:
+                continue
+            i = idx.bisect_left((size, 0))
+            if i < len(idx):
+                key = idx[i]
+                if best is None or key < best:
+                    best = key
+        return None if best is None else self._free[best[1]]
+
+    def take(self, block: Block, size: int) -> Block:
+        """Allocate the first ``size`` bytes of free ``block``; the rest stays free."""
+        if not block.free or size > block.size or size % self.alignment or size <= 0:
+            raise ValueError(f"cannot take {size} bytes from {block!r}")
+        self._remove(block)
+        rest = block.size - size
+        if rest:
+            tail = Block(block.addr + size, rest, block.segment, block.tag)
+            tail.epoch = block.epoch
+            tail.prev, tail.next = block, block.next
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.size = size
+            self._insert(tail)
+        block.free = False
+        block.tag = None
+        block.segment.used += size
+        self.allocated += size
+        self.n_allocated += 1
+        return block
+
+    def give(self, block: Block, tag: Tag, epoch: int = 0) -> Block:
+        """Free an allocated block under ``tag``; returns the (possibly merged) free block."""
+        if block.free:
+            raise ValueError(f"{block!r} is already free")
+        seg = block.segment
+        seg.used -= block.size
+        self.allocated -= block.size
+        self.n_allocated -= 1
+        block.free = True
+        block.tag = tag
+        block.epoch = epoch
+        block.payload = None
+        return self._coalesce(block)
+
+    def retag(self, block: Block, tag: Tag) -> Block:
+        """Move a free block to another tag (e.g. once its stream is done with it) and merge."""
+        self._remove(block)
+        block.tag = tag
+        if tag is None:
+            block.epoch = 0
+        return self._coalesce(block)
+
+    def free_blocks(self, tag: Tag) -> list[Block]:
+        return [self._free[a] for _, a in self._index.get(tag, ())]
+
+    def tags(self) -> list[Tag]:
+        return [t for t, idx in self._index.items() if idx]
+
+    def tag_count(self) -> int:
+        """An upper bound on the number of tags with free blocks (cheap, for fast paths)."""
+        return len(self._index)
+
+    # -- queries --------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return self.reserved - self.allocated
+
+    def largest_free(self) -> int:
+        return max((idx[-1][0] for idx in self._index.values() if idx), default=0)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    # -- internals ------------------------------------------------------------
+    def _insert(self, b: Block) -> None:
+        idx = self._index.get(b.tag)
+        if idx is None:
+            idx = self._index[b.tag] = SortedList()
+        idx.add((b.size, b.addr))
+        self._free[b.addr] = b
+
+    def _remove(self, b: Block) -> None:
+        self._index[b.tag].remove((b.size, b.addr))
+        del self._free[b.addr]
+
+    def _coalesce(self, b: Block) -> Block:
+        nxt = b.next
+        if nxt is not None and nxt.free and _mergeable(nxt.tag, b.tag):
+            self._remove(nxt)
+            if b.tag is None:
+                b.tag = nxt.tag
+            b.size += nxt.size
+            b.epoch = max(b.epoch, nxt.epoch)
+            b.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = b
+        prv = b.prev
+        if prv is not None and prv.free and _mergeable(prv.tag, b.tag):
+            self._remove(prv)
+            if prv.tag is None:
+                prv.tag = b.tag
+            prv.size += b.size
+            prv.epoch = max(prv.epoch, b.epoch)
+            prv.next = b.next
+            if b.next is not None:
+                b.next.prev = prv
+            b = prv
+        self._insert(b)
+        return b
+
+    def check(self) -> None:
+        """Verify every structural invariant; raises AssertionError naming the first broken one."""
+        reserved = allocated = 0
+        n_free = 0
+        for addr, seg in self.segments.items():
+            reserved += seg.size
+            expect, prev, used = seg.addr, None, 0
+            for b in seg.blocks():
+                assert b.addr == expect, f"gap or overlap at {b!r} (expected {expect:#x})"
+                assert b.prev is prev, f"broken back link at {b!r}"
+                assert b.segment is seg, f"{b!r} points at the wrong segment"
+                assert b.size > 0 and b.addr % self.alignment == 0 and b.size % self.alignment == 0, (
+                    f"misaligned {b!r}"
+                )
+                if b.free:
+                    n_free += 1
+                    assert self._free.get(b.addr) is b, f"free {b!r} missing from the index"
+                    assert (b.size, b.addr) in self._index[b.tag], f"free {b!r} under the wrong tag"
+                    if prev is not None and prev.free:
+                        assert not _mergeable(prev.tag, b.tag), f"{prev!r} and {b!r} should have merged"
+                else:
+                    used += b.size
+                expect, prev = b.addr + b.size, b
+            assert expect == seg.addr + seg.size, f"{seg!r} blocks end at {expect:#x}"
+            assert used == seg.used, f"{seg!r} used {seg.used} but blocks say {used}"
+            allocated += used
+        assert reserved == self.reserved, f"reserved {self.reserved} != {reserved}"
+        assert allocated == self.allocated, f"allocated {self.allocated} != {allocated}"
+        assert n_free == len(self._free) == sum(len(i) for i in self._index.values()), "free index size"
+
+
+def _mergeable(a: Tag, b: Tag) -> bool:
+    return a == b or a is None or b is None

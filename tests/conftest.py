@@ -1,0 +1,26 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import cupool
+from cupool.device import cuda_available
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("thorough", max_examples=1000, stateful_step_count=100, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_GPU = cuda_available()
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (none is usable on this machine)")
+
+
+@pytest.fixture
+def pool():
+    """A small sim pool: 64 MiB of simulated device memory."""
+    return cupool.Pool("sim", capacity="64MiB")

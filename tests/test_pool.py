@@ -1,0 +1,450 @@
+"""The pool on the sim device: errors, growth, limits, streams, threads, stats."""
+
+import gc
+import logging
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+import cupool
+from cupool import pool as pool_mod
+from cupool.device import SimDevice
+
+MiB = 1 << 20
+
+
+def books(p):
+    """Everything a rejected call must leave as it was."""
+    s = p.stats()
+    return {k: v for k, v in s.items() if "peak" not in k}
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("bad,exc", [(-1, ValueError), (1.5, TypeError), ("1MB", TypeError), (True, TypeError)])
+def test_bad_sizes_are_refused_and_change_nothing(pool, bad, exc):
+    keep = pool.malloc(1000)
+    pool.device.bytes_at(keep.ptr, 1000)[:] = 42
+    before = books(pool)
+    with pytest.raises(exc, match="nbytes"):
+        pool.malloc(bad)
+    assert books(pool) == before
+    assert (pool.device.bytes_at(keep.ptr, 1000) == 42).all()
+
+
+def test_zero_bytes_is_a_valid_unique_allocation(pool):
+    a, b = pool.malloc(0), pool.malloc(0)
+    assert a.size == b.size == 0 and a.ptr != b.ptr
+    assert pool.stats()["allocation.all.current"] == 2
+    a.free()
+    b.free()
+    assert pool.stats()["allocation.all.current"] == 0
+
+
+def test_too_big_raises_oom_with_the_figures(pool):
+    keep = pool.malloc(3 * MiB)
+    before = books(pool)
+    with pytest.raises(cupool.OutOfMemoryError) as ei:
+        pool.malloc(65 * MiB)
+    e = ei.value
+    assert isinstance(e, MemoryError)
+    msg = str(e)
+    for piece in ("65 MiB", "reserved", "allocated", "limit 64 MiB", "largest free block", "fragmentation"):
+        assert piece in msg
+    assert e.requested == 65 * MiB and e.limit == 64 * MiB
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is cupool.OutOfMemoryError and str(e2) == msg
+    after = books(pool)
+    assert after.pop("num_ooms") == before.pop("num_ooms") + 1
+    assert after.pop("num_alloc_retries") == before.pop("num_alloc_retries") + 1
+    assert after == before
+    assert keep.ptr in [b["address"] for s in pool.snapshot()["segments"] for b in s["blocks"]]
+
+
+def test_double_free_names_the_pointer_and_changes_nothing(pool):
+    a = pool.malloc(4096)
+    b = pool.malloc(4096)
+    pool.device.bytes_at(b.ptr, 4096)[:] = 7
+    a.free()
+    before = books(pool)
+    with pytest.raises(cupool.DoubleFreeError, match=hex(a.ptr)) as ei:
+        pool.free(a)
+    assert isinstance(ei.value, ValueError)
+    assert books(pool) == before
+    assert (pool.device.bytes_at(b.ptr, 4096) == 7).all()
+    assert pickle.loads(pickle.dumps(ei.value)).ptr == a.ptr
+
+
+def test_freeing_another_pools_allocation_is_refused(pool):
+    other = cupool.Pool("sim", capacity="8MiB")
+    a = other.malloc(100)
+    mine = pool.malloc(100)
+    before, before_other = books(pool), books(other)
+    with pytest.raises(cupool.ForeignAllocationError, match=hex(a.ptr)) as ei:
+        pool.free(a)
+    assert isinstance(ei.value, ValueError)
+    assert books(pool) == before and books(other) == before_other
+    assert not a.freed and not mine.freed
+    with pytest.raises(TypeError, match="Allocation"):
+        pool.free(a.ptr)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(device="tpu"), ValueError, "device must be"),
+        (dict(device=3), TypeError, "device must be"),
+        (dict(memory_fraction=1.5), ValueError, "memory_fraction"),
+        (dict(memory_fraction="half"), TypeError, "memory_fraction"),
+        (dict(max_size="lots"), ValueError, "max_size"),
+        (dict(initial_size="128MiB"), ValueError, "initial_size"),
+        (dict(capacity=-1), ValueError, "capacity"),
+    ],
+)
+def test_bad_configuration(kwargs, exc, match):
+    kwargs.setdefault("device", "sim")
+    kwargs.setdefault("capacity", "64MiB")
+    with pytest.raises(exc, match=match):
+        cupool.Pool(**kwargs)
+
+
+def test_bad_shapes_and_dtypes(pool):
+    before = books(pool)
+    for shape, exc in [((-1, 2), ValueError), ((2.0,), TypeError), ("ab", TypeError), (None, TypeError)]:
+        with pytest.raises(exc, match="shape"):
+            pool.empty(shape, np.float32)
+    with pytest.raises(TypeError, match="objects"):
+        pool.empty(4, object)
+    with pytest.raises(TypeError):
+        pool.empty(4, "not-a-dtype")
+    assert books(pool) == before
+
+
+def test_bad_stream(pool):
+    with pytest.raises(TypeError, match="stream"):
+        pool.malloc(10, stream="s1")
+    with pytest.raises(TypeError, match="stream"):
+        pool.malloc(10, stream=-3)
+
+
+# ----------------------------------------------------------- size classes
+def test_size_classes_and_alignment(pool):
+    small = pool.malloc(1000)
+    large = pool.malloc(11 * MiB + 5)
+    medium = pool.malloc(3 * MiB)
+    s = pool.stats()
+    assert s["segment.small_pool.current"] == 1
+    assert s["reserved_bytes.small_pool.current"] == 2 * MiB
+    # medium (<=10 MiB) gets a 20 MiB segment; large gets its own, rounded to 2 MiB
+    assert s["reserved_bytes.large_pool.current"] == 20 * MiB + 12 * MiB
+    assert all(a.ptr % 512 == 0 for a in (small, medium, large))
+    assert small.nbytes == 1024 and large.nbytes == 11 * MiB + 512
+    assert s["requested_bytes.all.current"] == 1000 + 3 * MiB + 11 * MiB + 5
+    # a second small request shares the small segment: no new segment
+    pool.malloc(1000)
+    assert pool.stats()["segment.small_pool.current"] == 1
+
+
+def test_limit_leaves_room_for_an_exact_segment():
+    p = cupool.Pool("sim", capacity="64MiB", max_size="32MiB")
+    a = p.malloc(9 * MiB)  # preferred 20 MiB segment fits
+    b = p.malloc(9 * MiB)  # fits in the rest of it
+    c = p.malloc(9 * MiB)  # 20 MiB won't fit under 32 MiB, but the 12 MiB left will
+    assert p.stats()["reserved_bytes.all.current"] == 32 * MiB
+    assert p.stats()["segment.large_pool.current"] == 2
+    with pytest.raises(cupool.OutOfMemoryError, match="limit 32 MiB"):
+        p.malloc(9 * MiB)
+    del a, b, c
+
+
+def test_memory_fraction_and_percent():
+    p = cupool.Pool("sim", capacity="100MiB", memory_fraction=0.5)
+    assert p.limit == 50 * MiB
+    q = cupool.Pool("sim", capacity="100MiB", max_size="25%", memory_fraction=0.5)
+    assert q.limit == 25 * MiB
+
+
+def test_initial_size_is_preallocated_and_kept():
+    p = cupool.Pool("sim", capacity="64MiB", initial_size="32MiB")
+    s = p.stats()
+    assert s["reserved_bytes.large_pool.current"] == 32 * MiB and s["num_device_alloc"] == 1
+    a = p.malloc(5 * MiB)
+    assert p.stats()["num_device_alloc"] == 1  # served from the preallocated segment
+    a.free()
+    assert p.empty_cache() == 0
+    assert p.stats()["reserved_bytes.all.current"] == 32 * MiB
+
+
+def test_empty_cache_reports_released_bytes(pool):
+    a = pool.malloc(100)
+    b = pool.malloc(12 * MiB)
+    b.free()
+    assert pool.empty_cache() == 12 * MiB
+    assert pool.stats()["reserved_bytes.all.current"] == 2 * MiB
+    assert pool.device.mem_info()[0] == 62 * MiB
+    a.free()
+    assert pool.empty_cache() == 2 * MiB
+    assert pool.device.mem_info()[0] == 64 * MiB
+
+
+def test_release_threshold_returns_free_segments_at_once():
+    p = cupool.Pool("sim", capacity="64MiB", release_threshold="16MiB")
+    a = p.malloc(12 * MiB)
+    b = p.malloc(12 * MiB)
+    a.free()  # reserved 24 MiB > 16 MiB: a's segment goes back
+    assert p.stats()["reserved_bytes.all.current"] == 12 * MiB
+    b.free()  # reserved 12 MiB <= 16 MiB: kept as cache
+    assert p.stats()["reserved_bytes.all.current"] == 12 * MiB
+
+
+# ------------------------------------------------------------- OOM ladder
+def test_ladder_releases_cached_segments_of_the_other_size_class():
+    p = cupool.Pool("sim", capacity="16MiB")
+    small = [p.malloc(MiB) for _ in range(8)]  # 4 small segments = 8 MiB
+    del small
+    # 8 MiB cached in the small pool; a 12 MiB request needs them back
+    a = p.malloc(12 * MiB)
+    s = p.stats()
+    assert s["num_alloc_retries"] == 1 and s["segment.small_pool.current"] == 0
+    assert a.nbytes == 12 * MiB
+
+
+def test_ladder_collects_garbage_cycles():
+    p = cupool.Pool("sim", capacity="16MiB")
+
+    class Node:
+        pass
+
+    n = Node()
+    n.self = n
+    n.buf = p.empty((12 * MiB,), np.uint8)
+    del n  # only a reference cycle keeps the 12 MiB alive now
+    gc.disable()
+    try:
+        b = p.malloc(12 * MiB)
+    finally:
+        gc.enable()
+    assert b.nbytes == 12 * MiB
+    assert p.stats()["num_ooms"] == 0
+
+
+# ----------------------------------------------------------------- arrays
+def test_empty_returns_views_and_memory_returns_when_the_array_dies(pool):
+    x = pool.empty((256, 4), np.float64)
+    assert isinstance(x, np.ndarray) and x.shape == (256, 4) and x.dtype == np.float64
+    x[:] = np.arange(1024).reshape(256, 4)
+    ptr = x.ctypes.data
+    assert (pool.device.bytes_at(ptr, 8).view(np.float64) == 0).all()
+    view = x[10:20]
+    del x
+    assert pool.stats()["allocation.all.current"] == 1  # the view keeps it alive
+    assert view[0, 1] == 41
+    del view
+    assert pool.stats()["allocation.all.current"] == 0
+    y = pool.empty(8192 // 4, np.float32)
+    assert y.ctypes.data == ptr  # reused at once on the same stream
+
+
+def test_dropping_an_allocation_frees_it(pool):
+    a = pool.malloc(1 << 16)
+    assert pool.stats()["allocated_bytes.all.current"] == 1 << 16
+    del a
+    assert pool.stats()["allocated_bytes.all.current"] == 0
+
+
+# ---------------------------------------------------------------- streams
+def test_reuse_on_the_same_stream_is_immediate(pool):
+    pool.device.enqueue(1)  # stream 1 is busy
+    a = pool.malloc(4096, stream=1)
+    ptr = a.ptr
+    a.free()
+    assert pool.malloc(4096, stream=1).ptr == ptr
+
+
+def test_cross_stream_reuse_waits_for_the_event():
+    dev = SimDevice("64MiB")
+    p = cupool.Pool(dev)
+    a = p.malloc(4096, stream=1)
+    ptr = a.ptr
+    dev.enqueue(1)  # a kernel using a is in flight on stream 1
+    a.free()
+    b = p.malloc(4096, stream=2)
+    assert not (b.ptr <= ptr < b.ptr + b.nbytes)
+    assert p.stats()["segment.small_pool.current"] == 2  # stream 2 had to grow
+    dev.synchronize(1)
+    # The event completed: stream 2 may now use a's segment.  Three 1 MiB blocks fit
+    # only if it does (its own segment has room for one).
+    cs = [p.malloc(MiB, stream=2) for _ in range(3)]
+    s = p.stats()
+    assert s["segment.small_pool.current"] == 2 and s["num_alloc_retries"] == 0
+    assert ptr in [c.ptr for c in cs]
+    p.check()
+    del b
+
+
+def test_sync_in_the_ladder_frees_other_streams_memory():
+    dev = SimDevice("16MiB")
+    p = cupool.Pool(dev)
+    a = p.malloc(12 * MiB, stream=1)
+    dev.enqueue(1)
+    a.free()
+    # stream 2 cannot take it while stream 1 is busy, and there is no room to grow:
+    # the ladder synchronizes the device and then reuses it.
+    b = p.malloc(12 * MiB, stream=2)
+    assert b.ptr == a.ptr
+    assert p.stats()["num_alloc_retries"] == 1
+
+
+# ---------------------------------------------------------------- threads
+def test_eight_threads_malloc_and_free_at_once():
+    p = cupool.Pool("sim", capacity="1GiB")
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def work(tid):
+        rng = np.random.default_rng(tid)
+        mine = []
+        try:
+            barrier.wait()
+            for i in range(400):
+                if mine and rng.random() < 0.45:
+                    a, tag = mine.pop(rng.integers(len(mine)))
+                    if not (p.device.bytes_at(a.ptr, a.size) == tag).all():
+                        errors.append(f"thread {tid}: block {a.ptr:#x} was overwritten")
+                    p.free(a)
+                else:
+                    n = int(rng.choice([64, 1000, 70_000, 3 * MiB // 2]))
+                    a = p.malloc(n)
+                    tag = (tid * 31 + i) % 251
+                    p.device.bytes_at(a.ptr, n)[:] = tag
+                    mine.append((a, tag))
+                    if rng.random() < 0.1:
+                        arr = p.empty((128,), np.uint8)  # dies at once: finalizer path
+                        arr[:] = 1
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+        for a, tag in mine:
+            if not (p.device.bytes_at(a.ptr, a.size) == tag).all():
+                errors.append(f"thread {tid}: block {a.ptr:#x} was overwritten")
+            p.free(a)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = p.stats()
+    assert s["allocation.all.current"] == 0 and s["allocated_bytes.all.current"] == 0
+    assert s["allocation.all.allocated"] == s["allocation.all.freed"] > 1500
+    p.check()
+
+
+# ------------------------------------------------------------------ stats
+CONTRACT = [
+    "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+    "reserved_bytes.all.peak", "requested_bytes.all.current", "active_bytes.all.current",
+    "inactive_split_bytes.all.current", "segment.all.current", "allocation.all.current",
+    "allocation.all.allocated", "allocation.all.freed", "num_alloc_retries", "num_ooms",
+    "allocated_bytes.small_pool.current", "allocated_bytes.large_pool.current",
+    "reserved_bytes.small_pool.peak", "reserved_bytes.large_pool.peak",
+    "fragmentation", "largest_free_block", "cache_hit_rate",
+]
+
+
+def test_stats_contract_and_values(pool):
+    s = pool.stats()
+    missing = [k for k in CONTRACT if k not in s]
+    assert not missing
+    a = pool.malloc(1000)
+    b = pool.malloc(1000)
+    a.free()
+    s = pool.stats()
+    assert s["allocated_bytes.all.current"] == 1024 and s["allocated_bytes.all.peak"] == 2048
+    assert s["reserved_bytes.all.current"] == 2 * MiB
+    assert s["inactive_split_bytes.all.current"] == 2 * MiB - 1024
+    assert s["allocation.all.allocated"] == 2 and s["allocation.all.freed"] == 1
+    assert s["fragmentation"] == pytest.approx((2 * MiB - 1024) / (2 * MiB))
+    assert pool.fragmentation() == s["fragmentation"]
+    assert s["largest_free_block"] == 2 * MiB - 2048
+    assert s["cache_hit_rate"] == 0.5  # first malloc grew, second was served from the cache
+    pool.reset_peak_stats()
+    assert pool.stats()["allocated_bytes.all.peak"] == 1024
+    del b
+
+
+def test_snapshot_has_segments_and_blocks(pool):
+    a = pool.malloc(3000)
+    snap = pool.snapshot()
+    (seg,) = snap["segments"]
+    assert seg["total_size"] == 2 * MiB and seg["segment_type"] == "small"
+    assert seg["allocated_size"] == 3072 and seg["requested_size"] == 3000
+    first, rest = seg["blocks"]
+    assert first == {"address": a.ptr, "size": 3072, "requested_size": 3000, "state": "active_allocated"}
+    assert rest["state"] == "inactive" and rest["size"] == 2 * MiB - 3072
+
+
+def test_subscribe_sees_events_in_order(pool):
+    seen = []
+    unsubscribe = pool.subscribe(seen.append)
+    a = pool.malloc(100)
+    a.free()
+    pool.empty_cache()
+    unsubscribe()
+    pool.malloc(5)
+    kinds = [e[1] for e in seen]
+    assert kinds == ["segment_alloc", "alloc", "free", "segment_free"]
+    assert seen[1][2] == a.ptr and seen[1][3] == 512
+    with pytest.raises(TypeError, match="callable"):
+        pool.subscribe(42)
+
+
+def test_auto_device_falls_back_to_sim_and_says_so(caplog, monkeypatch):
+    monkeypatch.setattr(cupool.device, "_auto_note_given", False)
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="cupool"):
+        p = cupool.Pool(capacity="8MiB")
+        cupool.Pool(capacity="8MiB")
+    assert p.device.kind == "sim"
+    notes = [r for r in caplog.records if "simulated device" in r.getMessage()]
+    assert len(notes) == 1
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no usable CUDA GPU"):
+        cupool.Pool("cuda")
+    with pytest.raises(ValueError, match="capacity"):
+        cupool.Pool("cuda", capacity="1GB")
+
+
+def test_sim_device_enforces_capacity_like_cudamalloc():
+    dev = SimDevice("8MiB")
+    a = dev.malloc(6 * MiB)
+    with pytest.raises(MemoryError):
+        dev.malloc(4 * MiB)
+    dev.free(a, 6 * MiB)
+    b = dev.malloc(8 * MiB)
+    assert dev.mem_info() == (0, 8 * MiB)
+    with pytest.raises(ValueError, match="not a segment"):
+        dev.free(b + 512, 0)
+    dev.free(b, 8 * MiB)
+
+
+def test_finalizer_during_malloc_is_deferred_not_reentrant(pool, monkeypatch):
+    """A GC pass inside malloc runs finalizers; they must queue, not corrupt the heap."""
+    victim = pool.malloc(1000)
+    orig = pool_mod.Heap.take
+
+    def take_and_finalize(self, block, size):
+        nonlocal victim
+        if victim is not None:
+            v, victim = victim, None
+            del v  # Allocation.__del__ fires while malloc holds the lock
+        return orig(self, block, size)
+
+    monkeypatch.setattr(pool_mod.Heap, "take", take_and_finalize)
+    b = pool.malloc(1000)
+    pool.check()
+    assert pool.stats()["allocation.all.current"] == 1

@@ -1,0 +1,167 @@
+"""A stateful hypothesis machine over the whole pool on the sim device."""
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+import cupool
+from cupool.device import SimDevice
+
+MiB = 1 << 20
+SIZES = st.one_of(
+    st.just(0),
+    st.integers(1, 4096),
+    st.integers(4097, MiB),
+    st.integers(MiB + 1, 10 * MiB),
+    st.integers(10 * MiB + 1, 24 * MiB),
+)
+STREAMS = st.sampled_from([0, 1, 2])
+
+
+class PoolMachine(RuleBasedStateMachine):
+    allocs = Bundle("allocs")
+    freed = Bundle("freed")
+
+    def __init__(self):
+        super().__init__()
+        self.dev = SimDevice("48MiB")
+        self.pool = cupool.Pool(self.dev)
+        self.live = {}  # ptr -> (Allocation or array, nbytes, pattern, stream)
+        self.arrays = []
+        self.counter = 0
+        self.unsafe = []  # (addr, size, stream, mark): freed while the stream was busy
+
+    # -- helpers
+    def _fill(self, ptr, n):
+        self.counter = self.counter % 250 + 1
+        if n:
+            self.dev.bytes_at(ptr, n)[:] = self.counter
+        return self.counter
+
+    def _check_stream_rule(self, ptr, n, stream):
+        retired = self.dev._retired
+        self.unsafe = [u for u in self.unsafe if retired.get(u[2], 0) < u[3]]
+        for addr, size, s, _ in self.unsafe:
+            if s != stream:
+                assert not (ptr < addr + size and addr < ptr + max(n, 1)), (
+                    f"block {ptr:#x} reused on stream {stream} while stream {s} may still use it"
+                )
+
+    def _books(self):
+        return {k: v for k, v in self.pool.stats().items() if "peak" not in k}
+
+    # -- rules
+    @rule(target=allocs, n=SIZES, stream=STREAMS)
+    def malloc(self, n, stream):
+        try:
+            a = self.pool.malloc(n, stream=stream)
+        except cupool.OutOfMemoryError:
+            return None
+        self._check_stream_rule(a.ptr, a.nbytes, stream)
+        self.live[a.ptr] = (a, n, self._fill(a.ptr, n), stream)
+        return a
+
+    @rule(a=consumes(allocs))
+    def free(self, a):
+        if a is None:
+            return
+        _, n, pattern, stream = self.live.pop(a.ptr)
+        busy = self.dev._enqueued.get(stream, 0)
+        if busy > self.dev._retired.get(stream, 0):
+            self.unsafe.append((a.ptr, a.nbytes, stream, busy))
+        self.pool.free(a)
+
+    @rule(
+        shape=st.lists(st.integers(0, 300), min_size=1, max_size=3).map(tuple),
+        dtype=st.sampled_from([np.uint8, np.float32, np.int64]),
+    )
+    def empty(self, shape, dtype):
+        try:
+            x = self.pool.empty(shape, dtype)
+        except cupool.OutOfMemoryError:
+            return
+        self._check_stream_rule(x.ctypes.data, x.nbytes, 0)
+        x.view(np.uint8).reshape(-1)[:] = pattern = self._fill(x.ctypes.data, 0)
+        self.arrays.append((x, pattern))
+
+    @rule(data=st.data())
+    def drop_array(self, data):
+        if self.arrays:
+            i = data.draw(st.integers(0, len(self.arrays) - 1))
+            self.arrays.pop(i)
+
+    @rule()
+    def empty_cache(self):
+        before = self.pool.stats()["reserved_bytes.all.current"]
+        released = self.pool.empty_cache()
+        assert self.pool.stats()["reserved_bytes.all.current"] == before - released
+
+    @rule(stream=STREAMS)
+    def launch_work(self, stream):
+        self.dev.enqueue(stream)
+
+    @rule(stream=STREAMS)
+    def synchronize(self, stream):
+        self.dev.synchronize(stream)
+
+    @rule(a=freed)
+    def double_free_is_refused(self, a):
+        before = self._books()
+        with pytest.raises(cupool.DoubleFreeError):
+            self.pool.free(a)
+        assert self._books() == before
+
+    @rule(target=freed, a=consumes(allocs))
+    def free_and_keep(self, a):
+        if a is None:
+            return None
+        self.free(a)
+        return a
+
+    @rule(bad=st.sampled_from([-1, -4096, 1.0, "8", None, True]))
+    def bad_size_is_refused(self, bad):
+        before = self._books()
+        with pytest.raises((TypeError, ValueError)):
+            self.pool.malloc(bad)
+        assert self._books() == before
+
+    # -- invariants
+    @invariant()
+    def heap_is_consistent(self):
+        self.pool.check()
+
+    @invariant()
+    def live_blocks_do_not_overlap_and_are_aligned(self):
+        spans = sorted((a.ptr, a.nbytes) for a, *_ in self.live.values())
+        spans += sorted((x.ctypes.data, max(x.nbytes, 1)) for x, _ in self.arrays)
+        spans.sort()
+        for (p0, n0), (p1, _) in zip(spans, spans[1:]):
+            assert p0 + n0 <= p1, f"{p0:#x}+{n0} overlaps {p1:#x}"
+        assert all(p % 512 == 0 for p, _ in spans)
+
+    @invariant()
+    def stats_match_the_model(self):
+        s = self.pool.stats()
+        n_arrays = len(self.arrays)
+        assert s["allocation.all.current"] == len(self.live) + n_arrays
+        req = sum(n for _, n, _, _ in self.live.values()) + sum(x.nbytes for x, _ in self.arrays)
+        assert s["requested_bytes.all.current"] == req
+        blocks = sum(a.nbytes for a, *_ in self.live.values())
+        assert s["allocated_bytes.all.current"] >= blocks
+        assert s["reserved_bytes.all.current"] <= self.pool.limit
+        snap = self.pool.snapshot()
+        free = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive")
+        assert s["allocated_bytes.all.current"] + free == s["reserved_bytes.all.current"]
+        assert s["reserved_bytes.all.current"] == self.dev.used
+
+    @invariant()
+    def data_is_intact(self):
+        for a, n, pattern, _ in self.live.values():
+            if n:
+                assert (self.dev.bytes_at(a.ptr, n) == pattern).all(), f"{a!r} was overwritten"
+        for x, pattern in self.arrays:
+            assert (x.view(np.uint8) == pattern).all(), "an array's bytes changed"
+
+
+TestPoolMachine = PoolMachine.TestCase
