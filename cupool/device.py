@@ -76,6 +76,18 @@ class Device(ABC):
     def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> Any:
         """An array (numpy on sim, CuPy on CUDA) over ``ptr`` that keeps ``owner`` alive."""
 
+    @abstractmethod
+    def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Carry out a move list (absolute addresses, bytes) in order, with memmove semantics."""
+
+    @abstractmethod
+    def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        """A host copy (uint8) of device bytes."""
+
+    @abstractmethod
+    def from_host(self, ptr: int, data: np.ndarray) -> None:
+        """Write host bytes to the device."""
+
     @property
     def total(self) -> int:
         return self.mem_info()[1]
@@ -202,6 +214,24 @@ class SimDevice(Device):
             raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) lies outside the arena")
         return np.asarray(_HostView(ptr, shape, dtype, owner))
 
+    def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        from .kernels.move import move_cpu, word_size  # numba is imported on first use
+
+        src = np.asarray(src, dtype=np.int64) - self.base
+        dst = np.asarray(dst, dtype=np.int64) - self.base
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        if src.size and (min(src.min(), dst.min()) < 0 or max((src + nbytes).max(), (dst + nbytes).max()) > self._span):
+            raise ValueError("sim device: a move reaches outside the arena")
+        ws = word_size(src, dst, nbytes)
+        buf = self.arena.view(np.uint64) if ws == 8 else self.arena
+        move_cpu(buf, src // ws, dst // ws, nbytes // ws)
+
+    def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        return self.bytes_at(ptr, nbytes).copy()
+
+    def from_host(self, ptr: int, data: np.ndarray) -> None:
+        self.bytes_at(ptr, data.nbytes)[:] = data.reshape(-1).view(np.uint8)
+
     def bytes_at(self, ptr: int, nbytes: int) -> np.ndarray:
         """A uint8 view of raw sim memory (tests and checksums use it)."""
         off = ptr - self.base
@@ -274,6 +304,46 @@ class CudaDevice(Device):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.index)
         return cp.ndarray(shape, dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        from numba import cuda
+
+        from .kernels.move import barriers, move_cuda, word_size
+
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        if not src.size:
+            return
+        # One buffer spanning every address the moves touch, so that a move may cross
+        # segments; only addresses inside live segments are ever dereferenced.
+        lo = int(min(src.min(), dst.min()))
+        hi = int(max((src + nbytes).max(), (dst + nbytes).max()))
+        src, dst = src - lo, dst - lo
+        ws = word_size(src, dst, nbytes)
+        with cuda.gpus[self.index]:
+            buf = cuda.from_cuda_array_interface(
+                {"data": (lo, False), "shape": ((hi - lo) // ws,), "typestr": "<u8" if ws == 8 else "|u1",
+                 "version": 3},
+                owner=None,
+                sync=False,
+            )
+            args = [cuda.to_device(a) for a in (src // ws, dst // ws, nbytes // ws, barriers(src, dst, nbytes))]
+            sms = self._dev.attributes["MultiProcessorCount"]
+            move_cuda[2 * sms, 512](buf, *args)
+            cuda.synchronize()
+
+    def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        with self._dev:
+            self._rt.deviceSynchronize()
+            self._rt.memcpy(out.ctypes.data, ptr, nbytes, self._rt.memcpyDeviceToHost)
+        return out
+
+    def from_host(self, ptr: int, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        with self._dev:
+            self._rt.memcpy(ptr, data.ctypes.data, data.nbytes, self._rt.memcpyHostToDevice)
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.index})"

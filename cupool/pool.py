@@ -15,10 +15,12 @@ just the needed size is tried before the reclaim ladder starts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,10 @@ import numpy as np
 from ._units import as_nbytes, format_bytes, parse_size, round_up
 from .device import PAGE, Device, make_device
 from .errors import DeviceOutOfMemory, DoubleFreeError, ForeignAllocationError, OutOfMemoryError
+from .compaction import plan as plan_compaction
 from .heap import Block, Heap
+from .movable import Movable, _Lease
+from .tracking import Leak, SiteTracker, SiteUsage, collect
 
 log = logging.getLogger("cupool")
 
@@ -76,6 +81,13 @@ class Allocation:
     def free(self) -> None:
         self._pool.free(self)
 
+    def _finalize_locked(self) -> int:
+        b = self._block
+        if b is None:
+            return 0
+        self._pool._release(self)
+        return b.size
+
     def __del__(self) -> None:
         if self._block is not None:
             self._pool._free_from_finalizer(self)
@@ -101,6 +113,10 @@ class Pool:
     memory_fraction: cap on reserved bytes as a fraction of the device (0 < f <= 1).
     release_threshold: when set, a segment that becomes wholly free is returned to
         the device at once while more than this many bytes are reserved.
+    defrag_threshold: when an allocation would have to grow the pool while the
+        fragmentation is above this, movable buffers are compacted first (None: never).
+    track_sites: remember the allocating line and a short stack of each live
+        allocation, for ``leaks()`` and ``largest_allocations()``.
     """
 
     def __init__(
@@ -111,6 +127,8 @@ class Pool:
         max_size: int | str | None = None,
         memory_fraction: float | None = None,
         release_threshold: int | str | None = None,
+        defrag_threshold: float | None = 0.3,
+        track_sites: bool = False,
     ) -> None:
         dev = make_device(device, capacity)
         total = dev.total
@@ -128,8 +146,14 @@ class Pool:
             raise ValueError(
                 f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}"
             )
+        if defrag_threshold is not None:
+            if isinstance(defrag_threshold, bool) or not isinstance(defrag_threshold, (int, float)):
+                raise TypeError(f"defrag_threshold must be a number or None, got {defrag_threshold!r}")
+            if not 0 <= defrag_threshold < 1:
+                raise ValueError(f"defrag_threshold must be in [0, 1), got {defrag_threshold}")
         self.device = dev
         self.limit = limit
+        self.defrag_threshold = defrag_threshold
         self.release_threshold = (
             None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
         )
@@ -141,10 +165,11 @@ class Pool:
             "memory_fraction": memory_fraction,
             "limit": limit,
             "release_threshold": self.release_threshold,
+            "defrag_threshold": defrag_threshold,
         }
         self._heaps = (Heap(ALIGNMENT), Heap(ALIGNMENT))
         self._lock = threading.Lock()
-        self._pending: collections.deque[Allocation] = collections.deque()
+        self._pending: collections.deque[Allocation | Movable | _Lease] = collections.deque()
         self._observers: list[Callable[[tuple], None]] = []
         # Stream bookkeeping: blocks freed on stream s carry epoch _epoch[s]; an event
         # recorded on s closes the epoch; once it completes, those blocks may cross streams.
@@ -162,6 +187,24 @@ class Pool:
         self._ooms = 0
         self._device_allocs = 0
         self._device_frees = 0
+        # Movable buffers: how many are on the device, and whether anything that could
+        # let compaction do more (a free, a lease ending) happened since it last ran.
+        self._movables = 0
+        self._movable_seq = 0
+        self._compaction_stale = True
+        self._compactions = 0
+        self._bytes_moved = 0
+        self._background: tuple[threading.Thread, threading.Event] | None = None
+        # The reclaim ladder, tried in order when the device or the limit refuses to grow.
+        self._ladder: list[tuple[str, Callable[[], bool]]] = [
+            ("streams", self._step_streams),
+            ("release", self._step_release),
+            ("compact", self._step_compact),
+            ("gc", self._step_gc),
+        ]
+        if not isinstance(track_sites, bool):
+            raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
+        self._sites = SiteTracker() if track_sites else None
         if init:
             self._new_segment(LARGE, init, None, keep=True)
 
@@ -180,6 +223,8 @@ class Pool:
                 self._emit("alloc", block.addr, block.size, key)
             if self._pending:
                 self._drain()
+        if self._sites is not None:
+            self._sites.add(a)
         return a
 
     def free(self, allocation: Allocation) -> None:
@@ -216,6 +261,84 @@ class Pool:
             self._settle_streams(wait=True)
             return self._release_free_segments()
 
+    def movable(
+        self,
+        nbytes: int,
+        stream: Any = None,
+        on_move: Callable[[Movable, int, int | None], None] | None = None,
+    ) -> Movable:
+        """A buffer the pool may move or spill while no array from ``.array()`` is alive."""
+        n = as_nbytes(nbytes)
+        key = self.device.stream_key(stream)
+        if on_move is not None and not callable(on_move):
+            raise TypeError(f"on_move must be callable, got {on_move!r}")
+        with self._lock:
+            if self._pending:
+                self._drain()
+            block, kind = self._take(n, key)
+            self._movable_seq += 1
+            m = Movable(self, block, n, key, kind, on_move, self._movable_seq, time.perf_counter_ns())
+            block.payload = weakref.ref(m)
+            self._movables += 1
+            if self._observers:
+                self._emit("alloc", block.addr, block.size, key)
+        return m
+
+    def compact(self, max_bytes: int | str | None = None, max_moves: int | None = None) -> CompactionReport:
+        """Move unleased movable buffers together and give emptied segments back.
+
+        ``max_bytes`` / ``max_moves`` bound the work of this pass, for incremental
+        compaction; a later call continues where this one stopped.  Waits for the
+        device first: a kernel may still read a buffer whose arrays are already gone.
+        """
+        mb = None if max_bytes is None else parse_size(max_bytes, name="max_bytes")
+        if max_moves is not None:
+            max_moves = as_nbytes(max_moves, "max_moves")
+        with self._lock:
+            self._drain()
+            report = self._compact_locked(mb, max_moves, release="emptied")
+        self._notify_moves(report)
+        return report
+
+    def start_background_compaction(self, interval: float = 0.05, max_bytes: int | str = "64MiB") -> None:
+        """Compact in a daemon thread, at most ``max_bytes`` per pass, while fragmentation is high."""
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        budget = parse_size(max_bytes, name="max_bytes")
+        if self.defrag_threshold is None:
+            raise ValueError("background compaction needs a defrag_threshold to act on")
+        with self._lock:
+            if self._background is not None:
+                raise RuntimeError("background compaction is already running for this pool")
+            stop = threading.Event()
+            ref = weakref.ref(self)
+
+            def run() -> None:
+                while not stop.wait(interval):
+                    pool = ref()
+                    if pool is None:
+                        return
+                    with pool._lock:
+                        pool._drain()
+                        report = (
+                            pool._compact_locked(budget, None, release="emptied") if pool._should_defrag() else None
+                        )
+                    if report is not None:
+                        pool._notify_moves(report)
+                    del pool
+
+            thread = threading.Thread(target=run, name="cupool-compaction", daemon=True)
+            self._background = (thread, stop)
+        thread.start()
+
+    def stop_background_compaction(self) -> None:
+        with self._lock:
+            bg, self._background = self._background, None
+        if bg is None:
+            raise RuntimeError("background compaction is not running for this pool")
+        bg[1].set()
+        bg[0].join()
+
     def stats(self) -> dict[str, int | float]:
         """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap."""
         with self._lock:
@@ -249,6 +372,9 @@ class Pool:
                 n = sum(inactive_n) if col == 2 else inactive_n[col]
                 out[f"inactive_split_bytes.{pname}.current"] = v
                 out[f"inactive_split.{pname}.current"] = n
+            out["num_compactions"] = self._compactions
+            out["compaction_bytes_moved"] = self._bytes_moved
+            out["movable.all.current"] = self._movables
             out["num_alloc_retries"] = self._retries
             out["num_ooms"] = self._ooms
             out["num_device_alloc"] = self._device_allocs
@@ -281,7 +407,7 @@ class Pool:
                     blocks = []
                     requested = 0
                     for b in seg.blocks():
-                        req = 0 if b.free else b.payload
+                        req = 0 if b.free else _requested(b)
                         requested += req
                         blocks.append(
                             {
@@ -349,6 +475,27 @@ class Pool:
             f"allocated={format_bytes(alloc)} limit={format_bytes(self.limit)}>"
         )
 
+    def collect(self) -> int:
+        """Run Python's ``gc.collect()``; returns the bytes that dying owners gave back to the pool."""
+        return collect(self)
+
+    def leaks(self, older_than: float | None = None) -> list[Leak]:
+        """Live allocations (oldest first) with ``.size``, ``.site``, ``.age`` and ``.stack``.
+
+        ``older_than`` (seconds) keeps only those alive at least that long.  Needs
+        ``Pool(track_sites=True)``.
+        """
+        return self._site_tracker("leaks").leaks(older_than)
+
+    def largest_allocations(self, n: int = 10) -> list[SiteUsage]:
+        """The ``n`` allocating sites holding the most live bytes.  Needs ``Pool(track_sites=True)``."""
+        return self._site_tracker("largest_allocations").largest(n)
+
+    def _site_tracker(self, caller: str) -> SiteTracker:
+        if self._sites is None:
+            raise RuntimeError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
+        return self._sites
+
     # ------------------------------------------------------------- allocation
     def _take(self, n: int, key: Any) -> tuple[Block, int]:
         size = round_up(n, ALIGNMENT) if n else ALIGNMENT
@@ -357,6 +504,9 @@ class Pool:
         block = heap.find(size, key)
         if block is None and heap.tag_count() > 1:
             self._settle_streams(wait=False)
+            block = heap.find(size, key)
+        if block is None and self._movables and self._should_defrag():
+            self._compact_locked(None, None, release="emptied")
             block = heap.find(size, key)
         if block is None:
             self._misses += 1
@@ -377,7 +527,7 @@ class Pool:
         except (DeviceOutOfMemory, _LimitReached):
             pass
         self._retries += 1
-        for step in (self._step_streams, self._step_release, self._step_gc):
+        for _, step in self._ladder:
             if step():
                 block = heap.find(size, key)
                 if block is not None:
@@ -396,6 +546,12 @@ class Pool:
 
     def _step_release(self) -> bool:
         return self._release_free_segments() > 0
+
+    def _step_compact(self) -> bool:
+        if not self._movables:
+            return False
+        report = self._compact_locked(None, None, release="all")
+        return bool(report.moves or report.bytes_released)
 
     def _step_gc(self) -> bool:
         # Finalizers that run now find the lock held and queue their frees; drain them.
@@ -448,13 +604,14 @@ class Pool:
         if self._observers:
             self._emit("free", block.addr, size, key)
         self._dirty.add(key)
+        self._compaction_stale = True
         merged = heap.give(block, key, self._epoch.get(key, 0))
         if self.release_threshold is not None:
             seg = merged.segment
             if not seg.used and not seg.keep and self._cur[_B_RES][2] > self.release_threshold:
                 self._drop_segment(kind, seg)
 
-    def _free_from_finalizer(self, a: Allocation) -> None:
+    def _free_from_finalizer(self, a: Allocation | Movable | _Lease) -> None:
         """Free on behalf of a finalizer, which may run inside the pool's own critical section.
 
         The garbage collector can fire anywhere, including in the middle of a malloc
@@ -463,8 +620,7 @@ class Pool:
         """
         if self._lock.acquire(blocking=False):
             try:
-                if a._block is not None:
-                    self._release(a)
+                a._finalize_locked()
                 if self._pending:
                     self._drain()
             finally:
@@ -473,12 +629,10 @@ class Pool:
             self._pending.append(a)
 
     def _drain(self) -> int:
+        """Apply queued finalizations (allocations, movables, leases); returns bytes freed."""
         freed = 0
         while self._pending:
-            a = self._pending.popleft()
-            if a._block is not None:
-                freed += a._block.size
-                self._release(a)
+            freed += self._pending.popleft()._finalize_locked()
         return freed
 
     # ------------------------------------------------------------------ streams
@@ -524,6 +678,174 @@ class Pool:
         while q and self.device.event_done(q[0][1]):
             done = q.popleft()[0]
         return done
+
+    # ---------------------------------------------------------------- movables
+    def _lease(self, m: Movable, shape: Any, dtype: Any) -> Any:
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise TypeError(f"dtype {dt} holds Python objects, which cannot live in device memory")
+        shape_t = (m.size // dt.itemsize,) if shape is None else _as_shape(shape)
+        need = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+        if need > m.size:
+            raise ValueError(f"an array of shape {shape_t} and dtype {dt} needs {need} bytes; the buffer has {m.size}")
+        with self._lock:
+            if m._freed:
+                raise ValueError("array() on a freed movable buffer")
+            if m._block is None:
+                self._restore(m)
+            m._leases += 1
+            m.last_used = time.perf_counter_ns()
+            ptr = m._block.addr
+        # Built outside the lock: if it fails, the lease dies and unpins at once.
+        return self.device.as_array(ptr, shape_t, dt, _Lease(m))
+
+    def _unlease(self, m: Movable) -> int:
+        m._leases -= 1
+        if m._leases:
+            return 0
+        self._compaction_stale = True
+        if m._freed and m._block is not None:
+            return self._drop_movable(m)
+        return 0
+
+    def _free_movable(self, m: Movable) -> None:
+        if not isinstance(m, Movable):
+            raise TypeError(f"expected a Movable, got {type(m).__name__}")
+        if m._pool is not self:
+            raise ForeignAllocationError(m.ptr or 0)
+        with self._lock:
+            if m._freed:
+                raise DoubleFreeError(m.ptr or 0, "the movable buffer was already freed")
+            m._freed = True
+            if not m._leases:
+                self._drop_movable(m)
+
+    def _drop_movable(self, m: Movable) -> int:
+        """Give back a freed movable's device block (or spilled copy) once no lease remains."""
+        if m._leases:
+            return 0
+        if m._spilled is not None:
+            m._spilled.discard()
+            m._spilled = None
+        if m._block is None:
+            return 0
+        size = m._block.size
+        self._movables -= 1
+        self._release(m)
+        return size
+
+    def _can_move(self, b: Block) -> bool:
+        ref = b.payload
+        if type(ref) is not weakref.ReferenceType:
+            return False
+        m = ref()
+        return m is not None and not m._leases and not m._freed
+
+    def _should_defrag(self) -> bool:
+        return (
+            self.defrag_threshold is not None
+            and self._compaction_stale
+            and self._fragmentation() > self.defrag_threshold
+        )
+
+    def _compact_locked(self, max_bytes: int | None, max_moves: int | None, release: str) -> CompactionReport:
+        """Plan and carry out a compaction; ``release`` is "emptied" or "all" free segments."""
+        t0 = time.perf_counter()
+        frag0 = self._fragmentation()
+        largest0 = max(h.largest_free() for h in self._heaps)
+        reserved0 = self._cur[_B_RES][2]
+        self._settle_streams(wait=True)
+        moves = []
+        emptied = []
+        for kind, heap in enumerate(self._heaps):
+            mv, em = plan_compaction(heap, self._can_move, max_bytes, max_moves)
+            moves += mv
+            emptied += [(kind, seg) for seg in em]
+            if max_bytes is not None:
+                max_bytes -= sum(x.nbytes for x in mv)
+            if max_moves is not None:
+                max_moves -= len(mv)
+        if moves:
+            self.device.execute_moves(
+                np.fromiter((x.src for x in moves), np.int64, len(moves)),
+                np.fromiter((x.dst for x in moves), np.int64, len(moves)),
+                np.fromiter((x.nbytes for x in moves), np.int64, len(moves)),
+            )
+        moved = []
+        for x in moves:
+            m = x.block.payload()
+            m._block = x.block
+            m.generation += 1
+            moved.append((m, x.src, x.dst))
+            if self._observers:
+                self._emit("move", x.dst, x.nbytes, x.src)
+        if release == "all":
+            released = self._release_free_segments()
+        else:
+            released = 0
+            for kind, seg in emptied:
+                released += seg.size
+                self._drop_segment(kind, seg)
+        self._compactions += 1
+        nbytes = sum(x.nbytes for x in moves)
+        self._bytes_moved += nbytes
+        self._compaction_stale = False
+        if self._observers:
+            self._emit("compact", 0, nbytes, len(moves))
+        return CompactionReport(
+            moves=len(moves),
+            bytes_moved=nbytes,
+            segments_released=len(emptied) if release == "emptied" else None,
+            bytes_released=released,
+            fragmentation_before=frag0,
+            fragmentation_after=self._fragmentation(),
+            largest_free_block_before=largest0,
+            largest_free_block_after=max(h.largest_free() for h in self._heaps),
+            reserved_before=reserved0,
+            reserved_after=self._cur[_B_RES][2],
+            seconds=time.perf_counter() - t0,
+            _moved=moved,
+        )
+
+    def _notify_moves(self, report: CompactionReport) -> None:
+        """Run on_move callbacks outside the lock (they may use the pool)."""
+        for m, old, new in report._moved:
+            if m.on_move is not None:
+                m.on_move(m, old, new)
+
+    def _unplace(self, m: Movable) -> np.ndarray:
+        """Copy an unleased movable's bytes to the host and free its device block (spilling).
+
+        The caller holds the lock and stores the returned bytes somewhere ``m._spilled``
+        can load them from.
+        """
+        if m._leases or m._block is None:
+            raise ValueError(f"{m!r} cannot leave the device (leased or already off it)")
+        self.device.synchronize()
+        data = self.device.to_host(m._block.addr, m.size)
+        old = m._block.addr
+        self._movables -= 1
+        self._release(m)
+        m._block = None
+        m.generation += 1
+        if self._observers:
+            self._emit("spill", old, m.size, m.stream)
+        return data
+
+    def _restore(self, m: Movable) -> None:
+        """Bring a spilled movable back: a fresh block (through the whole ladder), then its bytes."""
+        handle = m._spilled
+        data = handle.load()
+        block, kind = self._take(m.size, m.stream)
+        block.payload = weakref.ref(m)
+        m._block, m._kind = block, kind
+        self._movables += 1
+        self.device.from_host(block.addr, data)
+        handle.discard()
+        m._spilled = None
+        m.generation += 1
+        if self._observers:
+            self._emit("restore", block.addr, m.size, m.stream)
 
     # ----------------------------------------------------------------- segments
     def _release_free_segments(self) -> int:
@@ -597,3 +919,30 @@ def _as_shape(shape: Any) -> tuple[int, ...]:
         if d < 0:
             raise ValueError(f"shape must not contain negative dimensions, got {shape!r}")
     return tuple(int(d) for d in dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionReport:
+    """What one ``Pool.compact()`` (or an automatic compaction) did."""
+
+    moves: int
+    bytes_moved: int
+    segments_released: int | None
+    bytes_released: int
+    fragmentation_before: float
+    fragmentation_after: float
+    largest_free_block_before: int
+    largest_free_block_after: int
+    reserved_before: int
+    reserved_after: int
+    seconds: float
+    _moved: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+
+def _requested(b: Block) -> int:
+    """Bytes asked for by the owner of an allocated block (a raw size, or a Movable)."""
+    p = b.payload
+    if type(p) is weakref.ReferenceType:
+        m = p()
+        return 0 if m is None else m.size
+    return p

@@ -1,0 +1,193 @@
+"""Owner lifetimes and leak reports: who allocated what, and is it still alive.
+
+Every allocation the pool hands out already frees itself when its owner dies
+(``Allocation.__del__``; arrays from ``Pool.empty`` hold their ``Allocation`` as the
+memory's owner).  This module adds two things on top:
+
+* ``collect(pool)`` runs Python's cycle collector, so owners caught in reference
+  cycles die now rather than at the collector's leisure, and says how many bytes
+  went back to the pool.
+* ``SiteTracker``, switched on by ``Pool(track_sites=True)``, remembers for each
+  live allocation the line that asked for it (the first frame outside cupool and
+  the array libraries that call it) and a short stack.  It holds allocations
+  through weak references only, so tracking never keeps memory alive, and an
+  entry disappears by itself when its owner dies.
+
+With tracking off, the cost is the one truth test ``Pool.malloc`` makes on its
+``_sites`` attribute.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pool import Allocation, Pool
+
+#: Top-level packages whose frames are plumbing between the user's line and the pool.
+_PLUMBING = frozenset({"cupool", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda"})
+
+#: Frames kept per allocation, starting at the allocating site and walking outwards.
+STACK_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Leak:
+    """A live allocation as ``Pool.leaks()`` reports it."""
+
+    ptr: int
+    size: int  # bytes requested
+    nbytes: int  # bytes of the block behind it
+    stream: Any
+    site: str  # "file:line" of the allocating call
+    age: float  # seconds since it was allocated
+    stack: tuple[str, ...]  # "file:line in function", innermost first
+
+    def __str__(self) -> str:
+        lines = [f"{self.size} bytes at {self.ptr:#x}, alive {self.age:.1f} s, allocated at {self.site}"]
+        lines += [f"    {frame}" for frame in self.stack]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SiteUsage:
+    """Live memory of one allocating site, as ``Pool.largest_allocations()`` reports it."""
+
+    site: str
+    count: int
+    size: int  # bytes requested, summed
+    nbytes: int  # bytes of the blocks behind them, summed
+
+
+class _Record:
+    __slots__ = ("ref", "born", "frames")
+
+    def __init__(self, ref: weakref.ref, born: float, frames: tuple[tuple[str, int, str], ...]) -> None:
+        self.ref = ref
+        self.born = born
+        self.frames = frames
+
+
+class SiteTracker:
+    """Allocating sites of a pool's live allocations, keyed by pointer, held weakly.
+
+    A pointer has at most one unfreed allocation at a time, so keying by pointer
+    lets a newer allocation at a reused address replace a freed one that some
+    caller still references.
+    """
+
+    def __init__(self, depth: int = STACK_DEPTH) -> None:
+        self._depth = depth
+        self._records: dict[int, _Record] = {}
+        self._lock = threading.Lock()
+
+    def add(self, allocation: Allocation) -> None:
+        frames = _user_frames(sys._getframe(1), self._depth)
+        ptr = allocation.ptr
+        records = self._records
+
+        def forget(ref: weakref.ref, ptr: int = ptr) -> None:
+            # Runs when the allocation dies; a newer allocation may own ptr by now.
+            with self._lock:
+                rec = records.get(ptr)
+                if rec is not None and rec.ref is ref:
+                    del records[ptr]
+
+        rec = _Record(weakref.ref(allocation, forget), time.monotonic(), frames)
+        with self._lock:
+            records[ptr] = rec
+
+    def live(self) -> list[tuple[Allocation, _Record]]:
+        with self._lock:
+            recs = list(self._records.values())
+        out = []
+        for rec in recs:
+            a = rec.ref()
+            if a is not None and not a.freed:
+                out.append((a, rec))
+        return out
+
+    def leaks(self, older_than: float | None = None) -> list[Leak]:
+        if older_than is not None:
+            if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
+                raise TypeError(f"older_than must be a number of seconds or None, got {older_than!r}")
+            if older_than < 0:
+                raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
+        now = time.monotonic()
+        out = []
+        for a, rec in self.live():
+            age = now - rec.born
+            if older_than is not None and age < older_than:
+                continue
+            out.append(
+                Leak(a.ptr, a.size, a.nbytes, a.stream, _site(rec.frames), age, tuple(_fmt(f) for f in rec.frames))
+            )
+        out.sort(key=lambda leak: -leak.age)
+        return out
+
+    def largest(self, n: int) -> list[SiteUsage]:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, got {n!r}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        groups: dict[str, list[int]] = {}
+        for a, rec in self.live():
+            g = groups.setdefault(_site(rec.frames), [0, 0, 0])
+            g[0] += 1
+            g[1] += a.size
+            g[2] += a.nbytes
+        rows = [SiteUsage(site, c, s, nb) for site, (c, s, nb) in groups.items()]
+        rows.sort(key=lambda r: (-r.nbytes, r.site))
+        return rows[:n]
+
+
+def collect(pool: Pool) -> int:
+    """Run ``gc.collect()`` and return the bytes that owners dying in it gave back to ``pool``.
+
+    Counted from the pool's running total of freed bytes, so a free made meanwhile
+    by another thread is counted too.
+    """
+    from .pool import _B_ALLOC
+
+    with pool._lock:
+        pool._drain()
+        before = pool._total_out[_B_ALLOC][2]
+    gc.collect()
+    with pool._lock:
+        pool._drain()
+        return pool._total_out[_B_ALLOC][2] - before
+
+
+def _user_frames(frame: FrameType | None, depth: int) -> tuple[tuple[str, int, str], ...]:
+    while frame is not None and _is_plumbing(frame):
+        frame = frame.f_back
+    out = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def _is_plumbing(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__") or ""
+    return name.partition(".")[0] in _PLUMBING
+
+
+def _site(frames: tuple[tuple[str, int, str], ...]) -> str:
+    if not frames:
+        return "<unknown>"
+    filename, lineno, _ = frames[0]
+    return f"{filename}:{lineno}"
+
+
+def _fmt(frame: tuple[str, int, str]) -> str:
+    filename, lineno, name = frame
+    return f"{filename}:{lineno} in {name}"

@@ -1,0 +1,1 @@
+"""JIT-compiled kernels shipped inside cupool (installed as ``cupool.kernels``)."""
