@@ -50,18 +50,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_steps(title: str, steps: list[workloads.Step], source: bool) -> None:
-    print(title)
-    head = f"  {'step':>4}  {'action':<13} {'shape':<12} {'frag':>6} {'segs':>4}"
-    if source:
-        head += f"   {'source frag':>11} {'segs':>4}"
-    print(head)
-    for st in steps:
-        line = f"  {st.step:>4}  {st.action:<13} {str(st.shape):<12} {st.fragmentation:>6.3f} {st.segments:>4}"
-        if source and st.step <= len(workloads.SOURCE_STEPS):
-            _, _, sfrag, ssegs = workloads.SOURCE_STEPS[st.step - 1]
-            line += f"   {sfrag:>11.3f} {ssegs:>4}"
-        print(line)
+def _print_steps(off: list[workloads.Step], on: list[workloads.Step]) -> None:
+    print(f"  {'step':>4}  {'action':<13} {'shape':<12} {'source':>12} {'compaction off':>15} {'compaction on':>14}")
+    print(f"  {'':>4}  {'':<13} {'':<12} {'frag segs':>12} {'frag segs':>15} {'frag segs':>14}")
+    for a, b in zip(off, on):
+        _, _, sfrag, ssegs = workloads.SOURCE_STEPS[a.step - 1]
+        print(
+            f"  {a.step:>4}  {a.action:<13} {str(a.shape):<12} {sfrag:>7.3f} {ssegs:>4} "
+            f"{a.fragmentation:>10.3f} {a.segments:>4} {b.fragmentation:>9.3f} {b.segments:>4}"
+        )
 
 
 def _summary(steps: list[workloads.Step]) -> tuple[float, float, int]:
@@ -70,37 +67,45 @@ def _summary(steps: list[workloads.Step]) -> tuple[float, float, int]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    def make(cap=None):
+    # "off": plain arrays, nothing may move.  "on": the layers live in movable buffers
+    # and the pool compacts when fragmentation passes its defrag_threshold (0.3).
+    modes = {"off": dict(movable=False), "on": dict(movable=True)}
+
+    def make(cap: int | str | None = None) -> Pool:
         return Pool(args.device, capacity=cap if cap is not None else args.capacity)
 
-    pool = make()
-    print(f"cupool demo: weight streaming on {pool.device.name} "
-          f"(4 cached layers, 2 evicted at a time, float32)\n")
-    steps = workloads.weight_streaming(pool, workloads.source_shapes(), fill=True)
-    _print_steps("The source's ten steps, cupool beside PyTorch's caching allocator:", steps, source=True)
-    mx, mean, _ = _summary(steps)
-    print(f"\n  max fragmentation  {mx:.3f}   (source {workloads.SOURCE_MAX:.3f})")
-    print(f"  mean fragmentation {mean:.3f}   (source {workloads.SOURCE_MEAN:.3f})\n")
+    first = make()
+    print(f"cupool demo: weight streaming on {first.device.name} (4 cached layers, 2 evicted at a time, float32)")
+    print("Layers are written when loaded and checked when evicted, so a corrupting move would fail the run.\n")
+    runs = {k: workloads.weight_streaming(first if k == "off" else make(), workloads.source_shapes(), fill=True, **kw)
+            for k, kw in modes.items()}
+    print("The source's ten steps (PyTorch's caching allocator) beside cupool:")
+    _print_steps(runs["off"], runs["on"])
+    print()
+    print(f"  {'':<20} {'source':>8} {'off':>8} {'on':>8}")
+    mx = {k: _summary(v)[0] for k, v in runs.items()}
+    mean = {k: _summary(v)[1] for k, v in runs.items()}
+    print(f"  {'max fragmentation':<20} {workloads.SOURCE_MAX:>8.3f} {mx['off']:>8.3f} {mx['on']:>8.3f}")
+    print(f"  {'mean fragmentation':<20} {workloads.SOURCE_MEAN:>8.3f} {mean['off']:>8.3f} {mean['on']:>8.3f}\n")
 
     shapes = workloads.mixed_shapes(args.steps, seed=args.seed)
-    pool = make()
-    steps = workloads.weight_streaming(pool, shapes, fill=True)
-    mx, mean, peak_res = _summary(steps)
     peak_live = workloads.peak_live_bytes(shapes)
-    print(f"A longer run: {args.steps} layers of {len(set(shapes))} mixed shapes (seed {args.seed}):")
-    print(f"  max fragmentation  {mx:.3f}")
-    print(f"  mean fragmentation {mean:.3f}")
-    print(f"  peak reserved      {format_bytes(peak_res)} for a peak of {format_bytes(peak_live)} live "
-          f"({peak_res / peak_live:.2f}x)")
-    if pool.device.kind == "sim":
-        step = 2 << 20
-        smallest = workloads.smallest_capacity(
-            lambda cap: Pool("sim", capacity=cap), shapes, peak_live, 4 * peak_live, step
-        )
-        shown = "more than 4x the live peak" if smallest is None else (
-            f"{format_bytes(smallest)} ({smallest / peak_live:.2f}x the live peak)")
-        print(f"  smallest sim device that completes it: {shown}")
-    print(f"\nstats: {pool}")
+    print(f"A longer run: {args.steps} layers of {len(set(shapes))} mixed shapes (seed {args.seed}), "
+          f"peak of live bytes {format_bytes(peak_live)}:")
+    print(f"  {'compaction':<11} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'smallest device':>22}")
+    for name, kw in modes.items():
+        pool = make()
+        mx_, mean_, peak_res = _summary(workloads.weight_streaming(pool, shapes, fill=True, **kw))
+        smallest = "n/a on a GPU"
+        if pool.device.kind == "sim":
+            cap = workloads.smallest_capacity(
+                lambda c: Pool("sim", capacity=c), shapes, peak_live, 4 * peak_live, 2 << 20, **kw
+            )
+            smallest = "> 4x" if cap is None else f"{format_bytes(cap)} ({cap / peak_live:.2f}x)"
+        print(f"  {name:<11} {mx_:>9.3f} {mean_:>10.3f} {format_bytes(peak_res):>9} "
+              f"({peak_res / peak_live:.2f}x) {smallest:>22}")
+    print("\n'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running "
+          "out of memory, as a multiple of the live peak; 1.00x is what a perfect allocator needs.")
     return 0
 
 
@@ -120,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="layers in the longer mixed run (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
+    from . import replay, report
+
+    replay.add_command(sub)
+    report.add_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -37,6 +37,7 @@ class Move:
     dst: int
     nbytes: int
     block: Block  # the block at ``dst`` after the move
+    owner: object  # the block's payload (the pool's reference to whoever owns it)
 
 
 @dataclass
@@ -82,7 +83,7 @@ def _relocate(heap: Heap, block: Block, dst_free: Block, moves: list[Move], budg
         new = heap.take(dst_free, size)
         heap.give(block, None)
     new.payload = payload
-    moves.append(Move(src, new.addr, size, new))
+    moves.append(Move(src, new.addr, size, new, payload))
     budget.spend(size)
     return new
 
@@ -127,6 +128,20 @@ def _evacuate(
             _relocate(heap, b, dst, moves, budget)
         emptied.append(seg)
     return emptied
+
+
+def rehome(heap: Heap, seg: Segment, new: Segment) -> list[Move]:
+    """Move every block of ``seg`` (all movable) to the start of the empty segment ``new``.
+
+    For when segments' tails are the only free space left: re-homing a segment into
+    an exact-size one gives its tail back to the device.  Blocks keep their order.
+    """
+    moves: list[Move] = []
+    budget = _Budget(None, None)
+    for b in [b for b in seg.blocks() if not b.free]:
+        dst = next(f for f in new.blocks() if f.free)
+        _relocate(heap, b, dst, moves, budget)
+    return moves
 
 
 def _free_outside(heap: Heap, gone: set[int]) -> list[int]:

@@ -30,6 +30,7 @@ from ._units import as_nbytes, format_bytes, parse_size, round_up
 from .device import PAGE, Device, make_device
 from .errors import DeviceOutOfMemory, DoubleFreeError, ForeignAllocationError, OutOfMemoryError
 from .compaction import plan as plan_compaction
+from .compaction import rehome
 from .heap import Block, Heap
 from .movable import Movable, _Lease
 from .tracking import Leak, SiteTracker, SiteUsage, collect
@@ -48,6 +49,11 @@ _KIND_NAMES = ("small_pool", "large_pool")
 # Rows of the book-keeping tables (see Pool._cur).
 _N_ALLOC, _N_SEG, _B_ALLOC, _B_RES, _B_REQ = range(5)
 _STAT_NAMES = ("allocation", "segment", "allocated_bytes", "reserved_bytes", "requested_bytes")
+
+# The fast path folds its accounting log into the tables once it is this long (see Pool._fold).
+_LOG_MAX = 4096
+# Below this many entries a fold is cheaper in plain Python than through numpy.
+_FOLD_NUMPY_MIN = 64
 
 
 class Allocation:
@@ -89,8 +95,27 @@ class Allocation:
         return b.size
 
     def __del__(self) -> None:
-        if self._block is not None:
-            self._pool._free_from_finalizer(self)
+        block = self._block
+        if block is not None:
+            pool = self._pool
+            # The fast path of Pool._park, inlined: a finalizer is the hot free of CuPy arrays.
+            if self._kind == SMALL and not pool._observers and pool.release_threshold is None:
+                lock = pool._lock
+                if lock.acquire(False):
+                    try:
+                        self._block = None
+                        stack = pool._stacks.get((block.size, self.stream))
+                        if stack is None:
+                            pool._stacks[(block.size, self.stream)] = [block]
+                        else:
+                            stack.append(block)
+                        pool._log.append(-1 - self.size)  # bounded by the malloc side's check
+                        if pool._pending:
+                            pool._drain()
+                    finally:
+                        lock.release()
+                    return
+            pool._free_from_finalizer(self)
 
     def __repr__(self) -> str:
         state = "freed" if self._block is None else f"stream={self.stream}"
@@ -171,6 +196,12 @@ class Pool:
         self._lock = threading.Lock()
         self._pending: collections.deque[Allocation | Movable | _Lease] = collections.deque()
         self._observers: list[Callable[[tuple], None]] = []
+        # Fast path: small blocks freed while nobody observes are parked on exact-size
+        # stacks per (size, stream), still allocated in the heap's eyes, and go back
+        # to the heap (_unpark) before anything else looks at it.  Their accounting is
+        # logged (+/-(requested + 1)) and folded into the tables later (_fold).
+        self._stacks: dict[tuple[int, Any], list[Block]] = {}
+        self._log: list[int] = []
         # Stream bookkeeping: blocks freed on stream s carry epoch _epoch[s]; an event
         # recorded on s closes the epoch; once it completes, those blocks may cross streams.
         self._epoch: dict[Any, int] = {}
@@ -195,11 +226,13 @@ class Pool:
         self._compactions = 0
         self._bytes_moved = 0
         self._background: tuple[threading.Thread, threading.Event] | None = None
+        self._moved_pending: collections.deque[tuple[Movable, int, int]] = collections.deque()
         # The reclaim ladder, tried in order when the device or the limit refuses to grow.
         self._ladder: list[tuple[str, Callable[[], bool]]] = [
             ("streams", self._step_streams),
             ("release", self._step_release),
             ("compact", self._step_compact),
+            ("rehome", self._step_rehome),
             ("gc", self._step_gc),
         ]
         if not isinstance(track_sites, bool):
@@ -211,18 +244,37 @@ class Pool:
     # ------------------------------------------------------------------ public
     def malloc(self, nbytes: int, stream: Any = None) -> Allocation:
         """Allocate ``nbytes`` (0 is allowed and yields a unique pointer) on ``stream``."""
-        n = as_nbytes(nbytes)
-        key = self.device.stream_key(stream)
-        with self._lock:
-            if self._pending:
-                self._drain()
-            block, kind = self._take(n, key)
-            a = Allocation(self, block, n, key, kind)
-            block.payload = n
-            if self._observers:
-                self._emit("alloc", block.addr, block.size, key)
-            if self._pending:
-                self._drain()
+        return self._malloc_key(as_nbytes(nbytes), self.device.stream_key(stream))
+
+    def _malloc_key(self, n: int, key: Any) -> Allocation:
+        """``malloc`` for a validated size and stream key (the hooks call this directly)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            # Fast path: an exact-size block parked by a free on this stream.
+            stack = self._stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, key))
+            if stack and not self._observers and not self._pending:
+                block = stack.pop()
+                a = Allocation(self, block, n, key, SMALL)
+                block.payload = n
+                log = self._log
+                log.append(n + 1)
+                if len(log) > _LOG_MAX:
+                    self._fold()
+            else:
+                if self._pending:
+                    self._drain()
+                block, kind = self._take(n, key)
+                a = Allocation(self, block, n, key, kind)
+                block.payload = n
+                if self._observers:
+                    self._emit("alloc", block.addr, block.size, key)
+                if self._pending:
+                    self._drain()
+        finally:
+            lock.release()
+        if self._moved_pending:
+            self._notify_moves()
         if self._sites is not None:
             self._sites.add(a)
         return a
@@ -282,6 +334,8 @@ class Pool:
             self._movables += 1
             if self._observers:
                 self._emit("alloc", block.addr, block.size, key)
+        if self._moved_pending:
+            self._notify_moves()
         return m
 
     def compact(self, max_bytes: int | str | None = None, max_moves: int | None = None) -> CompactionReport:
@@ -296,8 +350,8 @@ class Pool:
             max_moves = as_nbytes(max_moves, "max_moves")
         with self._lock:
             self._drain()
-            report = self._compact_locked(mb, max_moves, release="emptied")
-        self._notify_moves(report)
+            report = self._compact_locked(mb, max_moves)
+        self._notify_moves()
         return report
 
     def start_background_compaction(self, interval: float = 0.05, max_bytes: int | str = "64MiB") -> None:
@@ -321,10 +375,10 @@ class Pool:
                     with pool._lock:
                         pool._drain()
                         report = (
-                            pool._compact_locked(budget, None, release="emptied") if pool._should_defrag() else None
+                            pool._compact_locked(budget, None) if pool._should_defrag() else None
                         )
                     if report is not None:
-                        pool._notify_moves(report)
+                        pool._notify_moves()
                     del pool
 
             thread = threading.Thread(target=run, name="cupool-compaction", daemon=True)
@@ -394,6 +448,8 @@ class Pool:
 
     def reset_peak_stats(self) -> None:
         with self._lock:
+            if self._log:
+                self._fold()
             for row in range(len(_STAT_NAMES)):
                 self._peak[row][:] = self._cur[row]
 
@@ -496,17 +552,33 @@ class Pool:
             raise RuntimeError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
         return self._sites
 
+    def record(self, path: Any = None, **options: Any) -> Any:
+        """Record this pool's events: ``with pool.record("run.h5"):`` (see ``cupool.trace.EventRecorder``).
+
+        Without ``path`` events stay in an in-memory ring buffer.
+        """
+        from .trace import EventRecorder
+
+        return EventRecorder(self, path, **options)
+
+    def export_snapshot(self, path: Any) -> None:
+        """Write PyTorch's memory-snapshot pickle, for ``torch.cuda._memory_viz`` (see ``cupool.snapshot``)."""
+        from .snapshot import export_snapshot
+
+        export_snapshot(self, path)
+
     # ------------------------------------------------------------- allocation
     def _take(self, n: int, key: Any) -> tuple[Block, int]:
+        if self._stacks:
+            self._unpark()
         size = round_up(n, ALIGNMENT) if n else ALIGNMENT
         kind = SMALL if size <= SMALL_MAX else LARGE
         heap = self._heaps[kind]
+        if self._movables and self._should_defrag():
+            self._compact_locked(None, None)
         block = heap.find(size, key)
         if block is None and heap.tag_count() > 1:
             self._settle_streams(wait=False)
-            block = heap.find(size, key)
-        if block is None and self._movables and self._should_defrag():
-            self._compact_locked(None, None, release="emptied")
             block = heap.find(size, key)
         if block is None:
             self._misses += 1
@@ -550,8 +622,37 @@ class Pool:
     def _step_compact(self) -> bool:
         if not self._movables:
             return False
-        report = self._compact_locked(None, None, release="all")
+        report = self._compact_locked(None, None)
         return bool(report.moves or report.bytes_released)
+
+    def _step_rehome(self) -> bool:
+        """Give segment tails back: move each all-movable segment into an exact-size one.
+
+        Largest tail first, while the device has room for the copy; each success
+        frees the old segment, so the room grows as it goes.
+        """
+        if not self._movables:
+            return False
+        gained = False
+        for kind, heap in enumerate(self._heaps):
+            segs = [
+                s for s in heap.segments.values()
+                if s.used and not s.keep and s.size - s.used >= PAGE
+                and all(b.free or self._can_move(b) for b in s.blocks())
+            ]
+            for seg in sorted(segs, key=lambda s: s.used - s.size):
+                exact = round_up(seg.used, PAGE)
+                if exact > (self.limit - self._cur[_B_RES][2]):
+                    continue
+                try:
+                    new = self._new_segment(kind, exact, None)
+                except DeviceOutOfMemory:
+                    continue
+                moves = rehome(heap, seg, new)
+                self._apply_moves(moves)
+                self._drop_segment(kind, seg)
+                gained = True
+        return gained
 
     def _step_gc(self) -> bool:
         # Finalizers that run now find the lock held and queue their frees; drain them.
@@ -592,6 +693,8 @@ class Pool:
 
     # ------------------------------------------------------------------ freeing
     def _release(self, a: Allocation) -> None:
+        if type(a) is Allocation and self._park(a):
+            return
         block = a._block
         a._block = None
         kind = a._kind
@@ -633,7 +736,102 @@ class Pool:
         freed = 0
         while self._pending:
             freed += self._pending.popleft()._finalize_locked()
+        if self._stacks:
+            freed += self._unpark()
+        if self._log:
+            self._fold()
         return freed
+
+    def _park(self, a: Allocation) -> bool:
+        """Free a small block onto its exact-size stack; False when it must go through the heap.
+
+        Parking is what keeps CuPy's allocate-and-drop loop within a small factor of
+        the cost of any Python allocator: the heap's best fit, split and coalesce are
+        skipped, and a block parked by stream s is reused only by s, which is the
+        pool's stream rule anyway.  Observers need exact events and release_threshold
+        needs empty segments noticed at once, so either turns parking off.
+        """
+        if a._kind != SMALL or self._observers or self.release_threshold is not None:
+            return False
+        block = a._block
+        a._block = None
+        stack = self._stacks.get((block.size, a.stream))
+        if stack is None:
+            self._stacks[(block.size, a.stream)] = [block]
+        else:
+            stack.append(block)
+        self._log.append(-1 - a.size)  # bounded by the malloc side's check
+        return True
+
+    def _unpark(self) -> int:
+        """Give every parked block to the heap; returns their bytes.
+
+        The stream's epoch is read now rather than at the free: it can only have
+        advanced since, which makes other streams wait longer, never less.
+        """
+        heap = self._heaps[SMALL]
+        stacks, self._stacks = self._stacks, {}
+        moved = 0
+        for (size, key), blocks in stacks.items():
+            if blocks:
+                self._dirty.add(key)
+                self._compaction_stale = True
+                epoch = self._epoch.get(key, 0)
+                for block in blocks:
+                    heap.give(block, key, epoch)
+                moved += size * len(blocks)
+        return moved
+
+    def _fold(self) -> None:
+        """Apply the fast path's accounting log to the tables, peaks included, exactly.
+
+        All logged operations are on the small pool, and every other change to the
+        tables folds first (``_account``), so the small and the all column move by
+        the same deltas over the log and each peak is the start value plus the
+        highest prefix sum.
+        """
+        log, self._log = self._log, []
+        if len(log) >= _FOLD_NUMPY_MIN:
+            v = np.array(log, dtype=np.int64)
+            sign = np.sign(v)
+            n = np.abs(v) - 1
+            size = np.maximum(((n + 511) >> 9) << 9, ALIGNMENT)
+            deltas = ((_N_ALLOC, sign), (_B_ALLOC, sign * size), (_B_REQ, sign * n))
+            hits = int((sign > 0).sum())
+            for row, d in deltas:
+                traj = np.cumsum(d)
+                gained = int(d[d > 0].sum())
+                self._fold_row(row, int(traj[-1]), int(traj.max()), gained, gained - int(traj[-1]))
+        else:
+            hits = 0
+            rows = {_N_ALLOC: [0, 0, 0], _B_ALLOC: [0, 0, 0], _B_REQ: [0, 0, 0]}  # net, top, gained
+            for v in log:
+                if v > 0:
+                    n, sign = v - 1, 1
+                    hits += 1
+                else:
+                    n, sign = -v - 1, -1
+                for row, d in ((_N_ALLOC, sign), (_B_ALLOC, sign * (((n + 511) >> 9) << 9 or ALIGNMENT)), (_B_REQ, sign * n)):
+                    r = rows[row]
+                    r[0] += d
+                    if r[0] > r[1]:
+                        r[1] = r[0]
+                    if d > 0:
+                        r[2] += d
+            for row, (net, top, gained) in rows.items():
+                self._fold_row(row, net, top, gained, gained - net)
+        self._hits += hits
+
+    def _fold_row(self, row: int, net: int, top: int, gained: int, lost: int) -> None:
+        cur, peak = self._cur[row], self._peak[row]
+        for col in (SMALL, 2):
+            if cur[col] + top > peak[col]:
+                peak[col] = cur[col] + top
+            cur[col] += net
+        self._total_in[row][SMALL] += gained
+        self._total_in[row][2] += gained
+        self._total_out[row][SMALL] += lost
+        self._total_out[row][2] += lost
 
     # ------------------------------------------------------------------ streams
     def _settle_streams(self, wait: bool) -> int:
@@ -696,6 +894,8 @@ class Pool:
             m._leases += 1
             m.last_used = time.perf_counter_ns()
             ptr = m._block.addr
+        if self._moved_pending:
+            self._notify_moves()
         # Built outside the lock: if it fails, the lease dies and unpins at once.
         return self.device.as_array(ptr, shape_t, dt, _Lease(m))
 
@@ -748,54 +948,38 @@ class Pool:
             and self._fragmentation() > self.defrag_threshold
         )
 
-    def _compact_locked(self, max_bytes: int | None, max_moves: int | None, release: str) -> CompactionReport:
-        """Plan and carry out a compaction; ``release`` is "emptied" or "all" free segments."""
+    def _compact_locked(self, max_bytes: int | None, max_moves: int | None) -> CompactionReport:
+        """Plan and carry out a compaction, then give every wholly free segment back.
+
+        Releasing the segments that were already free (not only those compaction
+        emptied) is what makes reserved memory follow live memory when compaction is
+        on; a pool that wants a warm cache sets ``defrag_threshold=None``.
+        """
         t0 = time.perf_counter()
         frag0 = self._fragmentation()
         largest0 = max(h.largest_free() for h in self._heaps)
         reserved0 = self._cur[_B_RES][2]
         self._settle_streams(wait=True)
+        segments0 = self._cur[_N_SEG][2]
         moves = []
-        emptied = []
-        for kind, heap in enumerate(self._heaps):
-            mv, em = plan_compaction(heap, self._can_move, max_bytes, max_moves)
+        for heap in self._heaps:
+            mv, _ = plan_compaction(heap, self._can_move, max_bytes, max_moves)
             moves += mv
-            emptied += [(kind, seg) for seg in em]
             if max_bytes is not None:
                 max_bytes -= sum(x.nbytes for x in mv)
             if max_moves is not None:
                 max_moves -= len(mv)
-        if moves:
-            self.device.execute_moves(
-                np.fromiter((x.src for x in moves), np.int64, len(moves)),
-                np.fromiter((x.dst for x in moves), np.int64, len(moves)),
-                np.fromiter((x.nbytes for x in moves), np.int64, len(moves)),
-            )
-        moved = []
-        for x in moves:
-            m = x.block.payload()
-            m._block = x.block
-            m.generation += 1
-            moved.append((m, x.src, x.dst))
-            if self._observers:
-                self._emit("move", x.dst, x.nbytes, x.src)
-        if release == "all":
-            released = self._release_free_segments()
-        else:
-            released = 0
-            for kind, seg in emptied:
-                released += seg.size
-                self._drop_segment(kind, seg)
+        self._apply_moves(moves)
+        released = self._release_free_segments()
         self._compactions += 1
         nbytes = sum(x.nbytes for x in moves)
-        self._bytes_moved += nbytes
         self._compaction_stale = False
         if self._observers:
             self._emit("compact", 0, nbytes, len(moves))
         return CompactionReport(
             moves=len(moves),
             bytes_moved=nbytes,
-            segments_released=len(emptied) if release == "emptied" else None,
+            segments_released=segments0 - self._cur[_N_SEG][2],
             bytes_released=released,
             fragmentation_before=frag0,
             fragmentation_after=self._fragmentation(),
@@ -804,14 +988,36 @@ class Pool:
             reserved_before=reserved0,
             reserved_after=self._cur[_B_RES][2],
             seconds=time.perf_counter() - t0,
-            _moved=moved,
         )
 
-    def _notify_moves(self, report: CompactionReport) -> None:
-        """Run on_move callbacks outside the lock (they may use the pool)."""
-        for m, old, new in report._moved:
+    def _apply_moves(self, moves: list) -> None:
+        """Carry out planned moves on the device and point their Movables at the new blocks.
+
+        A block may move twice in one plan (slid, then evacuated); applying the moves
+        in order leaves each Movable on its last block.
+        """
+        if moves:
+            self.device.synchronize()
+            self.device.execute_moves(
+                np.fromiter((x.src for x in moves), np.int64, len(moves)),
+                np.fromiter((x.dst for x in moves), np.int64, len(moves)),
+                np.fromiter((x.nbytes for x in moves), np.int64, len(moves)),
+            )
+        for x in moves:
+            m = x.owner()
+            m._block = x.block
+            m.generation += 1
             if m.on_move is not None:
-                m.on_move(m, old, new)
+                self._moved_pending.append((m, x.src, x.dst))
+            if self._observers:
+                self._emit("move", x.dst, x.nbytes, x.src)
+        self._bytes_moved += sum(x.nbytes for x in moves)
+
+    def _notify_moves(self) -> None:
+        """Run queued on_move callbacks outside the lock (they may use the pool)."""
+        while self._moved_pending:
+            m, old, new = self._moved_pending.popleft()
+            m.on_move(m, old, new)
 
     def _unplace(self, m: Movable) -> np.ndarray:
         """Copy an unleased movable's bytes to the host and free its device block (spilling).
@@ -868,6 +1074,8 @@ class Pool:
 
     # -------------------------------------------------------------- bookkeeping
     def _account(self, kind: int, row: int, delta: int) -> None:
+        if self._log:
+            self._fold()
         cur = self._cur[row]
         cur[kind] += delta
         cur[2] += delta
@@ -927,7 +1135,7 @@ class CompactionReport:
 
     moves: int
     bytes_moved: int
-    segments_released: int | None
+    segments_released: int
     bytes_released: int
     fragmentation_before: float
     fragmentation_after: float
@@ -936,7 +1144,6 @@ class CompactionReport:
     reserved_before: int
     reserved_after: int
     seconds: float
-    _moved: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
 
 def _requested(b: Block) -> int:

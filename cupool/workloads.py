@@ -68,15 +68,19 @@ def weight_streaming(
     evict: int = 2,
     dtype: Any = np.float32,
     fill: bool = False,
+    movable: bool = False,
 ) -> list[Step]:
     """Stream layers of ``shapes`` through a FIFO cache of ``max_cached`` layers on ``pool``.
 
     Fragmentation is read after each step, as the source did.  With ``fill`` every
     layer is written (a stand-in for loading weights) and verified before it is
-    evicted, so data corruption in the pool would be caught.
+    evicted, so data corruption in the pool would be caught.  With ``movable`` the
+    layers live in movable buffers that are only viewed while being loaded or
+    checked, so the pool may compact them in between.
     """
     if not 1 <= evict <= max_cached:
         raise ValueError(f"evict must be in [1, max_cached], got {evict} with max_cached={max_cached}")
+    dt = np.dtype(dtype)
     cache: collections.deque = collections.deque()
     steps = []
     for i, shape in enumerate(shapes, 1):
@@ -84,13 +88,25 @@ def weight_streaming(
         if len(cache) >= max_cached:
             action = "evict + load"
             for _ in range(evict):
-                tag, arr = cache.popleft()
-                if fill and not bool((arr == tag).all()):
-                    raise AssertionError(f"layer {tag} was corrupted while cached")
-        arr = pool.empty(shape, dtype)
-        if fill:
-            arr[...] = i
-        cache.append((i, arr))
+                tag, layer = cache.popleft()
+                if fill:
+                    view = layer.array(shape=None, dtype=dt) if movable else layer
+                    if not bool((view == tag).all()):
+                        raise AssertionError(f"layer {tag} was corrupted while cached")
+                    del view
+                if movable:
+                    layer.free()
+                del layer
+        if movable:
+            layer = pool.movable(int(np.prod(shape)) * dt.itemsize)
+            if fill:
+                layer.array(shape, dt)[...] = i
+        else:
+            layer = pool.empty(shape, dt)
+            if fill:
+                layer[...] = i
+        cache.append((i, layer))
+        del layer
         s = pool.stats()
         steps.append(
             Step(
