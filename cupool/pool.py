@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import os
 import threading
 import time
 import weakref
@@ -33,6 +34,7 @@ from .compaction import plan as plan_compaction
 from .compaction import rehome
 from .heap import Block, Heap
 from .movable import Movable, _Lease
+from .scheduler import Scheduler
 from .tracking import Leak, SiteTracker, SiteUsage, collect
 
 log = logging.getLogger("cupool")
@@ -142,6 +144,10 @@ class Pool:
         fragmentation is above this, movable buffers are compacted first (None: never).
     track_sites: remember the allocating line and a short stack of each live
         allocation, for ``leaks()`` and ``largest_allocations()``.
+    spill: where unleased movable buffers go when memory runs short: None (never
+        spill), ``"host"`` (pinned host memory) or a path ending in .h5/.hdf5.
+    spill_policy: ``"lru"``, ``"fifo"`` or ``"adaptive"``: the order of the reclaim
+        ladder and of spill victims (see ``cupool.scheduler``).
     """
 
     def __init__(
@@ -154,6 +160,8 @@ class Pool:
         release_threshold: int | str | None = None,
         defrag_threshold: float | None = 0.3,
         track_sites: bool = False,
+        spill: str | os.PathLike | None = None,
+        spill_policy: str = "lru",
     ) -> None:
         dev = make_device(device, capacity)
         total = dev.total
@@ -238,6 +246,9 @@ class Pool:
         if not isinstance(track_sites, bool):
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
         self._sites = SiteTracker() if track_sites else None
+        # The scheduler orders the reclaim ladder per spill_policy and adds its spill step.
+        self.scheduler = Scheduler(self, spill, spill_policy)
+        self._ladder = self.scheduler
         if init:
             self._new_segment(LARGE, init, None, keep=True)
 
@@ -336,6 +347,8 @@ class Pool:
                 self._emit("alloc", block.addr, block.size, key)
         if self._moved_pending:
             self._notify_moves()
+        if self._sites is not None:
+            self._sites.add(m)
         return m
 
     def compact(self, max_bytes: int | str | None = None, max_moves: int | None = None) -> CompactionReport:
@@ -546,6 +559,21 @@ class Pool:
     def largest_allocations(self, n: int = 10) -> list[SiteUsage]:
         """The ``n`` allocating sites holding the most live bytes.  Needs ``Pool(track_sites=True)``."""
         return self._site_tracker("largest_allocations").largest(n)
+
+    def spill(self, nbytes: int | str | None = None) -> int:
+        """Take unleased movable buffers off the device now, first victims first per ``spill_policy``.
+
+        Spills until at least ``nbytes`` have left (None: every buffer that may) and
+        returns the bytes spilled; each buffer comes back on its next ``.array()``.
+        Needs ``Pool(spill=...)``; a tier that fails raises ``cupool.SpillError`` and
+        the buffer it was writing stays on the device.
+        """
+        n = None if nbytes is None else parse_size(nbytes, name="nbytes")
+        with self._lock:
+            self._drain()
+            done = self.scheduler.spill(n)
+        self._notify_moves()
+        return done
 
     def _site_tracker(self, caller: str) -> SiteTracker:
         if self._sites is None:
@@ -969,7 +997,9 @@ class Pool:
                 max_bytes -= sum(x.nbytes for x in mv)
             if max_moves is not None:
                 max_moves -= len(mv)
+        t_move = time.perf_counter()
         self._apply_moves(moves)
+        t_move = time.perf_counter() - t_move
         released = self._release_free_segments()
         self._compactions += 1
         nbytes = sum(x.nbytes for x in moves)
@@ -988,6 +1018,7 @@ class Pool:
             reserved_before=reserved0,
             reserved_after=self._cur[_B_RES][2],
             seconds=time.perf_counter() - t0,
+            move_seconds=t_move,
         )
 
     def _apply_moves(self, moves: list) -> None:
@@ -1019,16 +1050,18 @@ class Pool:
             m, old, new = self._moved_pending.popleft()
             m.on_move(m, old, new)
 
-    def _unplace(self, m: Movable) -> np.ndarray:
+    def _unplace(self, m: Movable, copy: bool = True) -> np.ndarray | None:
         """Copy an unleased movable's bytes to the host and free its device block (spilling).
 
         The caller holds the lock and stores the returned bytes somewhere ``m._spilled``
-        can load them from.
+        can load them from.  ``copy=False`` skips the copy (and returns None) for a
+        caller that saved the bytes itself: the spill tiers copy straight into their
+        own storage, before the block is freed, so that a failed spill loses nothing.
         """
         if m._leases or m._block is None:
             raise ValueError(f"{m!r} cannot leave the device (leased or already off it)")
         self.device.synchronize()
-        data = self.device.to_host(m._block.addr, m.size)
+        data = self.device.to_host(m._block.addr, m.size) if copy else None
         old = m._block.addr
         self._movables -= 1
         self._release(m)
@@ -1111,6 +1144,7 @@ class Pool:
             largest_free_block=max(h.largest_free() for h in self._heaps),
             fragmentation=self._fragmentation(),
             device=self.device.name,
+            reason=self.scheduler.oom_reason(),
         )
 
 
@@ -1143,7 +1177,8 @@ class CompactionReport:
     largest_free_block_after: int
     reserved_before: int
     reserved_after: int
-    seconds: float
+    seconds: float  # the whole compaction: planning, moving, releasing segments
+    move_seconds: float  # carrying out the moves on the device
 
 
 def _requested(b: Block) -> int:

@@ -1,0 +1,60 @@
+"""malloc+free cost on the sim device with 1k, 100k and 1M live blocks.
+
+Two loops per size: "pair" allocates and frees at once (the cache's best case);
+"churn" frees a random live block and allocates a random small size, so the heap
+keeps splitting and coalescing among N live blocks.  Medians of 5 repeats.
+The target (issue 2): cost flat in N, at most 1.5x from 1k to 100k.
+
+    python benchmarks/bench_pool.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import cupool
+
+
+def run(live: int, iters: int, repeats: int) -> tuple[float, float]:
+    pool = cupool.Pool("sim", capacity=max(64 << 20, live * 32768), defrag_threshold=None)
+    rng = np.random.default_rng(0)
+    sizes = rng.choice([256, 512, 1000, 4096, 20_000], size=live)
+    blocks = [pool.malloc(int(n)) for n in sizes]
+    pair, churn = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            pool.malloc(1000).free()
+        pair.append((time.perf_counter() - t0) / iters)
+        victims = rng.integers(0, live, size=iters)
+        new_sizes = rng.choice([256, 512, 1000, 4096, 20_000], size=iters)
+        t0 = time.perf_counter()
+        for v, n in zip(victims.tolist(), new_sizes.tolist()):
+            blocks[v].free()
+            blocks[v] = pool.malloc(n)
+        churn.append((time.perf_counter() - t0) / iters)
+    pool.check()
+    return statistics.median(pair), statistics.median(churn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="1k and 100k only")
+    args = ap.parse_args()
+    sizes = [1_000, 100_000] if args.quick else [1_000, 100_000, 1_000_000]
+    results = {}
+    print(f"{'live blocks':>12} {'pair (us)':>10} {'churn (us)':>11}")
+    for n in sizes:
+        results[n] = run(n, iters=20_000, repeats=5)
+        print(f"{n:>12,} {results[n][0] * 1e6:>10.2f} {results[n][1] * 1e6:>11.2f}")
+    base = results[1_000]
+    for n in sizes[1:]:
+        print(f"ratio {n:,}/1,000: pair {results[n][0] / base[0]:.2f}x, churn {results[n][1] / base[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
