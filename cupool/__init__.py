@@ -15,6 +15,12 @@ from .errors import (
     OutOfMemoryError,
 )
 from .pool import Allocation, Pool
+from .hooks import cupy_allocator, default_pool, install, uninstall, using
+from .pinned import PinnedPool
+from .batch import BatchSizer
+from .monitor import Alert, Monitor
+from .scheduler import Decision
+from .spill import SpillError
 
 try:
     __version__ = version("cupool")
@@ -22,15 +28,26 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 __all__ = [
+    "Alert",
     "Allocation",
+    "BatchSizer",
     "CudaDevice",
+    "Decision",
     "Device",
     "DoubleFreeError",
     "ForeignAllocationError",
     "InvalidFreeError",
+    "Monitor",
     "OutOfMemoryError",
     "Pool",
     "SimDevice",
+    "SpillError",
     "format_bytes",
     "parse_size",
+    "PinnedPool",
+    "cupy_allocator",
+    "default_pool",
+    "install",
+    "uninstall",
+    "using",
 ]

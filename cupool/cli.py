@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from . import workloads
+from . import streaming, workloads
 from ._units import format_bytes
 from .device import cuda_available
 from .pool import Pool
@@ -106,6 +106,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
               f"({peak_res / peak_live:.2f}x) {smallest:>22}")
     print("\n'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running "
           "out of memory, as a multiple of the live peak; 1.00x is what a perfect allocator needs.")
+
+    print("\nStreaming a synthetic HDF5 model (the ten layer shapes, three passes) through cupool.streaming.LayerCache")
+    print("under the source's four cache settings, cupool's figures beside the source's:")
+    print(streaming.format_table(streaming.settings_table(device=args.device, capacity=args.capacity)))
     return 0
 
 

@@ -1,8 +1,9 @@
 """Owner lifetimes and leak reports: who allocated what, and is it still alive.
 
 Every allocation the pool hands out already frees itself when its owner dies
-(``Allocation.__del__``; arrays from ``Pool.empty`` hold their ``Allocation`` as the
-memory's owner).  This module adds two things on top:
+(``Allocation.__del__``; arrays from ``Pool.empty`` and the CuPy and Numba hooks
+hold their ``Allocation`` as the memory's owner; a ``Movable`` frees itself when
+it and the arrays leasing it are gone).  This module adds two things on top:
 
 * ``collect(pool)`` runs Python's cycle collector, so owners caught in reference
   cycles die now rather than at the collector's leisure, and says how many bytes
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from .movable import Movable
+
 if TYPE_CHECKING:
     from .pool import Allocation, Pool
 
@@ -42,16 +45,18 @@ STACK_DEPTH = 8
 class Leak:
     """A live allocation as ``Pool.leaks()`` reports it."""
 
-    ptr: int
+    ptr: int | None  # None for a movable buffer that is spilled
     size: int  # bytes requested
     nbytes: int  # bytes of the block behind it
     stream: Any
     site: str  # "file:line" of the allocating call
     age: float  # seconds since it was allocated
     stack: tuple[str, ...]  # "file:line in function", innermost first
+    movable: bool = False
 
     def __str__(self) -> str:
-        lines = [f"{self.size} bytes at {self.ptr:#x}, alive {self.age:.1f} s, allocated at {self.site}"]
+        where = "spilled" if self.ptr is None else f"at {self.ptr:#x}"
+        lines = [f"{self.size} bytes {where}, alive {self.age:.1f} s, allocated at {self.site}"]
         lines += [f"    {frame}" for frame in self.stack]
         return "\n".join(lines)
 
@@ -76,11 +81,11 @@ class _Record:
 
 
 class SiteTracker:
-    """Allocating sites of a pool's live allocations, keyed by pointer, held weakly.
+    """Allocating sites of a pool's live allocations and movable buffers, held weakly.
 
-    A pointer has at most one unfreed allocation at a time, so keying by pointer
-    lets a newer allocation at a reused address replace a freed one that some
-    caller still references.
+    Keyed by object identity rather than pointer: a movable buffer changes address
+    when compacted or spilled.  An identity is reused only after its object died,
+    and the weak reference's callback has removed the entry by then.
     """
 
     def __init__(self, depth: int = STACK_DEPTH) -> None:
@@ -88,23 +93,23 @@ class SiteTracker:
         self._records: dict[int, _Record] = {}
         self._lock = threading.Lock()
 
-    def add(self, allocation: Allocation) -> None:
+    def add(self, allocation: Allocation | Movable) -> None:
         frames = _user_frames(sys._getframe(1), self._depth)
-        ptr = allocation.ptr
+        key = id(allocation)
         records = self._records
+        lock = self._lock
 
-        def forget(ref: weakref.ref, ptr: int = ptr) -> None:
-            # Runs when the allocation dies; a newer allocation may own ptr by now.
-            with self._lock:
-                rec = records.get(ptr)
+        def forget(ref: weakref.ref) -> None:
+            with lock:
+                rec = records.get(key)
                 if rec is not None and rec.ref is ref:
-                    del records[ptr]
+                    del records[key]
 
         rec = _Record(weakref.ref(allocation, forget), time.monotonic(), frames)
-        with self._lock:
-            records[ptr] = rec
+        with lock:
+            records[key] = rec
 
-    def live(self) -> list[tuple[Allocation, _Record]]:
+    def live(self) -> list[tuple[Allocation | Movable, _Record]]:
         with self._lock:
             recs = list(self._records.values())
         out = []
@@ -127,7 +132,10 @@ class SiteTracker:
             if older_than is not None and age < older_than:
                 continue
             out.append(
-                Leak(a.ptr, a.size, a.nbytes, a.stream, _site(rec.frames), age, tuple(_fmt(f) for f in rec.frames))
+                Leak(
+                    a.ptr, a.size, a.nbytes, a.stream, _site(rec.frames), age,
+                    tuple(_fmt(f) for f in rec.frames), isinstance(a, Movable),
+                )
             )
         out.sort(key=lambda leak: -leak.age)
         return out

@@ -1,0 +1,516 @@
+"""A numba-compiled twin of ``Pool`` + ``Heap`` + ``SimDevice`` for replaying traces fast.
+
+Replaying through the real ``Pool`` costs a few microseconds of Python per
+event; this engine runs the same placement policy in compiled code, so that
+long traces replay at millions of events per second.  It is not a second
+design: every rule below mirrors a line of ``pool.py``/``heap.py``/``device.py``,
+and ``tests/test_replay.py`` checks on hand-written and hypothesis-generated
+traces that both replays agree on peak reserved and allocated bytes, segment
+counts, OOMs and fragmentation.  Change the pool's policy and those tests tell
+you to change this file too.
+
+Mirrored rules (see the pool's docstring for why they are what they are):
+
+* requests round to 512 bytes (0 -> 512); <= 1 MiB goes to the small heap, whose
+  segments are 2 MiB; <= 10 MiB to 20 MiB segments; larger ones get their own,
+  rounded to 2 MiB; under a limit, first ``min(preferred, room)``, then just the
+  needed size when the device refuses;
+* best fit by ``(size, address)`` among free blocks tagged with the request's
+  stream or untagged (-1 here, ``None`` in the heap); split; coalesce with
+  address neighbours whose tags are equal or untagged, keeping the stricter tag;
+* streams on the sim device: an event recorded on a stream completes at once,
+  so a miss (when the heap has seen more than one tag) retags the free blocks
+  of streams with frees since the last settle; the reclaim ladder then waits
+  for all streams, then releases wholly free segments, then (gc) finds nothing;
+* the device hands out 2 MiB pages first fit in address order over a span of
+  twice its capacity, and refuses past its capacity.
+
+State lives in a handful of growable arrays so that a trace can be replayed in
+chunks (for a progress bar) without leaving compiled code per event.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.typed import Dict
+
+from .device import PAGE
+from .pool import ALIGNMENT, MEDIUM_MAX, MEDIUM_SEGMENT, SMALL_MAX, SMALL_SEGMENT
+
+# Block fields (rows of B).
+ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
+_NBF = 9
+# Segment fields (rows of S).
+S_ADDR, S_SIZE, S_USED, S_HEAD, S_KEEP, S_KIND, S_ALIVE = range(7)
+_NSF = 7
+# Scalars (entries of st).
+(NB, NFB, NS, NFS, NEXT_N, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG, PEAK_SEG, DEV_ALLOCS, OOMS,
+ RETRIES, UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, IMPLICIT, SAMPLES) = range(23)
+N_ST = 23
+# Configuration (entries of cfg).
+C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_INIT = range(5)
+
+
+# ---------------------------------------------------------------- blocks
+@njit(cache=True)
+def _new_block(B, FB, st, addr, size, seg, tag):
+    if st[NFB] > 0:
+        st[NFB] -= 1
+        b = FB[st[NFB]]
+    else:
+        b = st[NB]
+        st[NB] += 1
+    B[ADDR, b] = addr
+    B[SIZE, b] = size
+    B[PREV, b] = -1
+    B[NEXT, b] = -1
+    B[SEG, b] = seg
+    B[FREE, b] = 1
+    B[TAG, b] = tag
+    B[ALIVE, b] = 1
+    B[STREAM, b] = 0
+    return b
+
+
+@njit(cache=True)
+def _kill_block(B, FB, st, b):
+    B[ALIVE, b] = 0
+    FB[st[NFB]] = b
+    st[NFB] += 1
+
+
+# ------------------------------------------------------- the free index
+@njit(cache=True)
+def _lower_bound(IX, h, n, size, addr):
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        s = IX[h, 0, mid]
+        if s < size or (s == size and IX[h, 1, mid] < addr):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _ix_insert(B, IX, st, TG, h, b):
+    n = st[NIX0 + h]
+    size, addr = B[SIZE, b], B[ADDR, b]
+    i = _lower_bound(IX, h, n, size, addr)
+    for j in range(n, i, -1):
+        IX[h, 0, j] = IX[h, 0, j - 1]
+        IX[h, 1, j] = IX[h, 1, j - 1]
+        IX[h, 2, j] = IX[h, 2, j - 1]
+    IX[h, 0, i] = size
+    IX[h, 1, i] = addr
+    IX[h, 2, i] = b
+    st[NIX0 + h] = n + 1
+    t = B[TAG, b] + 1
+    TG[h, 0, t] += 1
+    if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
+        TG[h, 1, t] = 1
+        TG[h, 2, st[NORD0 + h]] = t - 1
+        st[NORD0 + h] += 1
+
+
+@njit(cache=True)
+def _ix_remove(B, IX, st, TG, h, b):
+    n = st[NIX0 + h]
+    i = _lower_bound(IX, h, n, B[SIZE, b], B[ADDR, b])
+    for j in range(i, n - 1):
+        IX[h, 0, j] = IX[h, 0, j + 1]
+        IX[h, 1, j] = IX[h, 1, j + 1]
+        IX[h, 2, j] = IX[h, 2, j + 1]
+    st[NIX0 + h] = n - 1
+    TG[h, 0, B[TAG, b] + 1] -= 1
+
+
+@njit(cache=True)
+def _find(B, IX, st, h, size, key):
+    n = st[NIX0 + h]
+    for j in range(_lower_bound(IX, h, n, size, 0), n):
+        t = B[TAG, IX[h, 2, j]]
+        if t == key or t == -1:
+            return IX[h, 2, j]
+    return -1
+
+
+# ------------------------------------------------- split and coalesce
+@njit(cache=True)
+def _mergeable(a, b):
+    return a == b or a == -1 or b == -1
+
+
+@njit(cache=True)
+def _coalesce(B, FB, IX, st, TG, h, b):
+    nxt = B[NEXT, b]
+    if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
+        _ix_remove(B, IX, st, TG, h, nxt)
+        if B[TAG, b] == -1:
+            B[TAG, b] = B[TAG, nxt]
+        B[SIZE, b] += B[SIZE, nxt]
+        B[NEXT, b] = B[NEXT, nxt]
+        if B[NEXT, nxt] >= 0:
+            B[PREV, B[NEXT, nxt]] = b
+        _kill_block(B, FB, st, nxt)
+    prv = B[PREV, b]
+    if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
+        _ix_remove(B, IX, st, TG, h, prv)
+        if B[TAG, prv] == -1:
+            B[TAG, prv] = B[TAG, b]
+        B[SIZE, prv] += B[SIZE, b]
+        B[NEXT, prv] = B[NEXT, b]
+        if B[NEXT, b] >= 0:
+            B[PREV, B[NEXT, b]] = prv
+        _kill_block(B, FB, st, b)
+        b = prv
+    _ix_insert(B, IX, st, TG, h, b)
+    return b
+
+
+@njit(cache=True)
+def _take(B, FB, S, IX, st, TG, h, b, size):
+    _ix_remove(B, IX, st, TG, h, b)
+    rest = B[SIZE, b] - size
+    if rest:
+        tail = _new_block(B, FB, st, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
+        B[PREV, tail] = b
+        B[NEXT, tail] = B[NEXT, b]
+        if B[NEXT, b] >= 0:
+            B[PREV, B[NEXT, b]] = tail
+        B[NEXT, b] = tail
+        B[SIZE, b] = size
+        _ix_insert(B, IX, st, TG, h, tail)
+    B[FREE, b] = 0
+    B[TAG, b] = -1
+    S[S_USED, B[SEG, b]] += size
+
+
+@njit(cache=True)
+def _give(B, FB, S, IX, st, TG, h, b, tag):
+    S[S_USED, B[SEG, b]] -= B[SIZE, b]
+    B[FREE, b] = 1
+    B[TAG, b] = tag
+    return _coalesce(B, FB, IX, st, TG, h, b)
+
+
+# --------------------------------------------------------------- streams
+@njit(cache=True)
+def _settle(B, FB, IX, st, TG, DT, wait):
+    """Pool._settle_streams on a sim device with no work in flight: events complete at once."""
+    moved = 0
+    for h in range(2):
+        tags = np.empty(st[NORD0 + h], np.int64)
+        nt = 0
+        for k in range(st[NORD0 + h]):
+            t = TG[h, 2, k]
+            if TG[h, 0, t + 1] > 0:
+                tags[nt] = t
+                nt += 1
+        for k in range(nt):
+            t = tags[k]
+            if t == -1:
+                continue
+            if not wait and DT[t] == 0:
+                continue
+            DT[t] = 0
+            n = st[NIX0 + h]
+            ids = np.empty(n, np.int64)
+            m = 0
+            for j in range(n):
+                if B[TAG, IX[h, 2, j]] == t:
+                    ids[m] = IX[h, 2, j]
+                    m += 1
+            for j in range(m):
+                b = ids[j]
+                if B[ALIVE, b] == 1 and B[FREE, b] == 1 and B[TAG, b] == t:
+                    moved += B[SIZE, b]
+                    _ix_remove(B, IX, st, TG, h, b)
+                    B[TAG, b] = -1
+                    _coalesce(B, FB, IX, st, TG, h, b)
+    return moved
+
+
+# ---------------------------------------------------------------- device
+@njit(cache=True)
+def _dev_malloc(EXT, st, cfg, nbytes):
+    size = -(-max(nbytes, 1) // PAGE) * PAGE
+    if st[DEV_USED] + size > cfg[C_CAPACITY]:
+        return -1
+    for i in range(st[NEXT_N]):
+        if EXT[1, i] >= size:
+            addr = EXT[0, i]
+            if EXT[1, i] > size:
+                EXT[0, i] += size
+                EXT[1, i] -= size
+            else:
+                for j in range(i, st[NEXT_N] - 1):
+                    EXT[0, j] = EXT[0, j + 1]
+                    EXT[1, j] = EXT[1, j + 1]
+                st[NEXT_N] -= 1
+            st[DEV_USED] += size
+            return addr
+    return -1
+
+
+@njit(cache=True)
+def _dev_free(EXT, st, ptr, size):
+    st[DEV_USED] -= size
+    n = st[NEXT_N]
+    i = 0
+    while i < n and EXT[0, i] < ptr:
+        i += 1
+    merge_next = i < n and EXT[0, i] == ptr + size
+    merge_prev = i > 0 and EXT[0, i - 1] + EXT[1, i - 1] == ptr
+    if merge_prev and merge_next:
+        EXT[1, i - 1] += size + EXT[1, i]
+        for j in range(i, n - 1):
+            EXT[0, j] = EXT[0, j + 1]
+            EXT[1, j] = EXT[1, j + 1]
+        st[NEXT_N] = n - 1
+    elif merge_prev:
+        EXT[1, i - 1] += size
+    elif merge_next:
+        EXT[0, i] = ptr
+        EXT[1, i] += size
+    else:
+        for j in range(n, i, -1):
+            EXT[0, j] = EXT[0, j - 1]
+            EXT[1, j] = EXT[1, j - 1]
+        EXT[0, i] = ptr
+        EXT[1, i] = size
+        st[NEXT_N] = n + 1
+
+
+# -------------------------------------------------------------- segments
+@njit(cache=True)
+def _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, nbytes, tag, keep):
+    nbytes = -(-nbytes // PAGE) * PAGE
+    addr = _dev_malloc(EXT, st, cfg, nbytes)
+    if addr < 0:
+        return -1
+    if st[NFS] > 0:
+        st[NFS] -= 1
+        s = FS[st[NFS]]
+    else:
+        s = st[NS]
+        st[NS] += 1
+    b = _new_block(B, FB, st, addr, nbytes, s, tag)
+    S[S_ADDR, s] = addr
+    S[S_SIZE, s] = nbytes
+    S[S_USED, s] = 0
+    S[S_HEAD, s] = b
+    S[S_KEEP, s] = keep
+    S[S_KIND, s] = h
+    S[S_ALIVE, s] = 1
+    _ix_insert(B, IX, st, TG, h, b)
+    st[DEV_ALLOCS] += 1
+    st[RES] += nbytes
+    st[NSEG] += 1
+    if st[RES] > st[PEAK_RES]:
+        st[PEAK_RES] = st[RES]
+    if st[NSEG] > st[PEAK_SEG]:
+        st[PEAK_SEG] = st[NSEG]
+    return b
+
+
+@njit(cache=True)
+def _drop_segment(B, FB, S, FS, IX, st, TG, EXT, s):
+    h = S[S_KIND, s]
+    b = S[S_HEAD, s]
+    while b >= 0:
+        nxt = B[NEXT, b]
+        _ix_remove(B, IX, st, TG, h, b)
+        _kill_block(B, FB, st, b)
+        b = nxt
+    _dev_free(EXT, st, S[S_ADDR, s], S[S_SIZE, s])
+    st[DEV_FREES] += 1
+    st[RES] -= S[S_SIZE, s]
+    st[NSEG] -= 1
+    S[S_ALIVE, s] = 0
+    FS[st[NFS]] = s
+    st[NFS] += 1
+
+
+@njit(cache=True)
+def _release_free_segments(B, FB, S, FS, IX, st, TG, EXT):
+    released = 0
+    for s in range(st[NS]):
+        if S[S_ALIVE, s] == 1 and S[S_USED, s] == 0 and S[S_KEEP, s] == 0:
+            released += S[S_SIZE, s]
+            _drop_segment(B, FB, S, FS, IX, st, TG, EXT, s)
+    return released
+
+
+@njit(cache=True)
+def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key):
+    room = (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE
+    minimum = -(-size // PAGE) * PAGE
+    if minimum > room:
+        return -1
+    if h == 0:
+        preferred = SMALL_SEGMENT
+    elif size <= MEDIUM_MAX:
+        preferred = MEDIUM_SEGMENT
+    else:
+        preferred = minimum
+    target = min(preferred, room)
+    b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, target, key, 0)
+    if b < 0 and target != minimum:
+        b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, minimum, key, 0)
+    return b
+
+
+@njit(cache=True)
+def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key):
+    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    h = 0 if size <= SMALL_MAX else 1
+    b = _find(B, IX, st, h, size, key)
+    if b < 0 and st[NORD0 + h] > 1:
+        _settle(B, FB, IX, st, TG, DT, False)
+        b = _find(B, IX, st, h, size, key)
+    if b < 0:
+        b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
+        if b < 0:
+            st[RETRIES] += 1
+            if _settle(B, FB, IX, st, TG, DT, True) > 0:
+                b = _find(B, IX, st, h, size, key)
+                if b < 0:
+                    b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
+            if b < 0 and _release_free_segments(B, FB, S, FS, IX, st, TG, EXT) > 0:
+                b = _find(B, IX, st, h, size, key)
+                if b < 0:
+                    b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
+            if b < 0:
+                st[OOMS] += 1
+                return -1
+    _take(B, FB, S, IX, st, TG, h, b, size)
+    B[STREAM, b] = key
+    st[ALLOC] += size
+    if st[ALLOC] > st[PEAK_ALLOC]:
+        st[PEAK_ALLOC] = st[ALLOC]
+    return b
+
+
+@njit(cache=True)
+def _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b):
+    s = B[SEG, b]
+    h = S[S_KIND, s]
+    key = B[STREAM, b]
+    st[ALLOC] -= B[SIZE, b]
+    DT[key] = 1
+    merged = _give(B, FB, S, IX, st, TG, h, b, key)
+    if cfg[C_THRESHOLD] >= 0:
+        s = B[SEG, merged]
+        if S[S_USED, s] == 0 and S[S_KEEP, s] == 0 and st[RES] > cfg[C_THRESHOLD]:
+            _drop_segment(B, FB, S, FS, IX, st, TG, EXT, s)
+
+
+# ----------------------------------------------------------------- state
+def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, initial: int) -> dict:
+    """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release)."""
+    cap = 1024
+    st = np.zeros(N_ST, np.int64)
+    cfg = np.array([capacity, capacity * 2, limit, -1 if threshold is None else threshold, initial], np.int64)
+    ext = np.zeros((2, cap + 2), np.int64)
+    ext[1, 0] = cfg[C_SPAN]
+    st[NEXT_N] = 1
+    state = {
+        "st": st,
+        "fst": np.zeros(2, np.float64),  # fragmentation: sum, max
+        "cfg": cfg,
+        "B": np.zeros((_NBF, cap), np.int64),
+        "FB": np.zeros(cap, np.int64),
+        "S": np.zeros((_NSF, cap), np.int64),
+        "FS": np.zeros(cap, np.int64),
+        "IX": np.zeros((2, 3, cap), np.int64),
+        "TG": np.zeros((2, 3, n_streams + 1), np.int64),
+        "DT": np.zeros(n_streams + 1, np.int64),
+        "EXT": ext,
+        "live": Dict.empty(types.int64, types.int64),
+    }
+    if initial:
+        b = _new_segment(state["B"], state["FB"], state["S"], state["FS"], state["IX"], st, state["TG"],
+                         ext, cfg, 1, initial, -1, 1)
+        if b < 0:
+            raise ValueError(f"initial_size {initial} does not fit the sim device")
+    return state
+
+
+@njit(cache=True)
+def _grown1(a, n):
+    out = np.zeros(n, a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+@njit(cache=True)
+def _grown2(a, n):
+    out = np.zeros((a.shape[0], n), a.dtype)
+    out[:, : a.shape[1]] = a
+    return out
+
+
+@njit(cache=True)
+def _grown3(a, n):
+    out = np.zeros((a.shape[0], a.shape[1], n), a.dtype)
+    out[:, :, : a.shape[2]] = a
+    return out
+
+
+@njit(cache=True)
+def run(kind, addr, size, stream, lo, hi, alloc_code, free_code, oom_code, st, fst, cfg,
+        B, FB, S, FS, IX, TG, DT, EXT, live, tl_res, tl_alloc):
+    """Replay events [lo, hi); returns the (possibly regrown) arrays B, FB, S, FS, IX, EXT.
+
+    ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
+    they are as long as the trace (pass empty arrays otherwise).
+    """
+    timeline = tl_res.shape[0] >= hi
+    for i in range(lo, hi):
+        if st[NB] + 4 > B.shape[1]:
+            B = _grown2(B, 2 * B.shape[1])
+            FB = _grown1(FB, 2 * FB.shape[0])
+        if st[NIX0] + 4 > IX.shape[2] or st[NIX1] + 4 > IX.shape[2]:
+            IX = _grown3(IX, 2 * IX.shape[2])
+        if st[NS] + 2 > S.shape[1]:
+            S = _grown2(S, 2 * S.shape[1])
+            FS = _grown1(FS, 2 * FS.shape[0])
+            EXT = _grown2(EXT, S.shape[1] + 2)
+        k = kind[i]
+        if k == alloc_code or k == free_code:
+            a = addr[i]
+            if a in live:
+                b = live[a]
+                del live[a]
+                _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b)
+                if k == alloc_code:
+                    st[IMPLICIT] += 1
+            elif k == free_code:
+                st[UNMATCHED] += 1
+            if k == alloc_code:
+                b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i])
+                if b >= 0:
+                    live[a] = b
+        elif k == oom_code:
+            # The recorded run asked and was refused: ask too (the ladder's side effects
+            # shape what follows), and give back at once what a roomier pool hands out.
+            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i])
+            if b >= 0:
+                _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b)
+        else:
+            if timeline:
+                tl_res[i] = st[RES]
+                tl_alloc[i] = st[ALLOC]
+            continue
+        frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
+        fst[0] += frag
+        if frag > fst[1]:
+            fst[1] = frag
+        st[SAMPLES] += 1
+        if timeline:
+            tl_res[i] = st[RES]
+            tl_alloc[i] = st[ALLOC]
+    return B, FB, S, FS, IX, EXT

@@ -1,0 +1,82 @@
+"""``CUPOOL_CONF``: how the default pool is configured without touching code.
+
+In the spirit of ``PYTORCH_CUDA_ALLOC_CONF``: comma-separated ``key=value``
+pairs, e.g. ``CUPOOL_CONF="max_size=80%,initial_size=2GB"``.  The keys are the
+keyword arguments of ``Pool``.  A typo must not silently give a pool with the
+defaults, so an unknown key, a repeated key or an unreadable value is an error
+that names the variable, the entry and what would have been accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ._units import parse_size
+
+ENV_VAR = "CUPOOL_CONF"
+
+
+def _size(key: str, value: str) -> str:
+    # Percentages need the device's total, known only once the pool exists, so the
+    # syntax is checked here against a stand-in total and the text is kept.
+    parse_size(value, total=100, name=key)
+    return value
+
+
+def _fraction(key: str, value: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        raise ValueError(f"{key}: {value!r} is not a number (try 0.8)") from None
+    if not 0 < f <= 1:
+        raise ValueError(f"{key}: must be in (0, 1], got {value}")
+    return f
+
+
+def _device(key: str, value: str) -> str:
+    v = value.strip().lower()
+    if v not in ("auto", "sim", "cuda"):
+        raise ValueError(f"{key}: must be auto, sim or cuda, got {value!r} (the device index follows the current device)")
+    return v
+
+
+_KEYS: dict[str, Callable[[str, str], Any]] = {
+    "device": _device,
+    "capacity": _size,
+    "initial_size": _size,
+    "max_size": _size,
+    "memory_fraction": _fraction,
+    "release_threshold": _size,
+}
+
+
+def parse_conf(text: str) -> dict[str, Any]:
+    """Keyword arguments for ``Pool`` from a ``CUPOOL_CONF`` string."""
+    if not isinstance(text, str):
+        raise TypeError(f"{ENV_VAR} must be a string, got {type(text).__name__}")
+    out: dict[str, Any] = {}
+    for entry in text.split(","):
+        if not entry.strip():
+            continue
+        key, sep, value = entry.partition("=")
+        key = key.strip().lower()
+        if not sep or not value.strip():
+            raise ValueError(f"{ENV_VAR}: entry {entry.strip()!r} is not key=value")
+        if key not in _KEYS:
+            raise ValueError(
+                f"{ENV_VAR}: unknown key {key!r} in {entry.strip()!r} (known keys: {', '.join(sorted(_KEYS))})"
+            )
+        if key in out:
+            raise ValueError(f"{ENV_VAR}: key {key!r} is given twice")
+        try:
+            out[key] = _KEYS[key](key, value.strip())
+        except ValueError as e:
+            raise ValueError(f"{ENV_VAR}: {e}") from None
+    return out
+
+
+def env_conf() -> dict[str, Any]:
+    """The parsed ``CUPOOL_CONF`` of this process (empty when unset)."""
+    return parse_conf(os.environ.get(ENV_VAR, ""))

@@ -1,0 +1,249 @@
+"""Alerts before trouble comes: memory usage and fragmentation thresholds.
+
+``Monitor`` watches a pool through ``Pool.subscribe`` and raises an alert when a
+figure *crosses* a threshold, not on every event while it stays above one; the
+alert re-arms once the figure falls back below the threshold minus a small
+hysteresis, so a pool hovering at a threshold does not flood the log.
+
+* **Usage** is reserved / limit: the share of the memory the pool may take that
+  it has taken from the device.  Reserved, not allocated, because reserved bytes
+  are what the device (and every other library on it) has lost, and because the
+  pool runs out when *reserved* reaches the limit and it cannot grow.  Defaults:
+  warning at 0.8, critical at 0.9.
+* **Fragmentation** is (reserved - allocated) / reserved, alert at 0.30, and its
+  severity band is reported: good < 0.15 <= moderate < 0.30 <= serious < 0.40 <=
+  severe.  A pool holding little memory is all "fragmentation" by that ratio, so
+  ``min_reserved`` can keep small pools from alerting.
+
+The subscription callback runs under the pool's lock, so it only does
+arithmetic on the pool's counters.  Alerts are handed to a dispatcher thread that
+logs them (logger ``"cupool"``) and calls the user's callbacks outside the lock,
+where a callback may safely call into the pool; ``flush()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._units import format_bytes, parse_size
+from .pool import _B_ALLOC, _B_RES, Pool
+
+log = logging.getLogger("cupool")
+
+#: Upper bounds of the fragmentation severity bands (the last band is open).
+SEVERITY_BANDS = ((0.15, "good"), (0.30, "moderate"), (0.40, "serious"))
+
+_LEVELS = ("ok", "warning", "critical")
+_LOG_LEVEL = {"ok": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
+
+
+def severity(fragmentation: float) -> str:
+    """The severity band of a fragmentation ratio: good, moderate, serious or severe."""
+    for bound, name in SEVERITY_BANDS:
+        if fragmentation < bound:
+            return name
+    return "severe"
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One threshold crossing.
+
+    ``level`` is ``"warning"`` or ``"critical"`` when a figure rises past a
+    threshold, and ``"ok"`` when it has fallen back below the lowest one.
+    """
+
+    metric: str  # "usage" or "fragmentation"
+    level: str
+    value: float
+    threshold: float
+    severity: str  # fragmentation band of the pool at the time
+    reserved: int
+    allocated: int
+    limit: int
+    t_ns: int
+
+    @property
+    def message(self) -> str:
+        figures = (
+            f"reserved {format_bytes(self.reserved)} of {format_bytes(self.limit)}, "
+            f"allocated {format_bytes(self.allocated)}"
+        )
+        if self.level == "ok":
+            return f"cupool: {self.metric} back to {self.value:.3f}, below {self.threshold:.2f} ({figures})"
+        extra = f", {self.severity}" if self.metric == "fragmentation" else ""
+        return (
+            f"cupool: {self.level}: {self.metric} {self.value:.3f} passed {self.threshold:.2f}{extra} ({figures})"
+        )
+
+
+class _Gauge:
+    """Crossing detection for one figure with ascending thresholds."""
+
+    __slots__ = ("metric", "thresholds", "hysteresis", "level")
+
+    def __init__(self, metric: str, thresholds: tuple[float, ...], hysteresis: float) -> None:
+        self.metric = metric
+        self.thresholds = thresholds
+        self.hysteresis = hysteresis
+        self.level = 0
+
+    def update(self, value: float) -> tuple[str, float] | None:
+        """The (level, threshold) to report if ``value`` changed the gauge's state, else None."""
+        raised = 0
+        for i, t in enumerate(self.thresholds, 1):
+            if value >= t:
+                raised = i
+        if raised > self.level:
+            self.level = raised
+            return _LEVELS[raised], self.thresholds[raised - 1]
+        was = self.level
+        while self.level and value < self.thresholds[self.level - 1] - self.hysteresis:
+            self.level -= 1
+        if was and not self.level:
+            return "ok", self.thresholds[0]
+        return None
+
+
+class Monitor:
+    """Threshold alerts for a pool, delivered to callbacks and the ``cupool`` logger.
+
+    Use as a context manager, or call ``close()``: the monitor stays subscribed
+    to the pool (and its dispatcher thread alive) until then.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        callbacks: Callable[[Alert], Any] | list[Callable[[Alert], Any]] | None = None,
+        usage_warning: float = 0.8,
+        usage_critical: float = 0.9,
+        fragmentation: float = 0.30,
+        hysteresis: float = 0.05,
+        min_reserved: int | str = 0,
+        history: int = 1000,
+    ) -> None:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"Monitor watches a cupool.Pool, got {type(pool).__name__}")
+        for name, v in (
+            ("usage_warning", usage_warning),
+            ("usage_critical", usage_critical),
+            ("fragmentation", fragmentation),
+        ):
+            _check_fraction(name, v, low_open=True)
+        _check_fraction("hysteresis", hysteresis, low_open=False)
+        if usage_critical < usage_warning:
+            raise ValueError(
+                f"usage_critical ({usage_critical}) must not be below usage_warning ({usage_warning})"
+            )
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be a positive int, got {history!r}")
+        cbs = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        for cb in cbs:
+            if not callable(cb):
+                raise TypeError(f"callbacks must be callables, got {cb!r}")
+        self.pool = pool
+        self.min_reserved = parse_size(min_reserved, pool.limit, "min_reserved")
+        self._usage = _Gauge("usage", (usage_warning, usage_critical), hysteresis)
+        self._frag = _Gauge("fragmentation", (fragmentation,), hysteresis)
+        self._callbacks = cbs
+        self.alerts: collections.deque[Alert] = collections.deque(maxlen=history)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._dispatch, name="cupool-monitor", daemon=True)
+        self._thread.start()
+        self._unsubscribe = pool.subscribe(self._on_event)
+        with pool._lock:
+            self._evaluate(consistent=True)
+
+    # ----------------------------------------------------------------- public
+    def add_callback(self, callback: Callable[[Alert], Any]) -> None:
+        if not callable(callback):
+            raise TypeError(f"add_callback() takes a callable, got {callback!r}")
+        self._callbacks.append(callback)
+
+    @property
+    def usage_level(self) -> str:
+        """The usage gauge's state: ok, warning or critical."""
+        return _LEVELS[self._usage.level]
+
+    @property
+    def fragmentation_level(self) -> str:
+        """The fragmentation gauge's state: ok or warning."""
+        return _LEVELS[self._frag.level]
+
+    def flush(self, timeout: float | None = 10.0) -> None:
+        """Wait until every alert raised so far has been logged and passed to the callbacks."""
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout):
+            raise TimeoutError("cupool monitor: alert callbacks did not finish in time")
+
+    def close(self) -> None:
+        """Unsubscribe from the pool, deliver pending alerts and stop the dispatcher."""
+        if self._thread.is_alive():
+            self._unsubscribe()
+            self._queue.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+    def _on_event(self, event: tuple) -> None:
+        # Under the pool's lock.  A segment_alloc comes before its block is taken,
+        # when the books show fresh reserved bytes not yet allocated: fragmentation
+        # would read a spike that no caller ever sees.
+        self._evaluate(consistent=event[1] != "segment_alloc")
+
+    def _evaluate(self, consistent: bool) -> None:
+        pool = self.pool
+        reserved = pool._cur[_B_RES][2]
+        allocated = pool._cur[_B_ALLOC][2]
+        usage = reserved / pool.limit if pool.limit else 0.0
+        frag = (reserved - allocated) / reserved if reserved else 0.0
+        crossings = [(self._usage, usage)]
+        if consistent:
+            crossings.append((self._frag, frag if reserved >= self.min_reserved else 0.0))
+        for gauge, value in crossings:
+            change = gauge.update(value)
+            if change is not None:
+                level, threshold = change
+                alert = Alert(
+                    gauge.metric, level, value, threshold, severity(frag), reserved, allocated, pool.limit,
+                    time.perf_counter_ns(),
+                )
+                self.alerts.append(alert)
+                self._queue.put(alert)
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            log.log(_LOG_LEVEL[item.level], item.message)
+            for cb in list(self._callbacks):
+                try:
+                    cb(item)
+                except Exception:  # a broken callback must not silence the others
+                    log.exception("cupool monitor: alert callback %r raised", cb)
+
+
+def _check_fraction(name: str, value: object, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (0 < value <= 1 if low_open else 0 <= value < 1):
+        span = "(0, 1]" if low_open else "[0, 1)"
+        raise ValueError(f"{name} must be in {span}, got {value}")

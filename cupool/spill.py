@@ -1,0 +1,260 @@
+"""Spill tiers: where a movable buffer's bytes wait while it is off the device.
+
+A tier's ``store(device, ptr, nbytes)`` copies device bytes into its own storage
+and returns a handle with ``load() -> np.ndarray`` (uint8) and ``discard()``: the
+protocol ``Movable`` keeps in ``_spilled`` and ``Pool._restore`` uses.  ``store``
+runs *before* the device block is freed, so when it fails (an unwritable path, a
+full disk, no host memory) nothing is lost: the buffer simply stays where it was.
+
+* ``HostTier`` keeps the bytes in host memory: page-locked buffers from a
+  ``PinnedPool`` (copies to and from the GPU run at full DMA speed and the pool
+  caches the slow cudaHostAlloc calls), or ordinary numpy memory when the pinned
+  pool is full.
+* ``HDF5Tier`` writes chunked datasets through h5py with a configured chunk cache,
+  for working sets larger than host memory.  It creates its file on first use,
+  marks it as a cupool spill file, refuses to overwrite any other file, and
+  deletes it when the tier is collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._units import format_bytes, parse_size
+from .device import CudaDevice, Device, SimDevice
+from .errors import OutOfMemoryError
+
+log = logging.getLogger("cupool")
+
+#: Attribute that marks a file as one cupool created for spilling (and may overwrite).
+_MARK = "cupool_spill_file"
+
+
+class SpillError(Exception):
+    """A tier could not take a buffer's bytes; the buffer is still on the device."""
+
+
+def _copy_out(device: Device, ptr: int, out: np.ndarray) -> None:
+    """Device bytes into a host buffer the caller owns, without an intermediate copy."""
+    if isinstance(device, SimDevice):
+        np.copyto(out, device.bytes_at(ptr, out.nbytes))
+    elif isinstance(device, CudaDevice):
+        device.synchronize()
+        rt = device._rt
+        with device._dev:
+            rt.memcpy(out.ctypes.data, ptr, out.nbytes, rt.memcpyDeviceToHost)
+    else:
+        np.copyto(out, device.to_host(ptr, out.nbytes))
+
+
+def _host_bytes(device: Device, ptr: int, nbytes: int) -> np.ndarray:
+    """Device bytes readable from the host: a view on the sim device, a copy otherwise."""
+    if isinstance(device, SimDevice):
+        return device.bytes_at(ptr, nbytes)
+    return device.to_host(ptr, nbytes)
+
+
+# ---------------------------------------------------------------------- host
+class _HostHandle:
+    __slots__ = ("_data", "_owner", "_tier")
+
+    def __init__(self, data: np.ndarray, owner: Any, tier: HostTier) -> None:
+        self._data = data
+        self._owner = owner  # the pinned allocation behind data, if any
+        self._tier = tier
+
+    def load(self) -> np.ndarray:
+        return self._data
+
+    def discard(self) -> None:
+        # Dropping the references frees the pinned block through its finalizer, which
+        # is safe from any context (discard may run inside a finalizer itself).
+        if self._owner is not None:
+            self._tier._pinned_held -= self._owner.nbytes
+        self._data = None
+        self._owner = None
+
+
+class HostTier:
+    """Spill to host memory: pinned when ``pinned`` (a ``PinnedPool``) has room, else pageable."""
+
+    name = "host"
+
+    def __init__(self, pinned: Any = None) -> None:
+        self.pinned = pinned
+        self.bytes_stored = 0
+        # Pinned bytes this tier holds.  The pinned pool is the tier's alone, so this
+        # tells when a request cannot fit without asking, and running, the pinned
+        # pool's reclaim ladder (whose gc.collect would cost more than the copy).
+        self._pinned_held = 0
+
+    def store(self, device: Device, ptr: int, nbytes: int) -> _HostHandle:
+        owner = None
+        data = None
+        if self.pinned is not None and nbytes and self._pinned_held + nbytes <= self.pinned.limit:
+            try:
+                owner = self.pinned.malloc(nbytes)
+            except OutOfMemoryError:
+                log.debug("cupool spill: pinned pool full, spilling %s to pageable memory", format_bytes(nbytes))
+            else:
+                self._pinned_held += owner.nbytes
+                data = self.pinned.device.as_array(owner.ptr, (nbytes,), np.dtype(np.uint8), owner)
+        try:
+            if data is None:
+                data = np.empty(nbytes, dtype=np.uint8)
+            _copy_out(device, ptr, data)
+        except MemoryError as e:
+            if owner is not None:
+                self._pinned_held -= owner.nbytes
+                owner.free()
+            raise SpillError(f"no host memory for {format_bytes(nbytes)}: {e}") from e
+        self.bytes_stored += nbytes
+        return _HostHandle(data, owner, self)
+
+    def describe(self) -> str:
+        return "host memory (pinned pool)" if self.pinned is not None else "host memory"
+
+
+# ---------------------------------------------------------------------- HDF5
+class _H5Handle:
+    __slots__ = ("_tier", "_name", "_nbytes")
+
+    def __init__(self, tier: HDF5Tier, name: str, nbytes: int) -> None:
+        self._tier = tier
+        self._name = name
+        self._nbytes = nbytes
+
+    def load(self) -> np.ndarray:
+        out = np.empty(self._nbytes, dtype=np.uint8)
+        if self._nbytes:
+            self._tier._file[self._name].read_direct(out)
+        return out
+
+    def discard(self) -> None:
+        if self._name is not None:
+            self._tier._delete(self._name)
+            self._name = None
+
+
+class HDF5Tier:
+    """Spill to chunked HDF5 datasets, one per spilled buffer.
+
+    ``chunk_bytes`` bounds each dataset's chunks (HDF5 reads and writes whole
+    chunks, and the chunk cache works in them); ``rdcc_nbytes`` sizes h5py's chunk
+    cache.  Discarded datasets are unlinked; HDF5 reuses their space for later
+    spills while the file stays open.
+    """
+
+    name = "hdf5"
+
+    def __init__(self, path: str | os.PathLike, chunk_bytes: int | str = "4MiB", rdcc_nbytes: int | str = "64MiB") -> None:
+        self.path = Path(path)
+        self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
+        self.rdcc_nbytes = parse_size(rdcc_nbytes, name="rdcc_nbytes")
+        if self.chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be at least 1 byte")
+        self._file: Any = None
+        self._names = itertools.count()
+        self.bytes_stored = 0
+
+    def store(self, device: Device, ptr: int, nbytes: int) -> _H5Handle:
+        f = self._open()
+        name = f"b{next(self._names)}"
+        try:
+            if nbytes:
+                ds = f.create_dataset(name, shape=(nbytes,), dtype=np.uint8, chunks=(min(nbytes, self.chunk_bytes),))
+                ds.write_direct(np.ascontiguousarray(_host_bytes(device, ptr, nbytes)))
+            else:
+                f.create_dataset(name, shape=(0,), dtype=np.uint8)
+            f.flush()
+        except (OSError, ValueError, RuntimeError) as e:
+            if name in f:
+                self._delete(name)
+            raise SpillError(f"writing {format_bytes(nbytes)} to {self.path} failed: {e}") from e
+        self.bytes_stored += nbytes
+        return _H5Handle(self, name, nbytes)
+
+    def describe(self) -> str:
+        return f"HDF5 file {self.path}"
+
+    def _open(self) -> Any:
+        if self._file is not None:
+            return self._file
+        import h5py
+
+        try:
+            if self.path.exists():
+                with h5py.File(self.path, "r") as old:
+                    ours = bool(old.attrs.get(_MARK, False))
+                if not ours:
+                    raise SpillError(f"{self.path} exists and is not a cupool spill file; refusing to overwrite it")
+            f = h5py.File(self.path, "w", rdcc_nbytes=self.rdcc_nbytes, rdcc_nslots=_nslots(self.rdcc_nbytes, self.chunk_bytes))
+            f.attrs[_MARK] = True
+        except SpillError:
+            raise
+        except OSError as e:
+            raise SpillError(f"cannot create the spill file {self.path}: {e}") from e
+        self._file = f
+        weakref.finalize(self, _close_and_remove, f, self.path)
+        return f
+
+    def _delete(self, name: str) -> None:
+        f = self._file
+        if f is None or not f.id.valid:
+            return  # closed at interpreter exit, and the file removed with it
+        try:
+            del self._file[name]
+        except (KeyError, OSError, ValueError) as e:  # the bytes are gone either way; only space is lost
+            log.warning("cupool spill: could not delete dataset %s from %s: %s", name, self.path, e)
+
+
+def _nslots(cache_bytes: int, chunk_bytes: int) -> int:
+    """A prime near 100 slots per chunk that fits in the cache, as the HDF5 docs advise."""
+    n = max(101, 100 * max(1, cache_bytes // max(1, chunk_bytes)))
+    while any(n % p == 0 for p in range(2, int(n**0.5) + 1)):
+        n += 1
+    return n
+
+
+def _close_and_remove(f: Any, path: Path) -> None:
+    try:
+        f.close()
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def make_tier(spill: Any, device: Device) -> HostTier | HDF5Tier | None:
+    """Resolve ``Pool(spill=...)``: None, "host" or a path ending in .h5 / .hdf5."""
+    if spill is None:
+        return None
+    if isinstance(spill, str) and spill == "host":
+        return HostTier(_pinned_pool_for(device))
+    if isinstance(spill, (str, os.PathLike)):
+        path = Path(spill)
+        if path.suffix.lower() not in (".h5", ".hdf5"):
+            raise ValueError(f"spill must be None, 'host' or a path ending in .h5 or .hdf5, got {spill!r}")
+        return HDF5Tier(path)
+    raise TypeError(f"spill must be None, 'host' or a path ending in .h5 or .hdf5, got {spill!r}")
+
+
+def _pinned_pool_for(device: Device) -> Any:
+    """A pinned pool beside ``device`` (None where cupool has no pinned pool)."""
+    try:
+        from .pinned import PinnedPool
+    except ImportError:
+        return None
+    if isinstance(device, CudaDevice):
+        return PinnedPool(f"cuda:{device.index}")
+    # On the sim device "pinned" memory is another host arena; sized like the device,
+    # with spills beyond it going to pageable memory.  NORESERVE: free until written.
+    return PinnedPool("sim", capacity=device.total)

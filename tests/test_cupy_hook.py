@@ -1,0 +1,294 @@
+"""CuPy on cupool without a GPU: CuPy builds ndarrays on a custom allocator's memory as long as no kernel runs."""
+
+import threading
+
+import cupy
+import numpy as np
+import pytest
+
+import cupool
+from cupool import hooks
+from cupool.config import parse_conf
+from cupool.device import SimDevice
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def clean_hooks(monkeypatch):
+    """Every test starts uninstalled, with no default pools and CuPy's own allocator."""
+    before = cupy.cuda.get_allocator()
+    monkeypatch.setattr(hooks, "_default_pools", {})
+    monkeypatch.delenv("CUPOOL_CONF", raising=False)
+    yield
+    if hooks.installed():
+        cupool.uninstall()
+    cupy.cuda.set_allocator(before)
+
+
+def live(pool):
+    return pool.stats()["allocation.all.current"]
+
+
+def spans_of(arrays):
+    return sorted((a.data.ptr, a.nbytes) for a in arrays)
+
+
+def test_arrays_come_from_the_pool_do_not_overlap_and_return(pool):
+    with cupool.using(pool):
+        xs = [cupy.empty((n,), np.float32) for n in (256, 1, 1000, 300_000, 3 * MiB // 4)]
+    lo, hi = pool.device.base, pool.device.base + 2 * pool.device.capacity
+    spans = spans_of(xs)
+    assert all(lo <= p < hi and p % 512 == 0 for p, _ in spans)
+    for (p0, n0), (p1, _) in zip(spans, spans[1:]):
+        assert p0 + n0 <= p1
+    s = pool.stats()
+    assert s["allocation.all.current"] == 5
+    assert s["requested_bytes.all.current"] == sum(x.nbytes for x in xs)
+    view = xs[2][10:20]
+    del xs
+    assert live(pool) == 1  # the view keeps its base's memory
+    del view
+    assert live(pool) == 0
+    pool.check()
+
+
+def test_memory_is_really_the_pools(pool):
+    with cupool.using(pool):
+        x = cupy.empty((64,), np.int32)
+    pool.device.bytes_at(x.data.ptr, 256)[:] = 7
+    assert x.data.ptr in [b["address"] for seg in pool.snapshot()["segments"] for b in seg["blocks"]]
+    assert (pool.device.bytes_at(x.data.ptr, 256) == 7).all()
+
+
+def test_using_nests_restores_and_routes_by_innermost(pool):
+    other = cupool.Pool("sim", capacity="16MiB")
+    outer_alloc = cupy.cuda.get_allocator()
+    with cupool.using(pool):
+        a = cupy.empty(10)
+        with cupool.using(other):
+            b = cupy.empty(10)
+            assert hooks.current_pool() is other
+        c = cupy.empty(10)
+        assert hooks.current_pool() is pool
+    assert cupy.cuda.get_allocator() is outer_alloc
+    assert live(pool) == 2 and live(other) == 1
+    del a, b, c
+
+
+def test_using_restores_after_an_exception(pool):
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(KeyError):
+        with cupool.using(pool):
+            raise KeyError("boom")
+    assert cupy.cuda.get_allocator() is before
+    assert not getattr(hooks._local, "pools", [])
+
+
+def test_using_is_thread_local(pool):
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other_thread():
+        inside.wait()
+        seen["alloc"] = cupy.cuda.get_allocator()
+        done.set()
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    with cupool.using(pool):
+        mine = cupy.cuda.get_allocator()
+        inside.set()
+        done.wait(10)
+    t.join()
+    assert seen["alloc"] is not mine
+    assert live(pool) == 0
+
+
+def test_install_routes_everywhere_and_uninstall_restores(pool):
+    before = cupy.cuda.get_allocator()
+    assert cupool.install(pool) is pool
+    assert hooks.current_pool() is pool
+    got = {}
+
+    def worker():
+        got["x"] = cupy.empty(100)  # process-wide: other threads too
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert live(pool) == 1
+    from numba.cuda.cudadrv import driver
+
+    from cupool.numba import CupoolMemoryManager
+
+    assert driver._memory_manager is CupoolMemoryManager
+    cupool.uninstall()
+    assert cupy.cuda.get_allocator() == before
+    assert driver._memory_manager is None
+    del got
+    assert live(pool) == 0
+
+
+def test_using_wins_over_install(pool):
+    other = cupool.Pool("sim", capacity="16MiB")
+    cupool.install(pool, numba=False)
+    with cupool.using(other):
+        x = cupy.empty(10)
+    y = cupy.empty(10)
+    assert live(other) == 1 and live(pool) == 1
+    del x, y
+
+
+def test_install_without_a_pool_uses_the_default_pool_from_cupool_conf(monkeypatch):
+    monkeypatch.setenv("CUPOOL_CONF", "device=sim,capacity=64MiB,max_size=50%,initial_size=4MiB")
+    p = cupool.install(numba=False)
+    assert p is cupool.default_pool() and p.device.kind == "sim"
+    assert p.limit == 32 * MiB and p.stats()["reserved_bytes.all.current"] == 4 * MiB
+    x = cupy.empty(1000, np.uint8)
+    assert live(p) == 1
+    del x
+
+
+def test_install_twice_is_refused_and_changes_nothing(pool):
+    cupool.install(pool, numba=False)
+    alloc = cupy.cuda.get_allocator()
+    other = cupool.Pool("sim", capacity="16MiB")
+    with pytest.raises(RuntimeError, match="already installed"):
+        cupool.install(other)
+    assert cupy.cuda.get_allocator() is alloc and hooks.current_pool() is pool
+    x = cupy.empty(10)
+    assert live(pool) == 1 and live(other) == 0
+    del x
+
+
+def test_uninstall_without_install_is_refused():
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(RuntimeError, match="not installed"):
+        cupool.uninstall()
+    assert cupy.cuda.get_allocator() is before
+
+
+class _SecondDevice(SimDevice):
+    """A sim device posing as GPU 1 of a two-GPU machine."""
+
+    index = 1
+
+
+@pytest.mark.parametrize("entry", ["using", "install"])
+def test_pool_of_another_device_is_refused(pool, entry):
+    foreign = cupool.Pool(_SecondDevice("8MiB"))
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(ValueError, match="device 1.*current device is 0"):
+        if entry == "using":
+            with cupool.using(foreign):
+                pass
+        else:
+            cupool.install(foreign)
+    assert cupy.cuda.get_allocator() is before and not hooks.installed()
+    assert not getattr(hooks._local, "pools", [])
+
+
+def test_wrong_kinds_of_pool_are_refused():
+    with pytest.raises(TypeError, match="cupool.Pool"):
+        with cupool.using("sim"):
+            pass
+    with pytest.raises(ValueError, match="pinned host memory"):
+        with cupool.using(cupool.PinnedPool("sim", capacity="4MiB")):
+            pass
+    with pytest.raises(TypeError, match="cupy must be"):
+        cupool.install(cupy="yes")
+    assert not hooks.installed()
+
+
+def test_default_pool_is_made_once(monkeypatch):
+    monkeypatch.setenv("CUPOOL_CONF", "device=sim,capacity=32MiB")
+    assert cupool.default_pool() is cupool.default_pool()
+
+
+@pytest.mark.parametrize(
+    "conf,match",
+    [
+        ("max_sise=80%", "unknown key 'max_sise'.*known keys"),
+        ("max_size=lots", "max_size: cannot parse 'lots'"),
+        ("max_size=80%,max_size=70%", "given twice"),
+        ("max_size", "not key=value"),
+        ("memory_fraction=2", "memory_fraction: must be in"),
+        ("device=tpu", "device: must be auto, sim or cuda"),
+    ],
+)
+def test_bad_cupool_conf_is_a_clear_error(monkeypatch, conf, match):
+    monkeypatch.setenv("CUPOOL_CONF", conf)
+    with pytest.raises(ValueError, match="CUPOOL_CONF") as ei:
+        cupool.default_pool()
+    assert ei.match(match)
+    assert hooks._default_pools == {}
+
+
+def test_cupool_conf_that_parses_but_cannot_make_a_pool(monkeypatch):
+    monkeypatch.setenv("CUPOOL_CONF", "device=sim,capacity=8MiB,initial_size=16MiB")
+    with pytest.raises(ValueError, match="CUPOOL_CONF.*initial_size"):
+        cupool.default_pool()
+
+
+def test_parse_conf_values():
+    assert parse_conf("max_size=80%, initial_size=2GB,") == {"max_size": "80%", "initial_size": "2GB"}
+    assert parse_conf("memory_fraction=0.5,device=SIM") == {"memory_fraction": 0.5, "device": "sim"}
+    assert parse_conf("") == {}
+
+
+def test_stats_stay_exact_through_the_fast_path():
+    """Parked frees and the folded accounting log give the same books as a model."""
+    pool = cupool.Pool("sim", capacity="64MiB")
+    rng = np.random.default_rng(1)
+    held, model_req, model_n, peak_n, peak_req, peak_bytes = [], 0, 0, 0, 0, 0
+    model_bytes = 0
+    for step in range(9000):  # long enough to fold through numpy as well as in Python
+        if held and (rng.random() < 0.5 or len(held) > 40):
+            a = held.pop(int(rng.integers(len(held))))
+            model_req -= a.size
+            model_bytes -= a.nbytes
+            model_n -= 1
+            if step % 2:
+                a.free()  # an explicit free; otherwise the drop below frees it
+            del a
+        else:
+            n = int(rng.choice([0, 100, 512, 1000, 4096, 70_000]))
+            a = pool.malloc(n)
+            held.append(a)
+            model_req += n
+            model_bytes += a.nbytes
+            model_n += 1
+            peak_n, peak_req = max(peak_n, model_n), max(peak_req, model_req)
+            peak_bytes = max(peak_bytes, model_bytes)
+        if step % 997 == 0:
+            s = pool.stats()
+            assert s["allocation.all.current"] == model_n and s["requested_bytes.small_pool.current"] == model_req
+    s = pool.stats()
+    assert s["allocation.all.current"] == model_n == s["allocation.small_pool.current"]
+    assert s["requested_bytes.all.current"] == model_req
+    assert s["allocated_bytes.all.current"] == model_bytes
+    assert s["allocation.all.peak"] == peak_n and s["requested_bytes.all.peak"] == peak_req
+    assert s["allocated_bytes.all.peak"] == peak_bytes
+    assert s["allocation.all.allocated"] - s["allocation.all.freed"] == model_n
+    pool.check()
+
+
+@pytest.mark.skipif(not hooks._gpu(), reason="needs a CUDA GPU (none is usable on this machine)")
+def test_cupy_workload_on_a_gpu_matches_cupys_own_pool():
+    def workload():
+        rs = cupy.random.RandomState(7)
+        a = rs.standard_normal((512, 512), dtype=np.float32)
+        b = (a * 2 + 1).sum(axis=0)
+        c = a @ a.T
+        f = cupy.fft.fft(a[0])
+        s = cupy.sort(a[:, 3])
+        return [cupy.asnumpy(v) for v in (b, c, f, s)]
+
+    expected = workload()
+    pool = cupool.Pool("cuda")
+    with cupool.using(pool):
+        got = workload()
+        assert pool.stats()["allocation.all.allocated"] > 0
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(e, g)

@@ -1,0 +1,236 @@
+"""Threshold alerts: crossings, re-arming, callbacks, logging and severity bands."""
+
+import logging
+import threading
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cupool
+from cupool.monitor import Alert, Monitor, severity
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    # Requests above 10 MiB get a segment of their own size: reserved bytes are exact.
+    return cupool.Pool("sim", capacity="100MiB")
+
+
+def collect_alerts(mon):
+    got = []
+    mon.add_callback(got.append)
+    return got
+
+
+def test_usage_alerts_fire_on_crossing_only_and_rearm(pool):
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        a = pool.malloc(70 * MiB)  # usage 0.70
+        b = pool.malloc(12 * MiB)  # 0.82: warning
+        mon.flush()
+        assert [(x.metric, x.level) for x in got] == [("usage", "warning")]
+        assert got[0].value == pytest.approx(0.82) and got[0].threshold == 0.8
+        # churn inside the cached segment: still above, no new alert
+        b.free()
+        b = pool.malloc(12 * MiB)
+        c = pool.malloc(12 * MiB)  # 0.94: critical
+        mon.flush()
+        assert [x.level for x in got] == ["warning", "critical"]
+        assert mon.usage_level == "critical"
+        c.free()
+        b.free()
+        pool.empty_cache()  # 0.70: back below 0.8 - 0.05
+        mon.flush()
+        assert [x.level for x in got] == ["warning", "critical", "ok"]
+        b = pool.malloc(12 * MiB)  # re-armed: fires again
+        mon.flush()
+        assert [x.level for x in got] == ["warning", "critical", "ok", "warning"]
+        del a, b
+
+
+def test_hysteresis_keeps_a_hovering_pool_quiet(pool):
+    with Monitor(pool, hysteresis=0.05) as mon:
+        got = collect_alerts(mon)
+        a = pool.malloc(76 * MiB)
+        for _ in range(3):
+            b = pool.malloc(12 * MiB)  # 0.88
+            b.free()
+            pool.empty_cache()  # 0.76
+        mon.flush()
+        # 0.76 is within the hysteresis of 0.8, so the gauge never re-armed
+        assert [x.level for x in got] == ["warning"]
+        assert mon.usage_level == "warning"
+        del a
+
+
+def test_fragmentation_alert_reports_severity_and_rearms(pool):
+    with Monitor(pool, usage_warning=1.0, usage_critical=1.0) as mon:
+        got = collect_alerts(mon)
+        a = pool.malloc(12 * MiB)
+        b = pool.malloc(12 * MiB)
+        mon.flush()
+        assert got == []  # two full segments: no fragmentation
+        a.free()  # (24 - 12) / 24 = 0.5
+        mon.flush()
+        assert [(x.metric, x.level, x.severity) for x in got] == [("fragmentation", "warning", "severe")]
+        assert got[0].value == pytest.approx(0.5) and "severe" in got[0].message
+        a = pool.malloc(12 * MiB)  # reuses the cached segment: 0
+        a.free()  # 0.5 again: re-armed, fires again
+        mon.flush()
+        assert [x.level for x in got] == ["warning", "ok", "warning"]
+        del b
+
+
+def test_min_reserved_keeps_small_pools_quiet(pool):
+    with Monitor(pool, min_reserved="64MiB") as mon:
+        got = collect_alerts(mon)
+        a = pool.malloc(1000)  # one 2 MiB segment, almost all of it "fragmentation"
+        mon.flush()
+        assert got == []
+        del a
+
+
+def test_alerts_are_logged_to_the_cupool_logger(pool, caplog):
+    with caplog.at_level(logging.INFO, logger="cupool"), Monitor(pool) as mon:
+        a = pool.malloc(92 * MiB)
+        mon.flush()
+    recs = [r for r in caplog.records if r.name == "cupool"]
+    assert [r.levelno for r in recs] == [logging.CRITICAL]
+    assert "critical: usage 0.920 passed 0.90" in recs[0].getMessage()
+    del a
+
+
+def test_callbacks_run_outside_the_pool_lock_and_survive_a_broken_one(pool, caplog):
+    seen = []
+
+    def calls_back(alert):
+        seen.append((alert.level, pool.stats()["reserved_bytes.all.current"]))  # would deadlock under the lock
+
+    def broken(alert):
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.ERROR, logger="cupool"), Monitor(pool, callbacks=[broken, calls_back]) as mon:
+        a = pool.malloc(85 * MiB)
+        mon.flush(timeout=5)
+    assert seen == [("warning", 86 * MiB)]
+    assert any("callback" in r.getMessage() and r.exc_info for r in caplog.records)
+    del a
+
+
+def test_a_pool_already_above_a_threshold_alerts_at_once(pool):
+    a = pool.malloc(95 * MiB)
+    got = []
+    with Monitor(pool, callbacks=got.append) as mon:
+        mon.flush()
+    assert [(x.metric, x.level) for x in got] == [("usage", "critical")]
+    del a
+
+
+def test_close_unsubscribes(pool):
+    mon = Monitor(pool)
+    got = collect_alerts(mon)
+    mon.close()
+    a = pool.malloc(95 * MiB)
+    assert got == [] and pool._observers == []
+    mon.close()  # idempotent
+    del a
+
+
+@pytest.mark.parametrize(
+    "value,band",
+    [(0.0, "good"), (0.1499, "good"), (0.15, "moderate"), (0.2999, "moderate"), (0.30, "serious"),
+     (0.3999, "serious"), (0.40, "severe"), (1.0, "severe")],
+)
+def test_severity_bands(value, band):
+    assert severity(value) == band
+
+
+@pytest.mark.parametrize(
+    "kw,exc,word",
+    [
+        ({"usage_warning": 0}, ValueError, "usage_warning"),
+        ({"usage_warning": 1.5}, ValueError, "usage_warning"),
+        ({"usage_critical": "0.9"}, TypeError, "usage_critical"),
+        ({"usage_warning": 0.9, "usage_critical": 0.8}, ValueError, "usage_critical"),
+        ({"fragmentation": -0.1}, ValueError, "fragmentation"),
+        ({"hysteresis": 1}, ValueError, "hysteresis"),
+        ({"history": 0}, ValueError, "history"),
+        ({"callbacks": [42]}, TypeError, "callbacks"),
+        ({"min_reserved": "lots"}, ValueError, "min_reserved"),
+    ],
+)
+def test_bad_arguments_are_refused_without_subscribing(pool, kw, exc, word):
+    threads = threading.active_count()
+    with pytest.raises(exc, match=word):
+        Monitor(pool, **kw)
+    assert pool._observers == [] and threading.active_count() == threads
+
+
+def test_monitor_needs_a_pool():
+    with pytest.raises(TypeError, match="Pool"):
+        Monitor("sim")
+
+
+class MonitorMachine(RuleBasedStateMachine):
+    """Whatever the sequence of allocations, the gauges agree with the pool and alerts alternate."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = cupool.Pool("sim", capacity="100MiB")
+        self.mon = Monitor(self.pool)
+        self.held = []
+
+    @rule(mib=st.integers(6, 20).map(lambda k: 2 * k))
+    def malloc(self, mib):
+        # Only what fits under the limit: an OOM runs the reclaim ladder's (slow) gc step.
+        if self.pool.stats()["allocated_bytes.all.current"] + mib * MiB <= self.pool.limit:
+            try:
+                self.held.append(self.pool.malloc(mib * MiB))
+            except cupool.OutOfMemoryError:  # a cached segment was split: fragmentation
+                pass
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        self.held.pop(i % len(self.held)).free()
+
+    @rule()
+    def empty_cache(self):
+        self.pool.empty_cache()
+
+    @invariant()
+    def gauges_agree_with_the_pool(self):
+        s = self.pool.stats()
+        usage = s["reserved_bytes.all.current"] / self.pool.limit
+        level = self.mon.usage_level
+        if usage >= 0.9:
+            assert level == "critical"
+        elif usage >= 0.8:
+            assert level in ("warning", "critical")
+        elif usage < 0.75:
+            assert level == "ok"
+        frag_level = self.mon.fragmentation_level
+        if s["fragmentation"] >= 0.30:
+            assert frag_level == "warning"
+        elif s["fragmentation"] < 0.25:
+            assert frag_level == "ok"
+
+    @invariant()
+    def alerts_alternate(self):
+        last = {}
+        for a in self.mon.alerts:
+            assert isinstance(a, Alert)
+            # critical may repeat: a fall into the warning band re-arms it silently
+            assert a.level == "critical" or last.get(a.metric) != a.level, "the same alert fired twice in a row"
+            if a.level != "ok":
+                assert a.value >= a.threshold
+            last[a.metric] = a.level
+
+    def teardown(self):
+        self.mon.close()
+
+
+TestMonitorMachine = MonitorMachine.TestCase

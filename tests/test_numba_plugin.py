@@ -1,0 +1,140 @@
+"""The Numba EMM plugin, instantiated as Numba does to read its version (context=None), over sim pools."""
+
+import gc
+import importlib
+
+import numpy as np
+import pytest
+from numba import cuda
+from numba.cuda.cudadrv import driver
+
+import cupool
+from cupool.numba import CupoolMemoryManager, _numba_memory_manager
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pinned():
+    return cupool.PinnedPool("sim", capacity="8MiB")
+
+
+@pytest.fixture
+def mm(pool, pinned):
+    return CupoolMemoryManager(context=None, pool=pool, pinned_pool=pinned)
+
+
+def live(pool):
+    return pool.stats()["allocation.all.current"]
+
+
+def test_module_is_a_valid_numba_memory_manager_module():
+    mod = importlib.import_module("cupool.numba")  # what NUMBA_CUDA_MEMORY_MANAGER=cupool.numba does
+    assert mod._numba_memory_manager is CupoolMemoryManager is _numba_memory_manager
+    assert issubclass(CupoolMemoryManager, cuda.HostOnlyCUDAMemoryManager)
+    assert issubclass(CupoolMemoryManager, cuda.GetIpcHandleMixin)
+    assert CupoolMemoryManager(context=None).interface_version == 1
+
+
+def test_numba_accepts_it_and_it_can_be_taken_back():
+    before = driver._memory_manager
+    try:
+        cuda.set_memory_manager(CupoolMemoryManager)  # instantiates it with context=None
+        assert driver._memory_manager is CupoolMemoryManager
+    finally:
+        driver._memory_manager = before
+
+
+def test_memalloc_comes_from_the_pool_and_the_finalizer_returns_it(mm, pool):
+    ptrs = [mm.memalloc(n) for n in (1, 1000, 3 * MiB)]
+    assert live(pool) == 3
+    addrs = sorted((p.device_pointer_value, p.size) for p in ptrs)
+    for (a0, n0), (a1, _) in zip(addrs, addrs[1:]):
+        assert a0 + n0 <= a1
+    assert [p.size for p in ptrs] == [1, 1000, 3 * MiB]
+    assert pool.stats()["requested_bytes.all.current"] == 1 + 1000 + 3 * MiB
+    pool.device.bytes_at(ptrs[1].device_pointer_value, 1000)[:] = 5  # real sim memory
+    del ptrs
+    gc.collect()
+    assert live(pool) == 0
+    pool.check()
+
+
+def test_explicit_free_returns_at_once(mm, pool):
+    p = mm.memalloc(4096)
+    p.free()
+    assert live(pool) == 0
+    with pytest.raises(RuntimeError, match="dead memory"):
+        p.free()
+    assert live(pool) == 0
+
+
+def test_get_memory_info_counts_device_free_plus_cached(mm, pool):
+    info = mm.get_memory_info()
+    assert info.total == 64 * MiB and info.free == 64 * MiB
+    p = mm.memalloc(1000)
+    info = mm.get_memory_info()
+    # 2 MiB segment taken from the device, of which all but 1024 bytes are cached free in the pool
+    assert info.free == 62 * MiB + (2 * MiB - 1024)
+    del p
+    assert mm.get_memory_info().free == 64 * MiB
+
+
+def test_defer_cleanup_defers_frees_until_the_outermost_block_ends(mm, pool):
+    with mm.defer_cleanup():
+        p = mm.memalloc(1000)
+        del p
+        with mm.defer_cleanup():
+            q = mm.memalloc(1000)
+            q.free()
+        assert live(pool) == 2  # both frees held back
+    assert live(pool) == 0
+
+
+def test_defer_cleanup_releases_even_when_the_block_raises(mm, pool):
+    with pytest.raises(ZeroDivisionError):
+        with mm.defer_cleanup():
+            p = mm.memalloc(10)
+            del p
+            1 / 0
+    assert live(pool) == 0
+
+
+def test_reset_releases_cached_memory_and_pending_frees(mm, pool):
+    keep = mm.memalloc(12 * MiB)
+    with mm.defer_cleanup():
+        p = mm.memalloc(1000)
+        del p
+        mm.reset()
+        assert live(pool) == 1
+    s = pool.stats()
+    assert s["reserved_bytes.all.current"] == 12 * MiB  # the small segment went back; keep's stays
+    assert keep.size == 12 * MiB
+
+
+def test_memhostalloc_comes_from_the_pinned_pool(mm, pinned):
+    h = mm.memhostalloc(4096)
+    assert pinned.stats()["allocation.all.current"] == 1
+    arr = np.ndarray(4096, np.uint8, buffer=h)
+    arr[:] = 9
+    assert (pinned.device.bytes_at(h.host_pointer.value, 4096) == 9).all()
+    del arr, h
+    gc.collect()
+    assert pinned.stats()["allocation.all.current"] == 0
+
+
+def test_without_an_explicit_pool_it_follows_using(pool):
+    mm = CupoolMemoryManager(context=None)
+    with cupool.using(pool):
+        assert mm.pool is pool
+        p = mm.memalloc(100)
+    assert live(pool) == 1
+    del p
+    assert live(pool) == 0
+
+
+def test_bad_pools_are_refused():
+    with pytest.raises(TypeError, match="pool must be"):
+        CupoolMemoryManager(context=None, pool="sim")
+    with pytest.raises(TypeError, match="pinned_pool must be"):
+        CupoolMemoryManager(context=None, pinned_pool=cupool.Pool("sim", capacity="4MiB"))

@@ -1,0 +1,182 @@
+"""Spill tiers: round trips with checksums, pinned host memory, HDF5 files, failures."""
+
+import gc
+import zlib
+
+import h5py
+import numpy as np
+import pytest
+
+import cupool
+from cupool.spill import HDF5Tier, HostTier
+
+MiB = 1 << 20
+
+
+def fill(m, seed):
+    a = m.array(dtype=np.uint8)
+    a[:] = np.random.default_rng(seed).integers(0, 256, m.size, dtype=np.uint8)
+    crc = zlib.crc32(a)
+    del a
+    return crc
+
+
+def crc(m):
+    return zlib.crc32(m.array(dtype=np.uint8))
+
+
+@pytest.fixture(params=["host", "h5"])
+def spill_pool(request, tmp_path):
+    spill = "host" if request.param == "host" else str(tmp_path / "spill.h5")
+    return cupool.Pool("sim", capacity="64MiB", spill=spill)
+
+
+@pytest.mark.parametrize("size", [0, 1, 511, 3 * MiB + 7])
+def test_round_trip_keeps_every_byte(spill_pool, size):
+    m = spill_pool.movable(size)
+    want = fill(m, size)
+    gen = m.generation
+    assert spill_pool.spill() == size
+    assert not m.on_device and m.ptr is None and m.generation == gen + 1
+    assert spill_pool.stats()["allocated_bytes.all.current"] == 0
+    assert crc(m) == want  # .array() brought it back
+    assert m.on_device and m.generation == gen + 2
+    spill_pool.check()
+
+
+def test_only_unleased_buffers_spill(spill_pool):
+    a, b = spill_pool.movable(MiB), spill_pool.movable(MiB)
+    want = fill(b, 1)
+    view = a.array()
+    assert spill_pool.spill() == MiB
+    assert a.on_device and not b.on_device
+    del view
+    assert spill_pool.spill() == MiB and not a.on_device
+    assert crc(b) == want
+
+
+def test_spill_stops_once_enough_has_left(spill_pool):
+    ms = [spill_pool.movable(MiB) for _ in range(4)]
+    assert spill_pool.spill(MiB + 1) == 2 * MiB
+    assert [m.on_device for m in ms] == [False, False, True, True]
+
+
+def test_freeing_a_spilled_buffer_discards_its_copy(tmp_path):
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(tmp_path / "s.h5"))
+    m = p.movable(MiB)
+    p.spill()
+    f = p.scheduler.tier._file
+    assert len(f) == 1
+    m.free()
+    assert len(f) == 0 and not m.on_device
+
+
+def test_host_tier_uses_the_pinned_pool_and_gives_it_back():
+    p = cupool.Pool("sim", capacity="64MiB", spill="host")
+    pinned = p.scheduler.tier.pinned
+    assert isinstance(pinned, cupool.PinnedPool)
+    m = p.movable(2 * MiB)
+    want = fill(m, 7)
+    p.spill()
+    assert pinned.stats()["allocated_bytes.all.current"] == 2 * MiB
+    assert crc(m) == want
+    gc.collect()
+    assert pinned.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_host_tier_falls_back_to_pageable_memory_when_the_pinned_pool_is_full():
+    device = cupool.Pool("sim", capacity="64MiB").device
+    tier = HostTier(cupool.PinnedPool("sim", capacity="2MiB"))
+    device_ptr = device.malloc(4 * MiB)
+    device.bytes_at(device_ptr, 4 * MiB)[:] = 9
+    h1 = tier.store(device, device_ptr, 2 * MiB)  # fills the pinned pool
+    h2 = tier.store(device, device_ptr, 3 * MiB)  # does not fit: pageable
+    assert h1._owner is not None and h2._owner is None
+    assert (h2.load() == 9).all() and h2.load().nbytes == 3 * MiB
+
+
+def test_hdf5_tier_writes_chunked_datasets_with_the_configured_cache(tmp_path):
+    tier = HDF5Tier(tmp_path / "t.h5", chunk_bytes="1MiB", rdcc_nbytes="8MiB")
+    device = cupool.Pool("sim", capacity="64MiB").device
+    ptr = device.malloc(4 * MiB)
+    device.bytes_at(ptr, 3 * MiB)[:] = np.arange(3 * MiB) % 251
+    h = tier.store(device, ptr, 3 * MiB)
+    ds = tier._file[h._name]
+    assert ds.chunks == (MiB,) and ds.dtype == np.uint8 and ds.shape == (3 * MiB,)
+    assert tier._file.id.get_access_plist().get_cache()[2] == 8 * MiB
+    assert (h.load() == np.arange(3 * MiB) % 251).all()
+    h.discard()
+    assert len(tier._file) == 0
+
+
+def test_hdf5_file_space_is_reused_and_the_file_removed_with_the_pool(tmp_path):
+    path = tmp_path / "s.h5"
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    ms = [p.movable(4 * MiB) for _ in range(4)]
+    p.spill()
+    for m in ms:
+        m.array()
+    size1 = path.stat().st_size
+    for _ in range(3):
+        p.spill()
+        for m in ms:
+            m.array()
+    assert path.stat().st_size <= size1 + MiB  # not 4x: unlinked datasets' space comes back
+    del p, ms, m
+    gc.collect()
+    assert not path.exists()
+
+
+def test_hdf5_tier_refuses_to_overwrite_someone_elses_file(tmp_path):
+    path = tmp_path / "data.h5"
+    with h5py.File(path, "w") as f:
+        f["precious"] = np.arange(10)
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    m = p.movable(MiB)
+    want = fill(m, 3)
+    with pytest.raises(cupool.SpillError, match="not a cupool spill file"):
+        p.spill()
+    assert m.on_device and crc(m) == want
+    with h5py.File(path, "r") as f:
+        assert list(f["precious"][:]) == list(range(10))
+
+
+def test_a_full_disk_loses_nothing(tmp_path, monkeypatch):
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(tmp_path / "s.h5"))
+    m = p.movable(MiB)
+    want = fill(m, 5)
+
+    def no_space(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(h5py.Dataset, "write_direct", no_space)
+    with pytest.raises(cupool.SpillError, match="No space left on device"):
+        p.spill()
+    assert m.on_device and crc(m) == want
+    assert len(p.scheduler.tier._file) == 0  # the half-written dataset is gone
+    p.check()
+
+
+@pytest.mark.parametrize(
+    "spill,exc,word",
+    [(42, TypeError, "spill"), ("hots", ValueError, "spill"), ("out.txt", ValueError, ".h5")],
+)
+def test_bad_spill_arguments(spill, exc, word):
+    with pytest.raises(exc, match=word):
+        cupool.Pool("sim", capacity="64MiB", spill=spill)
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match="spill_policy"):
+        cupool.Pool("sim", capacity="64MiB", spill="host", spill_policy="random")
+
+
+def test_spill_needs_a_tier(pool):
+    pool.movable(MiB)
+    with pytest.raises(RuntimeError, match="spill="):
+        pool.spill()
+
+
+def test_bad_hdf5_tier_arguments(tmp_path):
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HDF5Tier(tmp_path / "x.h5", chunk_bytes=0)
