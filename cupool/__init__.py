@@ -15,6 +15,8 @@ from .errors import (
     OutOfMemoryError,
 )
 from .pool import Allocation, Pool
+from .replay import ReplayResult
+from .trace import EventRecorder, Trace, TraceError, load_trace
 from .hooks import cupy_allocator, default_pool, install, uninstall, using
 from .pinned import PinnedPool
 from .batch import BatchSizer
@@ -30,6 +32,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "Alert",
     "Allocation",
+    "EventRecorder",
     "BatchSizer",
     "CudaDevice",
     "Decision",
@@ -44,6 +47,10 @@ __all__ = [
     "SpillError",
     "format_bytes",
     "parse_size",
+    "ReplayResult",
+    "Trace",
+    "TraceError",
+    "load_trace",
     "PinnedPool",
     "cupy_allocator",
     "default_pool",

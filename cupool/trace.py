@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import threading
 import time
 import traceback
@@ -36,8 +35,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .pool import Pool
-
-log = logging.getLogger("cupool")
 
 #: Event kinds known in advance; recorders accept any other kind string too.
 KINDS = ("alloc", "free", "segment_alloc", "segment_free", "move", "compact", "spill", "restore", "oom")

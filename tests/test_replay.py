@@ -48,7 +48,7 @@ def test_record_then_replay_reproduces_the_run(tmp_path, settings_):
     with pool.record(tmp_path / "run.h5", batch=256):
         workloads.weight_streaming(pool, workloads.mixed_shapes(30, seed=2))
         live = []
-        for _ in range(1500):
+        for _ in range(500):
             if live and rng.random() < 0.47:
                 live.pop(int(rng.integers(len(live)))).free()
             else:
@@ -108,7 +108,7 @@ class RecordedPool(RuleBasedStateMachine):
 
 
 TestRecordedPool = RecordedPool.TestCase
-TestRecordedPool.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestRecordedPool.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 
 
 def _synthetic(ops):
@@ -166,7 +166,7 @@ def test_config_parsing_and_bad_keys():
 
 
 def _write_trace(tmp_path):
-    pool = cupool.Pool("sim", capacity="128MiB")
+    pool = cupool.Pool("sim", capacity="512MiB")
     path = tmp_path / "t.h5"
     with pool.record(path):
         workloads.weight_streaming(pool, workloads.mixed_shapes(12, seed=0))
@@ -179,12 +179,12 @@ def test_cli_replay_and_compare(tmp_path, capsys):
     out = capsys.readouterr().out
     peak = cupool.format_bytes(stats["reserved_bytes.all.peak"])
     assert f"peak reserved      {peak}" in out and "OOMs               0" in out
-    assert main(["replay", str(path), "--compare", "recorded", "max_size=48MiB", "release_threshold=0",
+    assert main(["replay", str(path), "--compare", "recorded", "max_size=80MiB", "release_threshold=0",
                  "--engine", "pool"]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
-    assert [r.split()[0] for r in rows] == ["recorded", "max_size=48MiB", "release_threshold=0"]
+    assert [r.split()[0] for r in rows] == ["recorded", "max_size=80MiB", "release_threshold=0"]
     assert rows[0].split()[1:3] == peak.split()
-    assert int(rows[1].split()[-2]) > 0  # 48 MiB is too small for these layers: OOMs counted
+    assert int(rows[1].split()[-2]) > 0  # 80 MiB is too small for these layers: OOMs counted
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):

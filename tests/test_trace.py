@@ -18,7 +18,7 @@ import pytest
 import cupool
 from cupool.importers import load_rmm_log, load_torch_snapshot
 from cupool.replay import replay
-from cupool.trace import EventRecorder, TraceError, load_trace
+from cupool.trace import TraceError, load_trace
 
 
 def _churn(pool, n=200, seed=0, streams=1):

@@ -1,0 +1,69 @@
+"""Replay throughput: the compiled engine against the real Pool, on the same synthetic trace.
+
+    python benchmarks/bench_replay.py [--events 2000000] [--repeat 5]
+
+The trace mixes small (< 1 MiB) and large (1-64 MiB) requests with about a
+thousand allocations live at a time, on two streams.  Prints medians and the
+same-run ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from cupool.replay import replay
+from cupool.trace import Trace
+
+
+def synthetic(n: int, seed: int = 0, live_target: int = 2000) -> Trace:
+    rng = np.random.default_rng(seed)
+    kind = np.empty(n, np.uint8)
+    addr = np.empty(n, np.int64)
+    size = np.empty(n, np.int64)
+    stream = rng.integers(0, 2, n)
+    sizes = np.where(rng.random(n) < 0.8, rng.integers(1, 1 << 20, n), rng.integers(1 << 20, 64 << 20, n))
+    coin = rng.random(n)
+    live: list[tuple[int, int, int]] = []
+    for i in range(n):
+        if live and (len(live) >= live_target or coin[i] < 0.5):
+            j = int(coin[i] * 1e6) % len(live)
+            a, s, strm = live[j]
+            live[j] = live[-1]
+            live.pop()
+            kind[i], addr[i], size[i], stream[i] = 1, a, s, strm
+        else:
+            kind[i], addr[i], size[i] = 0, i + 1, sizes[i]
+            live.append((i + 1, int(sizes[i]), int(stream[i])))
+    return Trace(np.arange(n, dtype=np.int64), kind, addr, size, stream.astype(np.int64))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=2_000_000)
+    ap.add_argument("--pool-events", type=int, default=100_000, help="events for the (slow) Pool engine")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    cfg = {"capacity": "64GiB"}
+    trace = synthetic(args.events)
+    replay(trace, cfg, stop=1000)  # load the compiled engine once
+    fast = [replay(trace, cfg, progress=False) for _ in range(args.repeat)]
+    rate = statistics.median(r.events_per_second for r in fast)
+    print(f"numba engine: {args.events} events, median {statistics.median(r.seconds for r in fast):.3f} s "
+          f"= {rate / 1e6:.2f} M events/s (peak reserved {fast[0].peak_reserved >> 20} MiB)")
+    small = replay(trace, cfg, stop=args.pool_events)
+    exact = [replay(trace, cfg, engine="pool", stop=args.pool_events) for _ in range(max(1, args.repeat // 2))]
+    prate = statistics.median(r.events_per_second for r in exact)
+    same = all(getattr(small, k) == getattr(exact[0], k) for k in ("peak_reserved", "peak_allocated", "peak_segments"))
+    print(f"pool engine:  {args.pool_events} events, {prate / 1e6:.3f} M events/s "
+          f"({1e6 / prate:.2f} us/event); same peaks as numba on this prefix: {same}")
+    print(f"ratio numba / pool: {rate / prate:.0f}x")
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"(total {time.perf_counter() - t0:.1f} s)")

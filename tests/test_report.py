@@ -1,0 +1,55 @@
+"""``cupool report``: the figure is written, drawn from the replay, and bad input exits 2."""
+
+from __future__ import annotations
+
+import matplotlib.image as mpimg
+import numpy as np
+
+import cupool
+from cupool import workloads
+from cupool.cli import main
+from cupool.report import plot_report
+from cupool.trace import Trace, load_trace
+
+
+def _trace(tmp_path):
+    pool = cupool.Pool("sim", capacity="512MiB", max_size="400MiB")
+    path = tmp_path / "run.h5"
+    with pool.record(path):
+        workloads.weight_streaming(pool, workloads.mixed_shapes(20, seed=4))
+        try:
+            pool.malloc(450 << 20)
+        except cupool.OutOfMemoryError:
+            pass
+    return path, pool.stats()
+
+
+def test_report_png(tmp_path):
+    path, stats = _trace(tmp_path)
+    out = tmp_path / "report.png"
+    summary = plot_report(load_trace(path), out)
+    assert summary["peak_reserved"] == stats["reserved_bytes.all.peak"]
+    assert summary["ooms"] == stats["num_ooms"] == 1
+    img = mpimg.imread(out)
+    assert img.shape[0] > 800 and img.shape[1] > 900
+    # Not a blank canvas: the curves and the segment map put many colours on it.
+    assert len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 50
+
+
+def test_report_cli_and_empty_trace(tmp_path, capsys):
+    path, _ = _trace(tmp_path)
+    out = tmp_path / "r.svg"
+    assert main(["report", str(path), "-o", str(out), "--config", "max_size=none"]) == 0
+    assert out.read_text().lstrip().startswith("<?xml") and "wrote" in capsys.readouterr().out
+    empty = Trace.from_events([], source="empty")
+    plot_report(empty, tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_report_bad_input(tmp_path, capsys):
+    bad = tmp_path / "x.csv"
+    bad.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,2,explode,0x1,2,0x0\n")
+    assert main(["report", str(bad), "-o", str(tmp_path / "o.png")]) == 2
+    err = capsys.readouterr().err
+    assert "x.csv: line 2: unknown action 'explode'" in err
+    assert not (tmp_path / "o.png").exists()
