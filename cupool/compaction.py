@@ -105,7 +105,9 @@ def _evacuate(
     heap: Heap, can_move: Callable[[Block], bool], budget: _Budget, moves: list[Move]
 ) -> list[Segment]:
     emptied: list[Segment] = []
-    gone: set[int] = set()  # segments emptied (or being emptied): never destinations
+    # Never destinations: segments emptied or being emptied, and those already wholly
+    # free, which go back to the device; filling one would only trade it for another.
+    gone: set[int] = {s.addr for s in heap.segments.values() if not s.used}
     candidates = [
         s for s in heap.segments.values() if s.used and not s.keep and all(
             b.free or can_move(b) for b in s.blocks()

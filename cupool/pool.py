@@ -9,7 +9,8 @@ know: requests are rounded to 512 bytes; requests up to 1 MiB come from 2 MiB
 "small" segments so that they never split large ones; requests up to 10 MiB come
 from 20 MiB segments; larger ones get a segment of their own size rounded to
 2 MiB.  When a limit leaves less room than the preferred segment, a segment of
-just the needed size is tried before the reclaim ladder starts.
+just the needed size is tried before the reclaim ladder starts.  Movable buffers
+always grow the pool by just the size they need (see ``_take``).
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ class Pool:
         with self._lock:
             if self._pending:
                 self._drain()
-            block, kind = self._take(n, key)
+            block, kind = self._take(n, key, exact=True)
             self._movable_seq += 1
             m = Movable(self, block, n, key, kind, on_move, self._movable_seq, time.perf_counter_ns())
             block.payload = weakref.ref(m)
@@ -596,7 +597,13 @@ class Pool:
         export_snapshot(self, path)
 
     # ------------------------------------------------------------- allocation
-    def _take(self, n: int, key: Any) -> tuple[Block, int]:
+    def _take(self, n: int, key: Any, exact: bool = False) -> tuple[Block, int]:
+        """Allocate a block for ``n`` bytes on stream ``key``; ``exact`` grows by just the size needed.
+
+        Movable buffers grow exactly: the 20 MiB segments that medium requests
+        otherwise get exist to batch device allocations, and compaction packs
+        movables anyway, so for them a larger segment would only be a tail to waste.
+        """
         if self._stacks:
             self._unpark()
         size = round_up(n, ALIGNMENT) if n else ALIGNMENT
@@ -610,7 +617,7 @@ class Pool:
             block = heap.find(size, key)
         if block is None:
             self._misses += 1
-            block = self._grow_or_reclaim(kind, size, key)
+            block = self._grow_or_reclaim(kind, size, key, exact)
         else:
             self._hits += 1
         heap.take(block, size)
@@ -619,11 +626,11 @@ class Pool:
         self._account(kind, _B_REQ, n)
         return block, kind
 
-    def _grow_or_reclaim(self, kind: int, size: int, key: Any) -> Block:
+    def _grow_or_reclaim(self, kind: int, size: int, key: Any, exact: bool = False) -> Block:
         """The reclaim ladder: grow; else wait for streams, release cache, collect garbage."""
         heap = self._heaps[kind]
         try:
-            return self._grow(kind, size, key)
+            return self._grow(kind, size, key, exact)
         except (DeviceOutOfMemory, _LimitReached):
             pass
         self._retries += 1
@@ -633,7 +640,7 @@ class Pool:
                 if block is not None:
                     return block
                 try:
-                    return self._grow(kind, size, key)
+                    return self._grow(kind, size, key, exact)
                 except (DeviceOutOfMemory, _LimitReached):
                     continue
         self._ooms += 1
@@ -694,12 +701,12 @@ class Pool:
             return MEDIUM_SEGMENT
         return round_up(size, PAGE)
 
-    def _grow(self, kind: int, size: int, key: Any) -> Block:
+    def _grow(self, kind: int, size: int, key: Any, exact: bool = False) -> Block:
         room = (self.limit - self._cur[_B_RES][2]) // PAGE * PAGE
         minimum = round_up(size, PAGE)
         if minimum > room:
             raise _LimitReached
-        target = min(self._segment_size(kind, size), room)
+        target = minimum if exact else min(self._segment_size(kind, size), room)
         try:
             seg = self._new_segment(kind, target, key)
         except DeviceOutOfMemory:
