@@ -289,11 +289,17 @@ class CudaDevice(Device):
     def record_event(self, key: int) -> Any:
         with self._dev:
             ev = self._cupy.cuda.Event(disable_timing=True)
-            ev.record(self._cupy.cuda.ExternalStream(key))
+            try:
+                ev.record(self._cupy.cuda.ExternalStream(key))
+            except self._rt.CUDARuntimeError:
+                # The stream was destroyed after blocks were freed on it.  Waiting for
+                # the whole device covers whatever it had enqueued; None reads as done.
+                self._rt.deviceSynchronize()
+                return None
             return ev
 
     def event_done(self, event: Any) -> bool:
-        return event.done
+        return event is None or event.done
 
     def synchronize(self) -> None:
         with self._dev:
@@ -361,13 +367,13 @@ def cuda_available() -> bool:
         return False
 
 
-def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
-    """Resolve the ``device=`` argument of ``Pool``."""
+def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True) -> tuple[str, int]:
+    """Read ``"auto"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"`` as ``("sim", 0)`` or ``("cuda", N)``.
+
+    ``capacity`` only makes sense for the sim flavour, so it is checked here.  With
+    ``note_fallback``, "auto" says once per process that it fell back to the sim device.
+    """
     global _auto_note_given
-    if isinstance(device, Device):
-        if capacity is not None:
-            raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
-        return device
     if not isinstance(device, str):
         raise TypeError(f"device must be 'auto', 'sim', 'cuda', 'cuda:N' or a Device, got {device!r}")
     spec = device.strip().lower()
@@ -375,12 +381,12 @@ def make_device(device: str | Device = "auto", capacity: int | str | None = None
         if cuda_available():
             spec = "cuda"
         else:
-            if not _auto_note_given:
+            if note_fallback and not _auto_note_given:
                 log.warning("cupool: no usable CUDA GPU found; using the simulated device (host memory)")
                 _auto_note_given = True
             spec = "sim"
     if spec == "sim":
-        return SimDevice(capacity if capacity is not None else "4GiB")
+        return "sim", 0
     if spec == "cuda" or spec.startswith("cuda:"):
         if capacity is not None:
             raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
@@ -389,5 +395,17 @@ def make_device(device: str | Device = "auto", capacity: int | str | None = None
             raise ValueError(f"device: cannot read a device index from {device!r}")
         if not cuda_available():
             raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
-        return CudaDevice(int(idx))
+        return "cuda", int(idx)
     raise ValueError(f"device must be 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
+    """Resolve the ``device=`` argument of ``Pool``."""
+    if isinstance(device, Device):
+        if capacity is not None:
+            raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
+        return device
+    kind, index = parse_device(device, capacity)
+    if kind == "sim":
+        return SimDevice(capacity if capacity is not None else "4GiB")
+    return CudaDevice(index)

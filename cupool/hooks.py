@@ -103,13 +103,19 @@ def _check_device_pool(pool: object, caller: str) -> Pool:
 def current_pool(device: int | None = None) -> Pool:
     """The pool allocations of this thread go to: ``using`` first, then ``install``, then the default."""
     index = _current_device() if device is None else device
+    return existing_pool(index) or default_pool(index)
+
+
+def existing_pool(device: int | None = None) -> Pool | None:
+    """Like ``current_pool``, but None rather than creating the default pool."""
+    index = _current_device() if device is None else device
     for pool in reversed(getattr(_local, "pools", ())):
         if pool.device.index == index:
             return pool
     inst = _installed
     if inst is not None and inst.pool is not None and inst.pool.device.index == index:
         return inst.pool
-    return default_pool(index)
+    return _default_pools.get(index)
 
 
 # --------------------------------------------------------------------- CuPy
@@ -194,18 +200,17 @@ def using(pool: Pool) -> Iterator[Pool]:
 
 
 # ----------------------------------------------------------------- process
-def _global_cupy_allocator(cupy: Any) -> Any:
-    """CuPy's process-wide allocator, even when this thread has a ``using_allocator`` active."""
-    mem = cupy.cuda.memory
-    get_tl, set_tl = getattr(mem, "_get_thread_local_allocator", None), getattr(mem, "_set_thread_local_allocator", None)
-    if get_tl is None or set_tl is None:
-        return cupy.cuda.get_allocator()
-    tl = get_tl()
-    set_tl(None)
+def _outside_using(caller: str) -> None:
+    """CuPy refuses to change its global allocator inside ``using_allocator``: say so in cupool's words."""
+    if getattr(_local, "pools", None):
+        raise RuntimeError(f"{caller} changes the whole process; call it outside `with cupool.using(...)`")
     try:
-        return cupy.cuda.get_allocator()
-    finally:
-        set_tl(tl)
+        from cupy.cuda import memory
+    except ImportError:
+        return
+    get_tl = getattr(memory, "_get_thread_local_allocator", None)
+    if get_tl is not None and get_tl() is not None:
+        raise RuntimeError(f"{caller} changes the whole process; call it outside `cupy.cuda.using_allocator(...)`")
 
 
 def _numba_driver() -> Any:
@@ -226,6 +231,7 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> 
             raise TypeError(f"install(): {name} must be True or False, got {flag!r}")
     if pool is not None:
         _check_device_pool(pool, "install()")
+    _outside_using("install()")
     with _install_lock:
         if _installed is not None:
             raise RuntimeError("cupool.install(): cupool is already installed; call cupool.uninstall() first")
@@ -235,20 +241,23 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> 
 def _install(pool: Pool | None, cupy: bool, numba: bool) -> Pool:
     global _installed
     target = pool if pool is not None else default_pool()
-    cupy_prev = numba_prev = _NOTHING
+    # Everything that can fail to import does so before anything is changed.
     if cupy:
         import cupy as cp
 
         alloc = cupy_allocator(pool)
-        cupy_prev = _global_cupy_allocator(cp)
-        cp.cuda.set_allocator(alloc)
     if numba:
         from numba import cuda as ncuda
 
         from .numba import CupoolMemoryManager
 
+        driver = _numba_driver()
+    cupy_prev = numba_prev = _NOTHING
+    if cupy:
+        cupy_prev = cp.cuda.get_allocator()
+        cp.cuda.set_allocator(alloc)
+    if numba:
         try:
-            driver = _numba_driver()
             numba_prev = getattr(driver, "_memory_manager", None)
             ncuda.set_memory_manager(CupoolMemoryManager)
         except BaseException:
@@ -262,6 +271,7 @@ def _install(pool: Pool | None, cupy: bool, numba: bool) -> Pool:
 def uninstall() -> None:
     """Undo ``install()``: CuPy's and Numba's previous allocators are back."""
     global _installed
+    _outside_using("uninstall()")
     with _install_lock:
         inst = _installed
         if inst is None:

@@ -8,8 +8,9 @@ pinned host memory comes from a ``PinnedPool``.
 
 Unlike plugins that raise ``NotImplementedError`` from ``get_memory_info``
 (which breaks code sizing its batches from it), the figures are real: free is
-what the device has free plus what the pool holds cached, since a request up to
-that much can be served.
+what the pool may still grow by (the device's free memory, capped by the pool's
+limit) plus what it holds cached.  That is an upper bound, as cudaMemGetInfo's is:
+fragmentation can still refuse a single request of that size.
 
 Works whether ``numba.cuda`` is Numba's built-in target or the numba-cuda
 package: both export the EMM base classes from ``numba.cuda``.
@@ -35,15 +36,11 @@ try:
     _MemoryInfo = _cuda.MemoryInfo
     _PinnedMemory = _cuda.PinnedMemory
     _MappedMemory = _cuda.MappedMemory
-except AttributeError:  # NUMBA_ENABLE_CUDASIM: the simulator has no EMM interface
-    from numba.cuda.cudadrv.driver import (  # noqa: E402
-        GetIpcHandleMixin as _IpcMixin,
-        HostOnlyCUDAMemoryManager as _HostOnly,
-        MappedMemory as _MappedMemory,
-        MemoryInfo as _MemoryInfo,
-        MemoryPointer as _MemoryPointer,
-        PinnedMemory as _PinnedMemory,
-    )
+except AttributeError:
+    raise ImportError(
+        "cupool.numba needs Numba's CUDA target; the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "
+        "has no external memory manager interface"
+    ) from None
 
 _pinned_pool: PinnedPool | None = None
 _pinned_lock = threading.Lock()
@@ -131,19 +128,23 @@ class CupoolMemoryManager(_IpcMixin, _HostOnly):
         if wc:  # write-combined memory is a different kind of page; Numba's own path allocates it
             return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
         a = self.pinned_pool.malloc(size)
-        finalizer = self._finalizer(a)
         if mapped:  # pool segments are allocated mapped and portable
-            mem = _MappedMemory(self.context, _host_pointer(a.ptr), size, finalizer=finalizer)
+            # Numba keeps mapped memory in self.allocations; the finalizer must take it
+            # out again, or the pool's next block at this address collides with it.
+            mem = _MappedMemory(self.context, _host_pointer(a.ptr), size, finalizer=self._finalizer(a, a.ptr))
             self.allocations[a.ptr] = mem
             return mem.own()
-        return _PinnedMemory(self.context, _host_pointer(a.ptr), size, finalizer=finalizer)
+        return _PinnedMemory(self.context, _host_pointer(a.ptr), size, finalizer=self._finalizer(a))
 
     def get_memory_info(self) -> Any:
         pool = self.pool
         free, total = pool.device.mem_info()
         s = pool.stats()
-        cached = s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
-        return _MemoryInfo(free=free + cached, total=total)
+        reserved = s["reserved_bytes.all.current"]
+        cached = reserved - s["allocated_bytes.all.current"]
+        # The pool may grow by what the device has free, but no further than its limit.
+        growth = min(free, max(0, pool.limit - reserved))
+        return _MemoryInfo(free=growth + cached, total=total)
 
     @contextlib.contextmanager
     def defer_cleanup(self) -> Iterator[None]:
@@ -167,7 +168,10 @@ class CupoolMemoryManager(_IpcMixin, _HostOnly):
         with self._defer_lock:
             release, self._deferred = self._deferred, []
         _let_go(release)
-        self.pool.empty_cache()
+        # Numba may reset a context that never allocated: empty pools, create none.
+        pool = self._pool if self._pool is not None else hooks.existing_pool(self._device_index())
+        if pool is not None:
+            pool.empty_cache()
         if self._pinned is not None or _pinned_pool is not None:
             self.pinned_pool.empty_cache()
 
@@ -176,7 +180,7 @@ class CupoolMemoryManager(_IpcMixin, _HostOnly):
         return 1
 
     # -- internals --------------------------------------------------------------
-    def _finalizer(self, a: Allocation) -> Any:
+    def _finalizer(self, a: Allocation, mapped_key: int | None = None) -> Any:
         """What Numba calls when the pointer dies: defer, or let the allocation go.
 
         Numba runs it from a ``weakref.finalize``, i.e. possibly from the garbage
@@ -187,6 +191,8 @@ class CupoolMemoryManager(_IpcMixin, _HostOnly):
         holder = [a]
 
         def finalize() -> None:
+            if mapped_key is not None:
+                self.allocations.pop(mapped_key, None)
             with self._defer_lock:
                 if self._defer_depth:
                     self._deferred.append(holder.pop())

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .device import CudaDevice, Device, SimDevice, _HostView, cuda_available
+from .device import CudaDevice, Device, SimDevice, _HostView, parse_device
 from .errors import DeviceOutOfMemory
 from .pool import Pool
 
@@ -98,23 +98,10 @@ def _pinned_device(device: str | Device, capacity: int | str | None) -> Device:
         if capacity is not None:
             raise ValueError("capacity: pass it to the SimPinnedDevice you built, not to the pool")
         return device
-    if not isinstance(device, str):
-        raise TypeError(f"device must be 'auto', 'sim', 'cuda', 'cuda:N' or a pinned Device, got {device!r}")
-    spec = device.strip().lower()
-    if spec == "auto":
-        spec = "cuda" if cuda_available() else "sim"
-    if spec == "sim":
+    kind, index = parse_device(device, capacity, note_fallback=False)
+    if kind == "sim":
         return SimPinnedDevice(capacity if capacity is not None else "1GiB")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        if capacity is not None:
-            raise ValueError("capacity: only the sim flavour has a configurable size; use max_size with CUDA")
-        idx = spec.partition(":")[2] or "0"
-        if not idx.isdigit():
-            raise ValueError(f"device: cannot read a device index from {device!r}")
-        if not cuda_available():
-            raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
-        return CudaPinnedDevice(int(idx))
-    raise ValueError(f"device must be 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")
+    return CudaPinnedDevice(index)
 
 
 class PinnedPool(Pool):

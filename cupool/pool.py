@@ -53,6 +53,21 @@ _KIND_NAMES = ("small_pool", "large_pool")
 _N_ALLOC, _N_SEG, _B_ALLOC, _B_RES, _B_REQ = range(5)
 _STAT_NAMES = ("allocation", "segment", "allocated_bytes", "reserved_bytes", "requested_bytes")
 
+# The thread Python's garbage collector is running in, if any.  A finalizer that
+# frees pool memory during a collection may find the pool's lock held by that very
+# thread, interrupted inside a pool operation (any allocation there can trigger a
+# collection): it must queue its free, not wait (see Pool._lock_unless_collecting).
+# Other threads are unaffected: finalizers may release the GIL mid-collection.
+_collecting_thread: int | None = None
+
+
+def _gc_phase(phase: str, info: dict) -> None:
+    global _collecting_thread
+    _collecting_thread = threading.get_ident() if phase == "start" else None
+
+
+gc.callbacks.append(_gc_phase)
+
 # The fast path folds its accounting log into the tables once it is this long (see Pool._fold).
 _LOG_MAX = 4096
 # Below this many entries a fold is cheaper in plain Python than through numpy.
@@ -106,13 +121,16 @@ class Allocation:
                 lock = pool._lock
                 if lock.acquire(False):
                     try:
+                        if pool._observers:  # subscribed meanwhile: it must see this free
+                            pool._release(self)
+                            return
                         self._block = None
                         stack = pool._stacks.get((block.size, self.stream))
                         if stack is None:
                             pool._stacks[(block.size, self.stream)] = [block]
                         else:
                             stack.append(block)
-                        pool._log.append(-1 - self.size)  # bounded by the malloc side's check
+                        pool._log.append(-1 - self.size)  # folded at the next malloc past _LOG_MAX, or any read
                         if pool._pending:
                             pool._drain()
                     finally:
@@ -261,7 +279,8 @@ class Pool:
     def _malloc_key(self, n: int, key: Any) -> Allocation:
         """``malloc`` for a validated size and stream key (the hooks call this directly)."""
         lock = self._lock
-        lock.acquire()
+        if not lock.acquire(False):
+            self._lock_unless_collecting("malloc()")
         try:
             # Fast path: an exact-size block parked by a free on this stream.
             stack = self._stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, key))
@@ -296,12 +315,19 @@ class Pool:
             raise TypeError(f"free() takes an Allocation from Pool.malloc, got {type(allocation).__name__}")
         if allocation._pool is not self:
             raise ForeignAllocationError(allocation.ptr)
-        with self._lock:
+        if not self._lock.acquire(False) and not self._lock_unless_collecting():
+            if allocation._block is None:
+                raise DoubleFreeError(allocation.ptr)
+            self._pending.append(allocation)  # a finalizer during a collection: the lock holder frees it
+            return
+        try:
             if allocation._block is None:
                 raise DoubleFreeError(allocation.ptr)
             self._release(allocation)
             if self._pending:
                 self._drain()
+        finally:
+            self._lock.release()
 
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32, stream: Any = None) -> Any:
         """An uninitialised array (numpy on sim, CuPy on CUDA) whose memory returns to the pool when it dies."""
@@ -336,7 +362,9 @@ class Pool:
         key = self.device.stream_key(stream)
         if on_move is not None and not callable(on_move):
             raise TypeError(f"on_move must be callable, got {on_move!r}")
-        with self._lock:
+        if not self._lock.acquire(False):
+            self._lock_unless_collecting("movable()")
+        try:
             if self._pending:
                 self._drain()
             block, kind = self._take(n, key, exact=True)
@@ -345,7 +373,9 @@ class Pool:
             block.payload = weakref.ref(m)
             self._movables += 1
             if self._observers:
-                self._emit("alloc", block.addr, block.size, key)
+                self._emit("alloc_movable", block.addr, block.size, key)
+        finally:
+            self._lock.release()
         if self._moved_pending:
             self._notify_moves()
         if self._sites is not None:
@@ -506,9 +536,25 @@ class Pool:
     def subscribe(self, callback: Callable[[tuple], None]) -> Callable[[], None]:
         """Call ``callback((t_ns, kind, address, size, stream))`` for every pool event.
 
-        Kinds: alloc, free, segment_alloc, segment_free, oom.  The callback runs with
-        the pool's lock held: it must not call back into the pool.  Returns a function
-        that unsubscribes.  With no subscriber, events cost one truth test.
+        Blocks (``size`` is the block's, i.e. rounded, size):
+
+        - ``alloc`` / ``free``: a raw allocation (malloc, empty, CuPy, Numba) handed
+          out or returned;
+        - ``alloc_movable`` / ``free_movable``: a movable buffer's device block taken
+          or given back (on creation and restore; on free and spill);
+        - ``move_out`` then ``move_in``: compaction moved a movable block from the
+          first address to the second;
+        - ``segment_alloc`` / ``segment_free``: device memory taken or returned.
+
+        Annotations: ``oom`` (size requested), ``compact`` (size: bytes moved),
+        ``spill`` / ``restore`` (after the matching free_movable / alloc_movable) and
+        ``reclaim:<step>`` (see ``cupool.scheduler``); their address is 0 unless it
+        names a block.
+
+        The callback runs with the pool's lock held: it must not call back into the
+        pool, and an exception it raises propagates into the pool operation that
+        emitted the event, so it should not raise.  Returns a function that
+        unsubscribes.  With no subscriber, events cost one truth test.
         """
         if not callable(callback):
             raise TypeError(f"subscribe() takes a callable, got {callback!r}")
@@ -564,16 +610,20 @@ class Pool:
     def spill(self, nbytes: int | str | None = None) -> int:
         """Take unleased movable buffers off the device now, first victims first per ``spill_policy``.
 
-        Spills until at least ``nbytes`` have left (None: every buffer that may) and
-        returns the bytes spilled; each buffer comes back on its next ``.array()``.
+        Spills until at least ``nbytes`` have left (None: every buffer that may),
+        gives the segments that emptied back to the device, and returns the bytes
+        spilled; each buffer comes back on its next ``.array()``.
         Needs ``Pool(spill=...)``; a tier that fails raises ``cupool.SpillError`` and
         the buffer it was writing stays on the device.
         """
         n = None if nbytes is None else parse_size(nbytes, name="nbytes")
-        with self._lock:
-            self._drain()
-            done = self.scheduler.spill(n)
-        self._notify_moves()
+        try:
+            with self._lock:
+                self._drain()
+                done = self.scheduler.spill(n)
+                self._release_free_segments()
+        finally:
+            self._notify_moves()  # buffers spilled before a failure were still moved
         return done
 
     def _site_tracker(self, caller: str) -> SiteTracker:
@@ -634,6 +684,8 @@ class Pool:
         except (DeviceOutOfMemory, _LimitReached):
             pass
         self._retries += 1
+        if self._log:  # the ladder's steps and the scheduler read the tables
+            self._fold()
         for _, step in self._ladder:
             if step():
                 block = heap.find(size, key)
@@ -740,7 +792,7 @@ class Pool:
         self._account(kind, _B_ALLOC, -size)
         self._account(kind, _B_REQ, -a.size)
         if self._observers:
-            self._emit("free", block.addr, size, key)
+            self._emit("free" if type(a) is Allocation else "free_movable", block.addr, size, key)
         self._dirty.add(key)
         self._compaction_stale = True
         merged = heap.give(block, key, self._epoch.get(key, 0))
@@ -748,6 +800,24 @@ class Pool:
             seg = merged.segment
             if not seg.used and not seg.keep and self._cur[_B_RES][2] > self.release_threshold:
                 self._drop_segment(kind, seg)
+
+    def _lock_unless_collecting(self, what: str | None = None) -> bool:
+        """Wait for the lock after a failed try, unless a garbage collection is running.
+
+        During a collection the holder may be this very thread, interrupted inside a
+        pool operation, so waiting could deadlock.  Frees (``what`` None) then return
+        False and queue; anything else raises, naming the call.
+        """
+        if _collecting_thread != threading.get_ident():
+            self._lock.acquire()
+            return True
+        if what is None:
+            return False
+        raise RuntimeError(
+            f"cupool: {what} was called from a finalizer while a garbage collection had "
+            "interrupted a pool operation; it would deadlock.  Free memory in finalizers, "
+            "but allocate outside them."
+        )
 
     def _free_from_finalizer(self, a: Allocation | Movable | _Lease) -> None:
         """Free on behalf of a finalizer, which may run inside the pool's own critical section.
@@ -795,7 +865,7 @@ class Pool:
             self._stacks[(block.size, a.stream)] = [block]
         else:
             stack.append(block)
-        self._log.append(-1 - a.size)  # bounded by the malloc side's check
+        self._log.append(-1 - a.size)  # folded at the next malloc past _LOG_MAX, or any read
         return True
 
     def _unpark(self) -> int:
@@ -921,7 +991,9 @@ class Pool:
         need = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
         if need > m.size:
             raise ValueError(f"an array of shape {shape_t} and dtype {dt} needs {need} bytes; the buffer has {m.size}")
-        with self._lock:
+        if not self._lock.acquire(False):
+            self._lock_unless_collecting("Movable.array()")
+        try:
             if m._freed:
                 raise ValueError("array() on a freed movable buffer")
             if m._block is None:
@@ -929,6 +1001,8 @@ class Pool:
             m._leases += 1
             m.last_used = time.perf_counter_ns()
             ptr = m._block.addr
+        finally:
+            self._lock.release()
         if self._moved_pending:
             self._notify_moves()
         # Built outside the lock: if it fails, the lease dies and unpins at once.
@@ -948,12 +1022,19 @@ class Pool:
             raise TypeError(f"expected a Movable, got {type(m).__name__}")
         if m._pool is not self:
             raise ForeignAllocationError(m.ptr or 0)
-        with self._lock:
+        if not self._lock.acquire(False) and not self._lock_unless_collecting():
+            if m._freed:
+                raise DoubleFreeError(m.ptr or 0, "the movable buffer was already freed")
+            self._pending.append(m)  # a finalizer during a collection: the lock holder frees it
+            return
+        try:
             if m._freed:
                 raise DoubleFreeError(m.ptr or 0, "the movable buffer was already freed")
             m._freed = True
             if not m._leases:
                 self._drop_movable(m)
+        finally:
+            self._lock.release()
 
     def _drop_movable(self, m: Movable) -> int:
         """Give back a freed movable's device block (or spilled copy) once no lease remains."""
@@ -1012,7 +1093,7 @@ class Pool:
         nbytes = sum(x.nbytes for x in moves)
         self._compaction_stale = False
         if self._observers:
-            self._emit("compact", 0, nbytes, len(moves))
+            self._emit("compact", 0, nbytes, 0)
         return CompactionReport(
             moves=len(moves),
             bytes_moved=nbytes,
@@ -1048,7 +1129,8 @@ class Pool:
             if m.on_move is not None:
                 self._moved_pending.append((m, x.src, x.dst))
             if self._observers:
-                self._emit("move", x.dst, x.nbytes, x.src)
+                self._emit("move_out", x.src, x.nbytes, m.stream)
+                self._emit("move_in", x.dst, x.nbytes, m.stream)
         self._bytes_moved += sum(x.nbytes for x in moves)
 
     def _notify_moves(self) -> None:
@@ -1057,18 +1139,15 @@ class Pool:
             m, old, new = self._moved_pending.popleft()
             m.on_move(m, old, new)
 
-    def _unplace(self, m: Movable, copy: bool = True) -> np.ndarray | None:
-        """Copy an unleased movable's bytes to the host and free its device block (spilling).
+    def _unplace(self, m: Movable) -> None:
+        """Free an unleased movable's device block; it lives on in its spill copy.
 
-        The caller holds the lock and stores the returned bytes somewhere ``m._spilled``
-        can load them from.  ``copy=False`` skips the copy (and returns None) for a
-        caller that saved the bytes itself: the spill tiers copy straight into their
-        own storage, before the block is freed, so that a failed spill loses nothing.
+        The caller holds the lock and has already copied the bytes out (which waits
+        for the device) and set ``m._spilled``: copying first is what lets a failed
+        spill lose nothing.
         """
         if m._leases or m._block is None:
             raise ValueError(f"{m!r} cannot leave the device (leased or already off it)")
-        self.device.synchronize()
-        data = self.device.to_host(m._block.addr, m.size) if copy else None
         old = m._block.addr
         self._movables -= 1
         self._release(m)
@@ -1076,13 +1155,12 @@ class Pool:
         m.generation += 1
         if self._observers:
             self._emit("spill", old, m.size, m.stream)
-        return data
 
     def _restore(self, m: Movable) -> None:
         """Bring a spilled movable back: a fresh block (through the whole ladder), then its bytes."""
         handle = m._spilled
         data = handle.load()
-        block, kind = self._take(m.size, m.stream)
+        block, kind = self._take(m.size, m.stream, exact=True)
         block.payload = weakref.ref(m)
         m._block, m._kind = block, kind
         self._movables += 1
@@ -1091,6 +1169,7 @@ class Pool:
         m._spilled = None
         m.generation += 1
         if self._observers:
+            self._emit("alloc_movable", block.addr, block.size, m.stream)
             self._emit("restore", block.addr, m.size, m.stream)
 
     # ----------------------------------------------------------------- segments
@@ -1134,6 +1213,8 @@ class Pool:
             t[2] -= delta
 
     def _fragmentation(self) -> float:
+        if self._log:
+            self._fold()
         reserved = self._cur[_B_RES][2]
         return (reserved - self._cur[_B_ALLOC][2]) / reserved if reserved else 0.0
 

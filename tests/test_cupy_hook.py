@@ -1,5 +1,6 @@
 """CuPy on cupool without a GPU: CuPy builds ndarrays on a custom allocator's memory as long as no kernel runs."""
 
+import sys
 import threading
 
 import cupy
@@ -86,23 +87,32 @@ def test_using_restores_after_an_exception(pool):
 
 
 def test_using_is_thread_local(pool):
+    """Another thread keeps the process-wide allocator while this one is inside using()."""
+    process_pool = cupool.Pool("sim", capacity="16MiB")
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(cupool.cupy_allocator(process_pool))
     seen = {}
     inside, done = threading.Event(), threading.Event()
 
     def other_thread():
         inside.wait()
-        seen["alloc"] = cupy.cuda.get_allocator()
+        seen["array"] = cupy.empty((1000,), np.float32)
+        seen["live"] = (live(pool), live(process_pool))
         done.set()
 
     t = threading.Thread(target=other_thread)
-    t.start()
-    with cupool.using(pool):
-        mine = cupy.cuda.get_allocator()
-        inside.set()
-        done.wait(10)
-    t.join()
-    assert seen["alloc"] is not mine
-    assert live(pool) == 0
+    try:
+        t.start()
+        with cupool.using(pool):
+            x = cupy.empty((10,), np.float32)
+            inside.set()
+            done.wait(10)
+        t.join()
+    finally:
+        cupy.cuda.set_allocator(previous)
+    assert seen["live"] == (1, 1)  # this thread's x in pool, the other's array in process_pool
+    del x, seen
+    assert live(pool) == 0 and live(process_pool) == 0
 
 
 def test_install_routes_everywhere_and_uninstall_restores(pool):
@@ -292,3 +302,27 @@ def test_cupy_workload_on_a_gpu_matches_cupys_own_pool():
         assert pool.stats()["allocation.all.allocated"] > 0
     for e, g in zip(expected, got):
         np.testing.assert_array_equal(e, g)
+
+
+def test_a_failed_install_changes_nothing(pool, monkeypatch):
+    """E.g. under NUMBA_ENABLE_CUDASIM, where cupool.numba cannot be imported."""
+    before = cupy.cuda.get_allocator()
+    monkeypatch.setitem(sys.modules, "cupool.numba", None)  # makes the import fail
+    with pytest.raises(ImportError):
+        cupool.install(pool)
+    assert cupy.cuda.get_allocator() is before and not cupool.hooks.installed()
+    with pytest.raises(RuntimeError, match="not installed"):
+        cupool.uninstall()
+
+
+def test_install_and_uninstall_inside_using_are_refused_clearly(pool):
+    with cupool.using(pool):
+        with pytest.raises(RuntimeError, match="outside"):
+            cupool.install(pool)
+    assert not cupool.hooks.installed()
+    cupool.install(pool, numba=False)
+    with cupool.using(pool):
+        with pytest.raises(RuntimeError, match="outside"):
+            cupool.uninstall()
+    assert cupool.hooks.installed()
+    cupool.uninstall()

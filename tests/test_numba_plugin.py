@@ -2,6 +2,7 @@
 
 import gc
 import importlib
+import weakref
 
 import numpy as np
 import pytest
@@ -138,3 +139,50 @@ def test_bad_pools_are_refused():
         CupoolMemoryManager(context=None, pool="sim")
     with pytest.raises(TypeError, match="pinned_pool must be"):
         CupoolMemoryManager(context=None, pinned_pool=cupool.Pool("sim", capacity="4MiB"))
+
+
+class _StandInMapped(driver.AutoFreePointer):
+    """MappedMemory without the driver call its constructor makes (cuMemHostGetDevicePointer)."""
+
+    __cuda_memory__ = True
+
+    def __init__(self, context, pointer, size, owner=None, finalizer=None):
+        self.host_pointer = pointer
+        addr = pointer if isinstance(pointer, int) else pointer.value
+        super().__init__(context, cupool.numba._device_pointer(addr), size, finalizer=finalizer)
+
+    def own(self):
+        return driver.OwnedPointer(weakref.proxy(self))
+
+
+def test_mapped_host_memory_leaves_numbas_books_when_it_dies(mm, pinned, monkeypatch):
+    monkeypatch.setattr(cupool.numba, "_MappedMemory", _StandInMapped)
+    h = mm.memhostalloc(4096, mapped=True)
+    assert live(pinned) == 1 and len(mm.allocations) == 1
+    del h
+    gc.collect()
+    assert live(pinned) == 0 and len(mm.allocations) == 0
+    h2 = mm.memhostalloc(4096, mapped=True)  # the same address again: no collision
+    assert live(pinned) == 1
+    del h2
+
+
+def test_get_memory_info_respects_the_pools_limit():
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="16MiB")
+    mm = CupoolMemoryManager(context=None, pool=pool)
+    info = mm.get_memory_info()
+    assert info.free == 16 * MiB and info.total == 64 * MiB
+    p = mm.memalloc(3 * MiB)  # a 20 MiB segment would pass the limit: the pool takes 4 MiB
+    info = mm.get_memory_info()
+    assert info.free == 16 * MiB - 3 * MiB
+    with pytest.raises(cupool.OutOfMemoryError):
+        mm.memalloc(info.free + 1)
+    del p
+
+
+def test_reset_creates_no_pool(monkeypatch):
+    made = []
+    monkeypatch.setattr(cupool.hooks, "_default_pools", {})
+    monkeypatch.setattr(cupool.hooks, "default_pool", lambda *a, **k: made.append(a) or pytest.fail("made a pool"))
+    CupoolMemoryManager(context=None).reset()
+    assert made == []

@@ -3,6 +3,8 @@
 import gc
 import logging
 import pickle
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -448,3 +450,41 @@ def test_finalizer_during_malloc_is_deferred_not_reentrant(pool, monkeypatch):
     b = pool.malloc(1000)
     pool.check()
     assert pool.stats()["allocation.all.current"] == 1
+
+
+_REENTRANT_FREE = """
+import gc, sys, cupool
+p = cupool.Pool("sim", capacity="16MiB")
+raised = []
+sys.unraisablehook = lambda u: raised.append(repr(u.exc_value))
+
+class Holder:
+    def __init__(self, a, m):
+        self.a, self.m, self.me = a, m, self
+    def __del__(self):
+        self.a.free()          # explicit frees from a finalizer run by the ladder's gc.collect()
+        self.m.free()
+
+class Allocator:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        p.malloc(10)           # allocating there cannot be served: a clear error, not a hang
+
+for _ in range(3):
+    Holder(p.malloc(12 << 20), p.movable(1 << 20))
+Allocator()
+gc.disable()
+b = p.malloc(12 << 20)
+gc.enable()
+p.check()
+assert p.stats()["allocation.all.current"] == 1, p.stats()["allocation.all.current"]
+assert any("finalizer" in r for r in raised), raised
+print("ok")
+"""
+
+
+def test_finalizers_that_free_during_a_collection_do_not_deadlock():
+    """The reclaim ladder's gc.collect() runs user __del__ methods while the pool's lock is held."""
+    r = subprocess.run([sys.executable, "-c", _REENTRANT_FREE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
