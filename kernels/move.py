@@ -27,6 +27,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import cuda
+from sortedcontainers import SortedDict
 
 
 def word_size(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> int:
@@ -71,27 +72,54 @@ def barriers(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> np.ndarray:
     """barrier[m] is 1 when the GPU must finish move m (and those before it) before move m+1.
 
     Move m+1 may run alongside the moves since the last barrier unless it writes a
-    range they read or write, or reads a range they write.  Pure Python: move lists
-    are short next to the bytes they carry.
+    range they read or write, or reads a range they write.  The ranges since the
+    last barrier are kept merged and sorted, so a whole list costs O(n log n).
     """
     out = np.zeros(src.size, dtype=np.int8)
-    reads: list[tuple[int, int]] = []
-    writes: list[tuple[int, int]] = []
+    touched, written = _Ranges(), _Ranges()
     for m in range(src.size):
         s, d, c = int(src[m]), int(dst[m]), int(n[m])
-        r, w = (s, s + c), (d, d + c)
-        if any(_overlap(w, x) for x in reads + writes) or any(_overlap(r, x) for x in writes):
+        if touched.overlaps(d, d + c) or written.overlaps(s, s + c):
             out[m - 1] = 1
-            reads, writes = [], []
-        reads.append(r)
-        writes.append(w)
+            touched, written = _Ranges(), _Ranges()
+        touched.add(s, s + c)
+        touched.add(d, d + c)
+        written.add(d, d + c)
     if src.size:
         out[-1] = 1
     return out
 
 
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+class _Ranges:
+    """A union of half-open ranges, kept as disjoint sorted ranges."""
+
+    def __init__(self) -> None:
+        self._ends = SortedDict()  # start -> end
+
+    def overlaps(self, a: int, b: int) -> bool:
+        if a >= b:
+            return False
+        i = self._ends.bisect_right(a) - 1  # the last range starting at or before a
+        if i >= 0 and self._ends.peekitem(i)[1] > a:
+            return True
+        j = self._ends.bisect_left(a)  # the first range starting after a
+        return j < len(self._ends) and self._ends.peekitem(j)[0] < b
+
+    def add(self, a: int, b: int) -> None:
+        if a >= b:
+            return
+        ends = self._ends
+        i = ends.bisect_right(a) - 1
+        if i >= 0 and ends.peekitem(i)[1] >= a:  # touches the range before: start there
+            a = ends.peekitem(i)[0]
+        k = ends.bisect_left(a)
+        while k < len(ends):
+            start, end = ends.peekitem(k)
+            if start > b:
+                break
+            b = max(b, end)
+            del ends[start]
+        ends[a] = b
 
 
 @cuda.jit

@@ -109,3 +109,27 @@ def test_cuda_kernel_under_the_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     r = subprocess.run([sys.executable, "-c", _CUDASIM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def _barriers_reference(src, dst, n):
+    """The rule, stated plainly and quadratically."""
+    out = [0] * len(src)
+    reads, writes = [], []
+    over = lambda a, b: a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]  # noqa: E731  (empty: none)
+    for m in range(len(src)):
+        r, w = (src[m], src[m] + n[m]), (dst[m], dst[m] + n[m])
+        if any(over(w, x) for x in reads + writes) or any(over(r, x) for x in writes):
+            out[m - 1] = 1
+            reads, writes = [], []
+        reads.append(r)
+        writes.append(w)
+    if len(src):
+        out[-1] = 1
+    return out
+
+
+@given(move_lists(unit=1))
+def test_barriers_match_the_plain_rule(moves):
+    src, dst, n = ([m[i] for m in moves] for i in range(3))
+    got = barriers(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(n, dtype=np.int64))
+    assert got.tolist() == _barriers_reference(src, dst, n)
