@@ -1,28 +1,25 @@
 """cupool: one GPU device-memory pool for CuPy and Numba.
 
-Best fit with split and coalesce, stream-aware reuse, PyTorch-style statistics,
-and a simulated device so the same pool runs (and is tested) without a GPU.
+Best fit with split and coalesce, stream-aware reuse, compaction of movable
+buffers, spilling under pressure, PyTorch-style statistics and traces, and a
+simulated device so the same pool runs (and is tested) without a GPU.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from ._units import format_bytes, parse_size
-from .device import CudaDevice, Device, SimDevice
-from .errors import (
-    DoubleFreeError,
-    ForeignAllocationError,
-    InvalidFreeError,
-    OutOfMemoryError,
-)
-from .pool import Allocation, Pool
-from .replay import ReplayResult
-from .trace import EventRecorder, Trace, TraceError, load_trace
-from .hooks import cupy_allocator, default_pool, install, uninstall, using
-from .pinned import PinnedPool
 from .batch import BatchSizer
+from .device import CudaDevice, Device, SimDevice
+from .errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
+from .hooks import cupy_allocator, default_pool, install, uninstall, using
 from .monitor import Alert, Monitor
+from .movable import Movable
+from .pinned import PinnedPool
+from .pool import Allocation, CompactionReport, Pool
+from .replay import ReplayResult
 from .scheduler import Decision
-from .spill import SpillError
+from .spill import HDF5Tier, HostTier, SpillError
+from .trace import EventRecorder, Trace, TraceError, load_trace
 
 try:
     __version__ = version("cupool")
@@ -32,29 +29,33 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "Alert",
     "Allocation",
-    "EventRecorder",
     "BatchSizer",
+    "CompactionReport",
     "CudaDevice",
     "Decision",
     "Device",
     "DoubleFreeError",
+    "EventRecorder",
     "ForeignAllocationError",
+    "HDF5Tier",
+    "HostTier",
     "InvalidFreeError",
     "Monitor",
+    "Movable",
     "OutOfMemoryError",
+    "PinnedPool",
     "Pool",
+    "ReplayResult",
     "SimDevice",
     "SpillError",
-    "format_bytes",
-    "parse_size",
-    "ReplayResult",
     "Trace",
     "TraceError",
-    "load_trace",
-    "PinnedPool",
     "cupy_allocator",
     "default_pool",
+    "format_bytes",
     "install",
+    "load_trace",
+    "parse_size",
     "uninstall",
     "using",
 ]

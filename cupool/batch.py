@@ -15,6 +15,7 @@ shrink for memory nobody is using.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from .pool import _B_ALLOC, Pool
@@ -38,9 +39,14 @@ class _PeakWatch:
         self.peak = 0
 
     def __call__(self, event: tuple) -> None:
-        now = self.pool._cur[_B_ALLOC][2]
-        if now > self.peak:
-            self.peak = now
+        self.peak = max(self.peak, self.allocated())
+
+    def allocated(self) -> int:
+        """Allocated bytes now, counting the frees the fast path has only logged (lock held)."""
+        pool = self.pool
+        if pool._log:
+            pool._fold()
+        return pool._cur[_B_ALLOC][2]
 
 
 class BatchSizer:
@@ -74,9 +80,10 @@ class BatchSizer:
         self._low = round(target - _BAND, 9)
         self.last_usage: float | None = None
         self._watch = _PeakWatch(pool)
-        with pool._lock:
-            self._watch.peak = pool._cur[_B_ALLOC][2]
+        # Subscribed first, so that no allocation falls between the reading and the watch.
         weakref.finalize(self, pool.subscribe(self._watch))
+        with pool._lock:
+            self._watch.peak = max(self._watch.peak, self._watch.allocated())
 
     def update(self, usage: float | None = None) -> int:
         """Adjust the batch to the usage of the step just done; returns the new batch size.
@@ -88,9 +95,11 @@ class BatchSizer:
             pool = self.pool
             with pool._lock:
                 usage = self._watch.peak / pool.limit
-                self._watch.peak = pool._cur[_B_ALLOC][2]
-        elif isinstance(usage, bool) or not isinstance(usage, (int, float)) or usage < 0:
-            raise ValueError(f"usage must be a number >= 0, got {usage!r}")
+                self._watch.peak = self._watch.allocated()
+        elif isinstance(usage, bool) or not isinstance(usage, (int, float)):
+            raise TypeError(f"usage must be a number (a fraction of the pool's limit) or None, got {usage!r}")
+        elif not math.isfinite(usage) or usage < 0:
+            raise ValueError(f"usage must be a finite number >= 0, got {usage!r}")
         b = self.batch
         if usage > self._high:
             # round, then insist on a step, so that small batches move at all

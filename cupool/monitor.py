@@ -41,6 +41,8 @@ log = logging.getLogger("cupool")
 SEVERITY_BANDS = ((0.15, "good"), (0.30, "moderate"), (0.40, "serious"))
 
 _LEVELS = ("ok", "warning", "critical")
+#: Events emitted inside a pool operation, before the books reach a state a caller can see.
+_MID_OPERATION = frozenset({"segment_alloc", "move_out", "move_in"})
 _LOG_LEVEL = {"ok": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
 
 
@@ -160,7 +162,7 @@ class Monitor:
         self._thread.start()
         self._unsubscribe = pool.subscribe(self._on_event)
         with pool._lock:
-            self._evaluate(consistent=True)
+            self._evaluate()
 
     # ----------------------------------------------------------------- public
     def add_callback(self, callback: Callable[[Alert], Any]) -> None:
@@ -200,20 +202,26 @@ class Monitor:
 
     # --------------------------------------------------------------- internals
     def _on_event(self, event: tuple) -> None:
-        # Under the pool's lock.  A segment_alloc comes before its block is taken,
-        # when the books show fresh reserved bytes not yet allocated: fragmentation
-        # would read a spike that no caller ever sees.
-        self._evaluate(consistent=event[1] != "segment_alloc")
+        # Under the pool's lock.  Some events come in the middle of a pool operation,
+        # when the books show a state no caller ever sees: a segment_alloc comes
+        # before its block is taken (fresh reserved bytes, nothing allocated yet), and
+        # the moves of a compaction or a re-home are emitted while the old segment and
+        # its exact-size replacement are both reserved.  Evaluating there would raise
+        # usage and fragmentation alerts for spikes that last no longer than the
+        # operation; the event that ends it (alloc, segment_free, compact, ...) is
+        # evaluated instead.
+        if event[1] not in _MID_OPERATION:
+            self._evaluate()
 
-    def _evaluate(self, consistent: bool) -> None:
+    def _evaluate(self) -> None:
         pool = self.pool
+        if pool._log:  # frees the fast path has only logged so far
+            pool._fold()
         reserved = pool._cur[_B_RES][2]
         allocated = pool._cur[_B_ALLOC][2]
         usage = reserved / pool.limit if pool.limit else 0.0
         frag = (reserved - allocated) / reserved if reserved else 0.0
-        crossings = [(self._usage, usage)]
-        if consistent:
-            crossings.append((self._frag, frag if reserved >= self.min_reserved else 0.0))
+        crossings = ((self._usage, usage), (self._frag, frag if reserved >= self.min_reserved else 0.0))
         for gauge, value in crossings:
             change = gauge.update(value)
             if change is not None:

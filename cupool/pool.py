@@ -164,7 +164,9 @@ class Pool:
     track_sites: remember the allocating line and a short stack of each live
         allocation, for ``leaks()`` and ``largest_allocations()``.
     spill: where unleased movable buffers go when memory runs short: None (never
-        spill), ``"host"`` (pinned host memory) or a path ending in .h5/.hdf5.
+        spill), ``"host"`` (pinned host memory), a path ending in .h5/.hdf5, or a
+        configured tier (``cupool.HostTier()``, ``cupool.HDF5Tier(path, chunk_bytes=...,
+        rdcc_nbytes=...)``).
     spill_policy: ``"lru"``, ``"fifo"`` or ``"adaptive"``: the order of the reclaim
         ladder and of spill victims (see ``cupool.scheduler``).
     """

@@ -20,10 +20,12 @@ runs:
 
 Spilling goes one victim at a time: the pool retries the request after each, so
 no more is spilled than the request needs.  Every step taken is recorded as a
-``Decision`` (``Scheduler.decisions``) and, for subscribers, as an event of kind
-``"reclaim:<step>"`` whose address field holds the bytes given back to the
-device and whose size field holds the bytes of allocations freed.  Spills and
-restores also emit ``"spill"`` and ``"restore"`` events (from the pool).
+``Decision`` (``Scheduler.decisions``, which also has the reserved bytes given
+back to the device) and, for subscribers, as an annotation event of kind
+``"reclaim:<step>"`` with address 0 and size the bytes of allocations freed.
+Spills and restores also emit ``"spill"`` and ``"restore"`` events (from the pool).
+The figures a step is judged by are read after folding the pool's fast-path
+accounting log, so small blocks freed a moment ago count as freed.
 """
 
 from __future__ import annotations
@@ -77,15 +79,18 @@ class Scheduler:
     ) -> None:
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.tier: HostTier | HDF5Tier | None = make_tier(spill, pool.device)
+        self.tier: HostTier | HDF5Tier | None = make_tier(spill, pool)
         self.policy = policy
         self.usage_threshold = usage_threshold
         self.fragmentation_threshold = fragmentation_threshold
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=history)
         self.spills = 0
         self.bytes_spilled = 0
-        self._pool_ref = weakref.ref(pool)  # the pool holds the scheduler
-        self._steps: dict[str, Callable[[], bool]] = dict(pool._ladder)
+        # Weakly, and the ladder's steps by method name: holding the pool or its bound
+        # methods would make a Pool -> Scheduler -> Pool cycle, so a dropped pool (and
+        # its HDF5 spill file) would linger until the cycle collector ran.
+        self._pool_ref = weakref.ref(pool)
+        self._methods = {name: step.__name__ for name, step in pool._ladder}
         self._base = [name for name, _ in pool._ladder]
         self._victims: collections.deque[Movable] | None = None
         self._run_spilled = 0
@@ -95,37 +100,24 @@ class Scheduler:
     # ----------------------------------------------------------------- public
     def order(self) -> list[str]:
         """The order the ladder would run in now (adaptive: for the pool as it is)."""
-        names = list(self._base)
-        if self.tier is not None:
-            names.insert(names.index("gc") if "gc" in names else len(names), "spill")
-        if self.policy == "adaptive":
-            usage, frag = self._figures()
-            if frag >= self.fragmentation_threshold:
-                front = ["compact", "rehome", "spill", "gc"]
-            elif usage >= self.usage_threshold:
-                front = ["spill", "gc", "compact", "rehome"]
-            else:
-                front = ["gc", "compact", "rehome", "spill"]
-            head = [n for n in names if n in _CHEAP]
-            mid = [n for n in front if n in names]
-            names = head + mid + [n for n in names if n not in head and n not in mid]
-        return names
+        pool = self._pool
+        with pool._lock:
+            pool._drain()  # frees queued by finalizers and the fast path's log count
+            return self._order()
 
     def victims(self) -> list[Movable]:
         """Movable buffers that may spill now (on the device, unleased), first victim first."""
-        found = [m for m in _movables(self._pool) if _spillable(m)]
-        if self.policy == "fifo":
-            found.sort(key=lambda m: m.seq)
-        else:
-            found.sort(key=lambda m: (m.last_used, m.seq))
-        return found
+        pool = self._pool
+        with pool._lock:
+            pool._drain()
+            return self._victims_now()
 
     def spill(self, nbytes: int | None) -> int:
         """Spill victims in policy order until ``nbytes`` (None: all) have left the device; with the lock held."""
         if self.tier is None:
             raise RuntimeError("spill() needs a pool made with Pool(..., spill='host' or 'file.h5')")
         done = 0
-        for m in self.victims():
+        for m in self._victims_now():
             if nbytes is not None and done >= nbytes:
                 break
             self._spill(m)
@@ -133,12 +125,11 @@ class Scheduler:
         return done
 
     def oom_reason(self) -> str:
-        """Why the ladder's spilling did not save the request that is about to fail."""
+        """Why the ladder's spilling did not save the request that is about to fail (lock held)."""
         if self._run_failure:
             return f"spilling did not help: {self._run_failure}; nothing was lost, the buffer stays on the device"
-        pool = self._pool
         if self.tier is None:
-            idle = self.victims()
+            idle = self._victims_now()
             if not idle:
                 return ""
             total = format_bytes(sum(m.size for m in idle))
@@ -146,11 +137,10 @@ class Scheduler:
                 f"{len(idle)} unleased movable buffer(s) ({total}) could be spilled with "
                 f"Pool(spill='host') or Pool(spill='file.h5')"
             )
-        leased = sum(1 for m in _movables(pool) if m._leases)
-        held = f"{leased} movable buffer(s) are leased by live arrays and raw allocations never move"
+        held = self._holders()
         if self._run_spilled:
             return f"spilled {format_bytes(self._run_spilled)} to {self.tier.describe()}, not enough: {held}"
-        return f"nothing could be spilled: {held}"
+        return f"nothing could be spilled: no unleased movable buffer is on the device; {held}"
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -170,14 +160,15 @@ class Scheduler:
         self._victims = None
         self._run_spilled = 0
         self._run_failure = ""
-        for name in self.order():
+        pool = self._pool
+        for name in self._order():
             if name == "spill":
                 while True:
                     yield name, self._step_spill
                     if not self._last_progress:
                         break
             else:
-                yield name, _Recorded(self, name, self._steps[name])
+                yield name, _Recorded(self, name, getattr(pool, self._methods[name]))
 
     # --------------------------------------------------------------- internals
     @property
@@ -186,10 +177,62 @@ class Scheduler:
         assert pool is not None, "the scheduler outlived its pool"
         return pool
 
-    def _figures(self) -> tuple[float, float]:
+    def _order(self) -> list[str]:
+        """``order()`` with the lock held."""
+        names = list(self._base)
+        if self.tier is not None:
+            names.insert(names.index("gc") if "gc" in names else len(names), "spill")
+        if self.policy == "adaptive":
+            usage, frag = self._figures()
+            if frag >= self.fragmentation_threshold:
+                front = ["compact", "rehome", "spill", "gc"]
+            elif usage >= self.usage_threshold:
+                front = ["spill", "gc", "compact", "rehome"]
+            else:
+                front = ["gc", "compact", "rehome", "spill"]
+            head = [n for n in names if n in _CHEAP]
+            mid = [n for n in front if n in names]
+            names = head + mid + [n for n in names if n not in head and n not in mid]
+        return names
+
+    def _victims_now(self) -> list[Movable]:
+        """``victims()`` with the lock held."""
+        found = [m for m in _movables(self._pool) if _spillable(m)]
+        if self.policy == "fifo":
+            found.sort(key=lambda m: m.seq)
+        else:
+            found.sort(key=lambda m: (m.last_used, m.seq))
+        return found
+
+    def _holders(self) -> str:
+        """What holds the device when spilling cannot help: leased movables and raw allocations."""
         from .pool import _B_ALLOC
 
         pool = self._pool
+        if pool._log:
+            pool._fold()
+        on_device = _movables(pool)
+        leased = [m for m in on_device if m._leases]
+        raw = pool._cur[_B_ALLOC][2] - sum(m._block.size for m in on_device)
+        parts = []
+        if leased:
+            total = format_bytes(sum(m.size for m in leased))
+            parts.append(f"{len(leased)} movable buffer(s) ({total}) are leased by live arrays")
+        if raw:
+            parts.append(f"{format_bytes(raw)} of raw allocations hold the device and never move")
+        return " and ".join(parts) if parts else "the device holds no allocations this pool could move"
+
+    def _figures(self) -> tuple[float, float]:
+        """Usage and fragmentation now (lock held).
+
+        Folds the fast path's accounting log first: frees of small blocks are only
+        logged until then, and the tables alone would show them still allocated.
+        """
+        from .pool import _B_ALLOC
+
+        pool = self._pool
+        if pool._log:
+            pool._fold()
         allocated = pool._cur[_B_ALLOC][2]
         return (allocated / pool.limit if pool.limit else 1.0), pool._fragmentation()
 
@@ -202,7 +245,7 @@ class Scheduler:
         if self.tier is None or self._run_failure:
             return False
         if self._victims is None:
-            self._victims = collections.deque(self.victims())
+            self._victims = collections.deque(self._victims_now())
         while self._victims:
             m = self._victims.popleft()
             if not (m.on_device and _spillable(m)):
@@ -219,12 +262,16 @@ class Scheduler:
         return False
 
     def _spill(self, m: Movable) -> None:
+        """Copy ``m`` to the tier, then free its device block (lock held).
+
+        The one device synchronization of a spill is here: kernels on any stream may
+        still be writing the buffer, and the tiers' copies do not wait themselves.
+        """
         pool = self._pool
         old = m._block.addr
         pool.device.synchronize()
-        handle = self.tier.store(pool.device, old, m.size)  # the block is untouched if this raises
-        pool._unplace(m, copy=False)
-        m._spilled = handle
+        m._spilled = self.tier.store(pool.device, old, m.size)  # the block is untouched if this raises
+        pool._unplace(m)
         if m.on_move is not None:
             pool._moved_pending.append((m, old, None))
         self.spills += 1
@@ -234,16 +281,18 @@ class Scheduler:
         from .pool import _B_ALLOC, _B_RES
 
         pool = self._pool
-        usage, frag = self._figures()
+        usage, frag = self._figures()  # folds the log: the figures below are current
         alloc0, res0 = pool._cur[_B_ALLOC][2], pool._cur[_B_RES][2]
         progress = bool(step())
+        if pool._log:
+            pool._fold()
         freed = alloc0 - pool._cur[_B_ALLOC][2]
         released = res0 - pool._cur[_B_RES][2]
         self.decisions.append(
             Decision(name, self.policy, usage, frag, freed, released, progress, time.perf_counter_ns())
         )
         if pool._observers:
-            pool._emit(f"reclaim:{name}", max(released, 0), max(freed, 0), 0)
+            pool._emit(f"reclaim:{name}", 0, max(freed, 0), 0)
         return progress
 
 

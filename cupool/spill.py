@@ -42,23 +42,19 @@ class SpillError(Exception):
 
 
 def _copy_out(device: Device, ptr: int, out: np.ndarray) -> None:
-    """Device bytes into a host buffer the caller owns, without an intermediate copy."""
+    """Device bytes into a host buffer the caller owns, without an intermediate copy.
+
+    Does not synchronize: the scheduler synchronizes the device once per spill,
+    before the tier copies, and a second wait here would only cost time.
+    """
     if isinstance(device, SimDevice):
         np.copyto(out, device.bytes_at(ptr, out.nbytes))
     elif isinstance(device, CudaDevice):
-        device.synchronize()
         rt = device._rt
         with device._dev:
             rt.memcpy(out.ctypes.data, ptr, out.nbytes, rt.memcpyDeviceToHost)
     else:
         np.copyto(out, device.to_host(ptr, out.nbytes))
-
-
-def _host_bytes(device: Device, ptr: int, nbytes: int) -> np.ndarray:
-    """Device bytes readable from the host: a view on the sim device, a copy otherwise."""
-    if isinstance(device, SimDevice):
-        return device.bytes_at(ptr, nbytes)
-    return device.to_host(ptr, nbytes)
 
 
 # ---------------------------------------------------------------------- host
@@ -83,19 +79,24 @@ class _HostHandle:
 
 
 class HostTier:
-    """Spill to host memory: pinned when ``pinned`` (a ``PinnedPool``) has room, else pageable."""
+    """Spill to host memory: pinned when ``pinned`` (a ``PinnedPool``) has room, else pageable.
+
+    ``Pool(spill="host")`` makes one with a pinned pool beside the device;
+    ``Pool(spill=HostTier())`` spills to pageable memory only.  A tier serves one pool.
+    """
 
     name = "host"
 
     def __init__(self, pinned: Any = None) -> None:
         self.pinned = pinned
-        self.bytes_stored = 0
         # Pinned bytes this tier holds.  The pinned pool is the tier's alone, so this
         # tells when a request cannot fit without asking, and running, the pinned
         # pool's reclaim ladder (whose gc.collect would cost more than the copy).
         self._pinned_held = 0
+        self._pool: weakref.ref | None = None  # the pool served, once claimed
 
     def store(self, device: Device, ptr: int, nbytes: int) -> _HostHandle:
+        """Copy ``nbytes`` at ``ptr`` (device synchronized by the caller) into host memory."""
         owner = None
         data = None
         if self.pinned is not None and nbytes and self._pinned_held + nbytes <= self.pinned.limit:
@@ -105,17 +106,21 @@ class HostTier:
                 log.debug("cupool spill: pinned pool full, spilling %s to pageable memory", format_bytes(nbytes))
             else:
                 self._pinned_held += owner.nbytes
-                data = self.pinned.device.as_array(owner.ptr, (nbytes,), np.dtype(np.uint8), owner)
         try:
-            if data is None:
+            if owner is not None:
+                data = self.pinned.device.as_array(owner.ptr, (nbytes,), np.dtype(np.uint8), owner)
+            else:
                 data = np.empty(nbytes, dtype=np.uint8)
             _copy_out(device, ptr, data)
-        except MemoryError as e:
+        except BaseException as e:
+            # Whatever failed, the pinned block goes back and the count with it: a
+            # leaked count would push every later spill to pageable memory.
             if owner is not None:
                 self._pinned_held -= owner.nbytes
                 owner.free()
-            raise SpillError(f"no host memory for {format_bytes(nbytes)}: {e}") from e
-        self.bytes_stored += nbytes
+            if isinstance(e, MemoryError):
+                raise SpillError(f"no host memory for {format_bytes(nbytes)}: {e}") from e
+            raise
         return _HostHandle(data, owner, self)
 
     def describe(self) -> str:
@@ -143,42 +148,74 @@ class _H5Handle:
             self._name = None
 
 
+#: HDF5 refuses chunks of 4 GiB or more.
+_MAX_CHUNK = (1 << 32) - 1
+
+
 class HDF5Tier:
     """Spill to chunked HDF5 datasets, one per spilled buffer.
 
-    ``chunk_bytes`` bounds each dataset's chunks (HDF5 reads and writes whole
-    chunks, and the chunk cache works in them); ``rdcc_nbytes`` sizes h5py's chunk
-    cache.  Discarded datasets are unlinked; HDF5 reuses their space for later
-    spills while the file stays open.
+    ``chunk_bytes`` bounds each dataset's chunks: HDF5 reads and writes whole
+    chunks, and its chunk cache works in them.  ``rdcc_nbytes`` sizes h5py's chunk
+    cache (per open dataset); ``rdcc_nslots`` defaults to a prime near 100 slots
+    per chunk that fits, as the HDF5 documentation advises.  Both accept sizes
+    such as ``"4MiB"``.  Pass the tier as ``Pool(spill=HDF5Tier(path, ...))``;
+    ``Pool(spill="file.h5")`` uses the defaults.  A tier serves one pool.
+
+    The file is created on first use, marked as a cupool spill file, and removed
+    when the tier is collected; an existing file without the mark is never
+    overwritten.  Discarded datasets are unlinked; HDF5 reuses their space for
+    later spills while the file stays open.
     """
 
     name = "hdf5"
 
-    def __init__(self, path: str | os.PathLike, chunk_bytes: int | str = "4MiB", rdcc_nbytes: int | str = "64MiB") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        chunk_bytes: int | str = "4MiB",
+        rdcc_nbytes: int | str = "64MiB",
+        rdcc_nslots: int | None = None,
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
+        chunk = parse_size(chunk_bytes, name="chunk_bytes")
+        cache = parse_size(rdcc_nbytes, name="rdcc_nbytes")
+        if not 1 <= chunk <= _MAX_CHUNK:
+            raise ValueError(f"chunk_bytes must be between 1 byte and 4 GiB - 1 (HDF5's limit), got {chunk_bytes!r}")
+        if rdcc_nslots is not None:
+            if isinstance(rdcc_nslots, bool) or not isinstance(rdcc_nslots, int):
+                raise TypeError(f"rdcc_nslots must be an int or None, got {rdcc_nslots!r}")
+            if rdcc_nslots < 1:
+                raise ValueError(f"rdcc_nslots must be >= 1, got {rdcc_nslots}")
         self.path = Path(path)
-        self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
-        self.rdcc_nbytes = parse_size(rdcc_nbytes, name="rdcc_nbytes")
-        if self.chunk_bytes < 1:
-            raise ValueError("chunk_bytes must be at least 1 byte")
+        self.chunk_bytes = chunk
+        self.rdcc_nbytes = cache
+        self.rdcc_nslots = _nslots(cache, chunk) if rdcc_nslots is None else rdcc_nslots
         self._file: Any = None
         self._names = itertools.count()
-        self.bytes_stored = 0
+        self._pool: weakref.ref | None = None  # the pool served, once claimed
 
     def store(self, device: Device, ptr: int, nbytes: int) -> _H5Handle:
+        """Write ``nbytes`` at ``ptr`` (device synchronized by the caller) to a new dataset."""
         f = self._open()
         name = f"b{next(self._names)}"
         try:
             if nbytes:
+                if isinstance(device, SimDevice):
+                    host = device.bytes_at(ptr, nbytes)  # the arena is host memory: write from it
+                else:
+                    host = np.empty(nbytes, dtype=np.uint8)
+                    _copy_out(device, ptr, host)
                 ds = f.create_dataset(name, shape=(nbytes,), dtype=np.uint8, chunks=(min(nbytes, self.chunk_bytes),))
-                ds.write_direct(np.ascontiguousarray(_host_bytes(device, ptr, nbytes)))
+                ds.write_direct(host)
             else:
                 f.create_dataset(name, shape=(0,), dtype=np.uint8)
             f.flush()
-        except (OSError, ValueError, RuntimeError) as e:
+        except (OSError, ValueError, RuntimeError, MemoryError) as e:
             if name in f:
                 self._delete(name)
             raise SpillError(f"writing {format_bytes(nbytes)} to {self.path} failed: {e}") from e
-        self.bytes_stored += nbytes
         return _H5Handle(self, name, nbytes)
 
     def describe(self) -> str:
@@ -195,12 +232,19 @@ class HDF5Tier:
                     ours = bool(old.attrs.get(_MARK, False))
                 if not ours:
                     raise SpillError(f"{self.path} exists and is not a cupool spill file; refusing to overwrite it")
-            f = h5py.File(self.path, "w", rdcc_nbytes=self.rdcc_nbytes, rdcc_nslots=_nslots(self.rdcc_nbytes, self.chunk_bytes))
-            f.attrs[_MARK] = True
+            f = h5py.File(self.path, "w", rdcc_nbytes=self.rdcc_nbytes, rdcc_nslots=self.rdcc_nslots)
         except SpillError:
             raise
         except OSError as e:
             raise SpillError(f"cannot create the spill file {self.path}: {e}") from e
+        try:
+            f.attrs[_MARK] = True
+        except BaseException as e:
+            # Unmarked, the file could never be reused by a later tier: take it away.
+            _close_and_remove(f, self.path)
+            if isinstance(e, (OSError, RuntimeError)):
+                raise SpillError(f"cannot mark the spill file {self.path}: {e}") from e
+            raise
         self._file = f
         weakref.finalize(self, _close_and_remove, f, self.path)
         return f
@@ -233,18 +277,35 @@ def _close_and_remove(f: Any, path: Path) -> None:
             pass
 
 
-def make_tier(spill: Any, device: Device) -> HostTier | HDF5Tier | None:
-    """Resolve ``Pool(spill=...)``: None, "host" or a path ending in .h5 / .hdf5."""
+def make_tier(spill: Any, pool: Any) -> HostTier | HDF5Tier | None:
+    """Resolve ``Pool(spill=...)``: None, "host", a path ending in .h5 / .hdf5, or a tier.
+
+    A tier serves one live pool: that pool's lock is what serializes the tier's
+    stores, loads and discards (its h5py file and pinned count are not thread-safe).
+    """
     if spill is None:
         return None
+    if isinstance(spill, (HostTier, HDF5Tier)):
+        if spill._pool is not None and spill._pool() is not None:
+            raise ValueError(f"this {type(spill).__name__} already serves another live pool; make one per pool")
+        spill._pool = weakref.ref(pool)
+        return spill
+    device = pool.device
     if isinstance(spill, str) and spill == "host":
-        return HostTier(_pinned_pool_for(device))
-    if isinstance(spill, (str, os.PathLike)):
+        tier = HostTier(_pinned_pool_for(device))
+    elif isinstance(spill, (str, os.PathLike)):
         path = Path(spill)
         if path.suffix.lower() not in (".h5", ".hdf5"):
-            raise ValueError(f"spill must be None, 'host' or a path ending in .h5 or .hdf5, got {spill!r}")
-        return HDF5Tier(path)
-    raise TypeError(f"spill must be None, 'host' or a path ending in .h5 or .hdf5, got {spill!r}")
+            raise ValueError(
+                f"spill must be None, 'host', a path ending in .h5 or .hdf5, or a tier, got {spill!r}"
+            )
+        tier = HDF5Tier(path)
+    else:
+        raise TypeError(
+            f"spill must be None, 'host', a path ending in .h5 or .hdf5, or a HostTier/HDF5Tier, got {spill!r}"
+        )
+    tier._pool = weakref.ref(pool)
+    return tier
 
 
 def _pinned_pool_for(device: Device) -> Any:

@@ -20,6 +20,7 @@ With tracking off, the cost is the one truth test ``Pool.malloc`` makes on its
 
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import threading
@@ -47,7 +48,7 @@ class Leak:
 
     ptr: int | None  # None for a movable buffer that is spilled
     size: int  # bytes requested
-    nbytes: int  # bytes of the block behind it
+    nbytes: int  # device bytes it holds now: its block, size rounded up; 0 while spilled
     stream: Any
     site: str  # "file:line" of the allocating call
     age: float  # seconds since it was allocated
@@ -68,7 +69,7 @@ class SiteUsage:
     site: str
     count: int
     size: int  # bytes requested, summed
-    nbytes: int  # bytes of the blocks behind them, summed
+    nbytes: int  # device bytes they hold now, summed (as Leak.nbytes)
 
 
 class _Record:
@@ -84,33 +85,39 @@ class SiteTracker:
     """Allocating sites of a pool's live allocations and movable buffers, held weakly.
 
     Keyed by object identity rather than pointer: a movable buffer changes address
-    when compacted or spilled.  An identity is reused only after its object died,
-    and the weak reference's callback has removed the entry by then.
+    when compacted or spilled.  An identity is reused only after its object died;
+    an entry is dropped only if it still holds the weak reference that died, so a
+    new owner at a reused identity keeps its record.
+
+    The weak references' callbacks take no lock: the cycle collector can run them
+    on any thread at any allocation, including one made while this thread holds
+    ``_lock`` (in ``live()``), where taking the lock would hang.  They queue the
+    dead entry on ``_dead`` (``deque.append`` is atomic) and the next ``add()`` or
+    ``live()`` drops it under the lock.
     """
 
     def __init__(self, depth: int = STACK_DEPTH) -> None:
         self._depth = depth
         self._records: dict[int, _Record] = {}
+        self._dead: collections.deque[tuple[int, weakref.ref]] = collections.deque()
         self._lock = threading.Lock()
 
     def add(self, allocation: Allocation | Movable) -> None:
         frames = _user_frames(sys._getframe(1), self._depth)
         key = id(allocation)
-        records = self._records
-        lock = self._lock
+        dead = self._dead
 
         def forget(ref: weakref.ref) -> None:
-            with lock:
-                rec = records.get(key)
-                if rec is not None and rec.ref is ref:
-                    del records[key]
+            dead.append((key, ref))
 
         rec = _Record(weakref.ref(allocation, forget), time.monotonic(), frames)
-        with lock:
-            records[key] = rec
+        with self._lock:
+            self._purge()
+            self._records[key] = rec
 
     def live(self) -> list[tuple[Allocation | Movable, _Record]]:
         with self._lock:
+            self._purge()
             recs = list(self._records.values())
         out = []
         for rec in recs:
@@ -118,6 +125,16 @@ class SiteTracker:
             if a is not None and not a.freed:
                 out.append((a, rec))
         return out
+
+    def _purge(self) -> None:
+        """Drop the records whose owners died (lock held)."""
+        records = self._records
+        dead = self._dead
+        while dead:
+            key, ref = dead.popleft()
+            rec = records.get(key)
+            if rec is not None and rec.ref is ref:
+                del records[key]
 
     def leaks(self, older_than: float | None = None) -> list[Leak]:
         if older_than is not None:
@@ -133,7 +150,7 @@ class SiteTracker:
                 continue
             out.append(
                 Leak(
-                    a.ptr, a.size, a.nbytes, a.stream, _site(rec.frames), age,
+                    a.ptr, a.size, _device_bytes(a), a.stream, _site(rec.frames), age,
                     tuple(_fmt(f) for f in rec.frames), isinstance(a, Movable),
                 )
             )
@@ -150,7 +167,7 @@ class SiteTracker:
             g = groups.setdefault(_site(rec.frames), [0, 0, 0])
             g[0] += 1
             g[1] += a.size
-            g[2] += a.nbytes
+            g[2] += _device_bytes(a)
         rows = [SiteUsage(site, c, s, nb) for site, (c, s, nb) in groups.items()]
         rows.sort(key=lambda r: (-r.nbytes, r.site))
         return rows[:n]
@@ -171,6 +188,17 @@ def collect(pool: Pool) -> int:
     with pool._lock:
         pool._drain()
         return pool._total_out[_B_ALLOC][2] - before
+
+
+def _device_bytes(a: Allocation | Movable) -> int:
+    """The bytes ``a`` holds on the device, measured the same way for both kinds.
+
+    ``Allocation.nbytes`` is its block's size but ``Movable.nbytes`` is the size
+    asked for; the report reads the block of either, so that its figures add up
+    to the pool's ``allocated_bytes`` (a spilled buffer holds none).
+    """
+    b = a._block
+    return 0 if b is None else b.size
 
 
 def _user_frames(frame: FrameType | None, depth: int) -> tuple[tuple[str, int, str], ...]:

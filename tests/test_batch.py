@@ -83,11 +83,26 @@ def test_bad_arguments(pool, args, kw, exc, word):
     assert pool._observers == []
 
 
-def test_bad_usage_leaves_the_batch(pool):
+@pytest.mark.parametrize(
+    "bad,exc",
+    [(-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("x", TypeError), (True, TypeError)],
+)
+def test_bad_usage_leaves_the_batch(pool, bad, exc):
     s = cupool.BatchSizer(pool, 10, 1, 20)
-    with pytest.raises(ValueError, match="usage"):
-        s.update(usage=-0.1)
+    with pytest.raises(exc, match="usage"):
+        s.update(usage=bad)
     assert s.batch == 10 and s.last_usage is None
+
+
+def test_frees_still_in_the_fast_paths_log_count_as_freed(pool):
+    # Small blocks freed with nobody subscribed take the fast path, whose accounting
+    # is only logged; the sizer must not read the tables as if they were still live.
+    small = [pool.malloc(MiB) for _ in range(90)]
+    del small
+    assert pool._log
+    s = cupool.BatchSizer(pool, initial=100, minimum=1, maximum=1000)
+    assert s.update() == 120  # an idle step on an empty pool: grow
+    assert s.last_usage == 0.0
 
 
 @given(

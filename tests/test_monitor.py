@@ -129,6 +129,37 @@ def test_a_pool_already_above_a_threshold_alerts_at_once(pool):
     del a
 
 
+def test_frees_still_in_the_fast_paths_log_are_seen(pool):
+    small = [pool.malloc(MiB) for _ in range(40)]  # 20 small segments, full
+    del small  # the fast path: only logged
+    assert pool._log
+    got = []
+    with Monitor(pool, callbacks=got.append) as mon:
+        mon.flush()
+    assert [(x.metric, x.level, x.allocated) for x in got] == [("fragmentation", "warning", 0)]
+
+
+def test_rehoming_raises_no_alert_for_its_passing_double_reservation():
+    """The rehome step holds a segment and its exact-size copy at once, only while moving."""
+    p = cupool.Pool("sim", capacity="40MiB", defrag_threshold=None)
+    raw = p.malloc(4 * MiB)  # a 20 MiB medium segment...
+    ms = [p.movable(2 * MiB) for _ in range(7)] + [p.movable(3 * MiB // 2)]  # ...15.5 MiB of movables join it
+    del raw  # usage 0.5, fragmentation 0.225: both quiet
+    events = []
+    p.subscribe(events.append)
+    with Monitor(p) as mon:
+        got = collect_alerts(mon)
+        with pytest.raises(cupool.OutOfMemoryError):
+            p.malloc(30 * MiB)  # the ladder re-homes into 16 MiB (36 of 40 reserved, mid-move), then fails
+        mon.flush()
+        assert mon.usage_level == "ok" and mon.fragmentation_level == "ok"
+    kinds = [e[1] for e in events]
+    assert "move_out" in kinds and "segment_alloc" in kinds  # the re-home did happen
+    assert got == [], [x.message for x in got]
+    assert p.stats()["reserved_bytes.all.current"] == 16 * MiB
+    del ms
+
+
 def test_close_unsubscribes(pool):
     mon = Monitor(pool)
     got = collect_alerts(mon)

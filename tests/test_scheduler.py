@@ -1,5 +1,8 @@
 """The pressure scheduler: ladder order, eviction order per policy, working sets beyond the device."""
 
+import gc
+import threading
+import weakref
 import zlib
 
 import numpy as np
@@ -47,7 +50,7 @@ def test_the_ladder_runs_in_order_and_records_every_step():
     views = [p.movable(SLOT).array() for _ in range(8)]  # all leased: nothing can spill
     events = []
     p.subscribe(events.append)
-    with pytest.raises(cupool.OutOfMemoryError, match="nothing could be spilled: 8 movable buffer"):
+    with pytest.raises(cupool.OutOfMemoryError, match=r"nothing could be spilled: no unleased movable buffer is on the device; 8 movable buffer\(s\) \(16 MiB\) are leased"):
         p.movable(SLOT)
     steps = [d.step for d in p.scheduler.decisions]
     assert steps == ["streams", "release", "compact", "rehome", "spill", "gc"]
@@ -66,7 +69,7 @@ def test_spill_decisions_report_the_bytes_they_freed():
     assert len(spill) == 1 and spill[0].progress and spill[0].bytes_freed == SLOT
     assert spill[0].usage == 1.0
     kinds = [e[1] for e in events]
-    assert kinds.index("spill") < kinds.index("reclaim:spill") < kinds.index("alloc")
+    assert kinds.index("free_movable") < kinds.index("spill") < kinds.index("reclaim:spill") < kinds.index("alloc_movable")
     assert [e for e in events if e[1] == "reclaim:spill"][0][3] == SLOT
     assert not ms[0].on_device  # LRU: the least recently used went
     assert (ms[0].array(dtype=np.uint8) == 0).all()
@@ -107,6 +110,98 @@ def test_failed_spill_loses_nothing_and_says_why(tmp_path):
     after = p.stats()
     assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
     p.check()
+
+
+def test_oom_says_what_holds_the_device_when_every_victim_is_already_spilled():
+    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None)
+    raw = p.malloc(12 * MiB)
+    ms = [tagged(p, i) for i in range(2)]
+    assert p.spill() == 2 * SLOT
+    with pytest.raises(cupool.OutOfMemoryError) as ei:
+        p.malloc(6 * MiB)
+    assert ei.value.reason == (
+        "nothing could be spilled: no unleased movable buffer is on the device; "
+        "12 MiB of raw allocations hold the device and never move"
+    )
+    del raw, ms
+
+
+# ------------------------------------------- figures include fast-path frees
+def _fill_then_free_small(p, n_free):
+    """20 MiB reserved and allocated (a 14 MiB raw block, six 1 MiB small blocks); frees ``n_free``
+    small ones through the fast path, whose accounting is only logged until folded."""
+    big = p.malloc(14 * MiB)
+    small = [p.malloc(MiB) for _ in range(6)]
+    assert p.stats()["allocated_bytes.all.current"] == 20 * MiB
+    del small[:n_free]
+    assert p._log, "the frees should have taken the fast path"
+    return big, small
+
+
+def test_adaptive_order_counts_frees_still_in_the_fast_paths_log():
+    p = cupool.Pool("sim", capacity="20MiB", spill="host", spill_policy="adaptive", defrag_threshold=None)
+    keep = _fill_then_free_small(p, 5)
+    # usage 15/20 = 0.75 and fragmentation 5/20 = 0.25: below both thresholds, so
+    # garbage is collected first; the unfolded tables still say usage 1.0 (spill first).
+    assert p.scheduler.order() == ["streams", "release", "gc", "compact", "rehome", "spill"]
+    del keep
+
+
+def test_decisions_count_only_what_their_step_freed():
+    p = cupool.Pool("sim", capacity="20MiB", spill="host", defrag_threshold=None)
+    keep = _fill_then_free_small(p, 2)  # 2 MiB freed through the fast path before the ladder runs
+    cycle = [p.malloc(MiB)]  # in the small segment the frees emptied
+    cycle.append(cycle)
+    del cycle
+    gc.disable()
+    try:
+        with pytest.raises(cupool.OutOfMemoryError):
+            p.malloc(4 * MiB)
+    finally:
+        gc.enable()
+    freed = {d.step: d.bytes_freed for d in p.scheduler.decisions}
+    assert freed == {"streams": 0, "release": 0, "compact": 0, "rehome": 0, "spill": 0, "gc": MiB}
+    released = {d.step: d.bytes_released for d in p.scheduler.decisions}
+    assert released["release"] == 0  # the emptied segment holds the cycle's block until gc
+    del keep
+
+
+def test_order_and_victims_take_the_pool_lock():
+    p = cupool.Pool("sim", capacity="16MiB", spill="host", spill_policy="adaptive")
+    m = p.movable(SLOT)
+    out = []
+    for call in (p.scheduler.order, p.scheduler.victims):
+        with p._lock:
+            t = threading.Thread(target=lambda: out.append(call()))
+            t.start()
+            t.join(0.2)
+            assert t.is_alive(), f"{call.__name__}() read the pool without its lock"
+        t.join(5)
+        assert not t.is_alive()
+    assert out[1] == [m]
+
+
+# ------------------------------------------------------ lifetime of the pool
+def test_the_scheduler_does_not_keep_its_pool_alive():
+    p = cupool.Pool("sim", capacity="16MiB", spill="host")
+    ref = weakref.ref(p)
+    gc.disable()
+    try:
+        del p
+        assert ref() is None, "Pool -> Scheduler -> Pool cycle: the pool waits for the cycle collector"
+    finally:
+        gc.enable()
+
+
+def test_one_device_synchronization_per_spilled_buffer(monkeypatch):
+    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None)
+    ms = [tagged(p, i) for i in range(3)]
+    calls = []
+    real = p.device.synchronize
+    monkeypatch.setattr(p.device, "synchronize", lambda *a: (calls.append(a), real(*a)))
+    assert p.spill() == 3 * SLOT
+    assert len(calls) == 3
+    del ms
 
 
 # --------------------------------------------------- working set 3x device

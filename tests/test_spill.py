@@ -1,5 +1,7 @@
 """Spill tiers: round trips with checksums, pinned host memory, HDF5 files, failures."""
 
+import contextlib
+import ctypes
 import gc
 import zlib
 
@@ -8,6 +10,8 @@ import numpy as np
 import pytest
 
 import cupool
+from cupool import spill as spill_mod
+from cupool.device import CudaDevice
 from cupool.spill import HDF5Tier, HostTier
 
 MiB = 1 << 20
@@ -180,3 +184,135 @@ def test_spill_needs_a_tier(pool):
 def test_bad_hdf5_tier_arguments(tmp_path):
     with pytest.raises(ValueError, match="chunk_bytes"):
         HDF5Tier(tmp_path / "x.h5", chunk_bytes=0)
+
+
+# ------------------------------------------------------ configured HDF5 tier
+def test_a_configured_hdf5_tier_is_given_to_the_pool(tmp_path):
+    path = tmp_path / "cfg.h5"
+    tier = HDF5Tier(path, chunk_bytes="1MiB", rdcc_nbytes="8MiB", rdcc_nslots=521)
+    p = cupool.Pool("sim", capacity="64MiB", spill=tier)
+    assert p.scheduler.tier is tier
+    m = p.movable(3 * MiB)
+    want = fill(m, 11)
+    p.spill()
+    (name,) = list(tier._file)
+    assert tier._file[name].chunks == (MiB,)
+    _, nslots, nbytes, _ = tier._file.id.get_access_plist().get_cache()
+    assert (nslots, nbytes) == (521, 8 * MiB)
+    assert crc(m) == want
+    with pytest.raises(ValueError, match="already serves another live pool"):
+        cupool.Pool("sim", capacity="64MiB", spill=tier)
+    assert p.scheduler.tier is tier  # the refused pool took nothing from the first
+    del p, m
+    q = cupool.Pool("sim", capacity="64MiB", spill=tier)  # its pool is gone: free to serve another
+    assert q.scheduler.tier is tier
+
+
+def test_the_default_slot_count_is_a_prime_near_100_per_chunk():
+    tier = HDF5Tier("x.h5", chunk_bytes="4MiB", rdcc_nbytes="64MiB")
+    assert tier.rdcc_nslots == 1601  # 100 * 16 chunks, rounded up to a prime
+
+
+@pytest.mark.parametrize(
+    "kw,exc,word",
+    [
+        ({"chunk_bytes": 0}, ValueError, "chunk_bytes"),
+        ({"chunk_bytes": "4GiB"}, ValueError, "chunk_bytes"),
+        ({"chunk_bytes": "lots"}, ValueError, "chunk_bytes"),
+        ({"rdcc_nbytes": -1}, ValueError, "rdcc_nbytes"),
+        ({"rdcc_nbytes": 1.5}, TypeError, "rdcc_nbytes"),
+        ({"rdcc_nslots": 0}, ValueError, "rdcc_nslots"),
+        ({"rdcc_nslots": "many"}, TypeError, "rdcc_nslots"),
+        ({"path": 3}, TypeError, "path"),
+    ],
+)
+def test_bad_hdf5_tier_configuration(tmp_path, kw, exc, word):
+    kw.setdefault("path", tmp_path / "x.h5")
+    with pytest.raises(exc, match=word):
+        HDF5Tier(**kw)
+
+
+# --------------------------------------------------------------- lifetimes
+def test_dropping_the_pool_closes_and_removes_its_spill_file_at_once(tmp_path):
+    path = tmp_path / "s.h5"
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    m = p.movable(MiB)
+    p.spill()
+    assert path.exists()
+    gc.disable()  # no cycle collection: plain reference counting must do it
+    try:
+        del m, p
+        assert not path.exists()
+    finally:
+        gc.enable()
+
+
+def test_a_failed_marker_write_leaves_no_file_behind(tmp_path, monkeypatch):
+    path = tmp_path / "s.h5"
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    m = p.movable(MiB)
+    want = fill(m, 2)
+
+    def refuse(self, name, value):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(h5py.AttributeManager, "__setitem__", refuse)
+    with pytest.raises(cupool.SpillError, match="cannot mark the spill file"):
+        p.spill()
+    assert not path.exists()
+    assert p.scheduler.tier._file is None
+    assert m.on_device and crc(m) == want
+    monkeypatch.undo()
+    p.spill()  # a later spill creates the file afresh
+    assert path.exists() and not m.on_device and crc(m) == want
+
+
+def test_any_copy_failure_gives_the_pinned_block_back(monkeypatch):
+    p = cupool.Pool("sim", capacity="64MiB", spill="host")
+    tier = p.scheduler.tier
+    m = p.movable(2 * MiB)
+    want = fill(m, 4)
+
+    def broken(device, ptr, out):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr(spill_mod, "_copy_out", broken)
+    with pytest.raises(RuntimeError, match="copy engine fault"):
+        p.spill()
+    assert tier._pinned_held == 0
+    assert tier.pinned.stats()["allocated_bytes.all.current"] == 0
+    assert m.on_device and crc(m) == want
+
+
+class _FakeRuntime:
+    """Just enough of cupy.cuda.runtime for the tiers' copies: host memory posing as a GPU."""
+
+    memcpyDeviceToHost = 2
+
+    def __init__(self):
+        self.syncs = 0
+
+    def deviceSynchronize(self):
+        self.syncs += 1
+
+    def memcpy(self, dst, src, n, kind):
+        ctypes.memmove(dst, src, n)
+
+
+def _fake_gpu():
+    dev = object.__new__(CudaDevice)
+    dev._rt = _FakeRuntime()
+    dev._dev = contextlib.nullcontext()
+    dev.index = 0
+    return dev
+
+
+@pytest.mark.parametrize("tier", ["host", "h5"])
+def test_tiers_copy_from_a_gpu_without_waiting_for_it_again(tmp_path, tier):
+    # The scheduler synchronizes once before a spill; the tier's copy must not add a second.
+    dev = _fake_gpu()
+    memory = np.arange(3 * MiB, dtype=np.uint64).view(np.uint8)[: 3 * MiB].copy()
+    t = HostTier() if tier == "host" else HDF5Tier(tmp_path / "g.h5")
+    h = t.store(dev, memory.ctypes.data, memory.nbytes)
+    assert dev._rt.syncs == 0
+    assert (h.load() == memory).all()

@@ -2,6 +2,8 @@
 
 import gc
 import inspect
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -143,6 +145,49 @@ def test_collect_reports_bytes_of_owners_freed_from_cycles(pool):
         gc.enable()
 
 
+_GC_IN_THE_TRACKERS_LOCK = """
+import gc, cupool
+p = cupool.Pool("sim", capacity="64MiB", track_sites=True)
+keep = [p.malloc(512) for _ in range(20)]
+# Small gen-0 thresholds move the collections around, so that some fire on an
+# allocation made while the tracker holds its lock, with a dead tracked owner
+# waiting in a cycle: its weak reference's callback then runs on this thread.
+for threshold in (3, 5, 7, 11, 13, 17, 23):
+    gc.set_threshold(threshold, 1000, 1000)
+    for _ in range(300):
+        a = p.malloc(512)
+        cycle = [a]
+        cycle.append(cycle)
+        del a, cycle
+        p.leaks()
+        p.largest_allocations(2)
+gc.collect()
+assert len(p.leaks()) == 20, p.leaks()
+print("done")
+"""
+
+
+def test_a_collection_inside_the_trackers_lock_does_not_hang():
+    # In a subprocess with a timeout, so that a regression fails instead of hanging the suite.
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _GC_IN_THE_TRACKERS_LOCK], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("leaks() deadlocked: a weakref callback run by the cycle collector took the tracker's lock")
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+
+
+def test_records_of_dead_owners_are_dropped_and_a_reused_identity_keeps_its_record(tpool):
+    a = tpool.malloc(4096)
+    del a
+    b = tpool.malloc(4096)
+    tpool.malloc(100)  # dies at once; its record goes on the next add or report
+    (leak,) = tpool.leaks()
+    assert leak.ptr == b.ptr
+    assert list(tpool._sites._records) == [id(b)]
+
+
 # -------------------------------------------------- leak report vs. a model
 def _site_a(pool, n):
     return pool.malloc(n)
@@ -199,12 +244,25 @@ class LeakReportMachine(RuleBasedStateMachine):
 TestLeakReport = LeakReportMachine.TestCase
 
 
+def test_nbytes_is_the_device_block_for_raw_and_movable_alike():
+    p = cupool.Pool("sim", capacity="64MiB", track_sites=True, spill="host")
+    a = p.malloc(3000)
+    m = p.movable(3000)
+    by_kind = {leak.movable: leak for leak in p.leaks()}
+    assert by_kind[False].size == by_kind[True].size == 3000
+    assert by_kind[False].nbytes == by_kind[True].nbytes == 3072
+    assert sum(r.nbytes for r in p.largest_allocations(5)) == p.stats()["allocated_bytes.all.current"]
+    p.spill()
+    assert {leak.movable: leak.nbytes for leak in p.leaks()} == {False: 3072, True: 0}
+    del a, m
+
+
 def test_movable_buffers_are_tracked_and_reported_while_spilled():
     p = cupool.Pool("sim", capacity="64MiB", track_sites=True, spill="host")
     m = p.movable(3000); line = here()  # noqa: E702
     p.spill()
     (leak,) = p.leaks()
-    assert leak.movable and leak.ptr is None and leak.size == 3000
+    assert leak.movable and leak.ptr is None and leak.size == 3000 and leak.nbytes == 0
     assert leak.site == f"{HERE}:{line}" and "spilled" in str(leak)
     m.free()
     assert p.leaks() == []
