@@ -14,14 +14,16 @@ Mirrored rules (see the pool's docstring for why they are what they are):
 * requests round to 512 bytes (0 -> 512); <= 1 MiB goes to the small heap, whose
   segments are 2 MiB; <= 10 MiB to 20 MiB segments; larger ones get their own,
   rounded to 2 MiB; under a limit, first ``min(preferred, room)``, then just the
-  needed size when the device refuses;
+  needed size when the device refuses; movable buffers (``exact``) grow by just
+  the needed size (compaction and spilling are not modelled: see ``replay``);
 * best fit by ``(size, address)`` among free blocks tagged with the request's
   stream or untagged (-1 here, ``None`` in the heap); split; coalesce with
   address neighbours whose tags are equal or untagged, keeping the stricter tag;
 * streams on the sim device: an event recorded on a stream completes at once,
   so a miss (when the heap has seen more than one tag) retags the free blocks
   of streams with frees since the last settle; the reclaim ladder then waits
-  for all streams, then releases wholly free segments, then (gc) finds nothing;
+  for all streams, then releases wholly free segments; its other steps (compact,
+  rehome, spill, gc) find nothing to do in a pool that never compacts;
 * the device hands out 2 MiB pages first fit in address order over a span of
   twice its capacity, and refuses past its capacity.
 
@@ -46,10 +48,15 @@ S_ADDR, S_SIZE, S_USED, S_HEAD, S_KEEP, S_KIND, S_ALIVE = range(7)
 _NSF = 7
 # Scalars (entries of st).
 (NB, NFB, NS, NFS, NEXT_N, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG, PEAK_SEG, DEV_ALLOCS, OOMS,
- RETRIES, UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, IMPLICIT, SAMPLES) = range(23)
-N_ST = 23
+ UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, SAMPLES, MOVING) = range(22)
+N_ST = 22  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+# Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
+F_SUM, F_MAX, F_PEAK = range(3)
 # Configuration (entries of cfg).
-C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_INIT = range(5)
+C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD = range(4)
+#: Event kinds ``run`` acts on, in the order of its ``codes`` argument.
+CODES = ("alloc", "free", "oom", "alloc_movable", "free_movable", "move_out", "move_in")
+_ALLOC, _FREE, _OOM, _ALLOC_MOV, _FREE_MOV, _MOVE_OUT, _MOVE_IN = range(7)
 
 
 # ---------------------------------------------------------------- blocks
@@ -345,7 +352,7 @@ def _release_free_segments(B, FB, S, FS, IX, st, TG, EXT):
 
 
 @njit(cache=True)
-def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key):
+def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
     room = (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE
     minimum = -(-size // PAGE) * PAGE
     if minimum > room:
@@ -356,7 +363,7 @@ def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key):
         preferred = MEDIUM_SEGMENT
     else:
         preferred = minimum
-    target = min(preferred, room)
+    target = minimum if exact else min(preferred, room)
     b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, target, key, 0)
     if b < 0 and target != minimum:
         b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, minimum, key, 0)
@@ -364,7 +371,15 @@ def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key):
 
 
 @njit(cache=True)
-def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key):
+def _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
+    b = _find(B, IX, st, h, size, key)
+    if b < 0:
+        b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
+    return b
+
+
+@njit(cache=True)
+def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key, exact):
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = 0 if size <= SMALL_MAX else 1
     b = _find(B, IX, st, h, size, key)
@@ -372,26 +387,26 @@ def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key):
         _settle(B, FB, IX, st, TG, DT, False)
         b = _find(B, IX, st, h, size, key)
     if b < 0:
-        b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
-        if b < 0:
-            st[RETRIES] += 1
-            if _settle(B, FB, IX, st, TG, DT, True) > 0:
-                b = _find(B, IX, st, h, size, key)
-                if b < 0:
-                    b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
-            if b < 0 and _release_free_segments(B, FB, S, FS, IX, st, TG, EXT) > 0:
-                b = _find(B, IX, st, h, size, key)
-                if b < 0:
-                    b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key)
-            if b < 0:
-                st[OOMS] += 1
-                return -1
+        b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
+    # The reclaim ladder: wait for all streams, then release cached segments.
+    if b < 0 and _settle(B, FB, IX, st, TG, DT, True) > 0:
+        b = _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
+    if b < 0 and _release_free_segments(B, FB, S, FS, IX, st, TG, EXT) > 0:
+        b = _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
+    if b < 0:
+        st[OOMS] += 1
+        return -1
     _take(B, FB, S, IX, st, TG, h, b, size)
+    _allocated(B, st, b, size, key)
+    return b
+
+
+@njit(cache=True)
+def _allocated(B, st, b, size, key):
     B[STREAM, b] = key
     st[ALLOC] += size
     if st[ALLOC] > st[PEAK_ALLOC]:
         st[PEAK_ALLOC] = st[ALLOC]
-    return b
 
 
 @njit(cache=True)
@@ -413,13 +428,13 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release)."""
     cap = 1024
     st = np.zeros(N_ST, np.int64)
-    cfg = np.array([capacity, capacity * 2, limit, -1 if threshold is None else threshold, initial], np.int64)
+    cfg = np.array([capacity, capacity * 2, limit, -1 if threshold is None else threshold], np.int64)
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
     st[NEXT_N] = 1
     state = {
         "st": st,
-        "fst": np.zeros(2, np.float64),  # fragmentation: sum, max
+        "fst": np.zeros(3, np.float64),  # F_SUM, F_MAX, F_PEAK
         "cfg": cfg,
         "B": np.zeros((_NBF, cap), np.int64),
         "FB": np.zeros(cap, np.int64),
@@ -436,6 +451,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
                          ext, cfg, 1, initial, -1, 1)
         if b < 0:
             raise ValueError(f"initial_size {initial} does not fit the sim device")
+        state["fst"][F_PEAK] = 1.0  # the peak so far is the empty preallocated segment
     return state
 
 
@@ -461,10 +477,70 @@ def _grown3(a, n):
 
 
 @njit(cache=True)
-def run(kind, addr, size, stream, lo, hi, alloc_code, free_code, oom_code, st, fst, cfg,
+def _place(B, FB, S, IX, st, TG, s, offset, size):
+    """Allocate ``size`` bytes at ``offset`` in segment ``s`` (which is free there); -1 if it is not."""
+    h = S[S_KIND, s]
+    addr = S[S_ADDR, s] + offset
+    b = S[S_HEAD, s]
+    while b >= 0 and not (B[FREE, b] == 1 and B[ADDR, b] <= addr and addr + size <= B[ADDR, b] + B[SIZE, b]):
+        b = B[NEXT, b]
+    if b < 0:
+        return -1
+    gap = addr - B[ADDR, b]
+    if gap:
+        # Take the gap in front too, then give it back: the block lands at addr.
+        tag = B[TAG, b]
+        _take(B, FB, S, IX, st, TG, h, b, gap)
+        g = b
+        b = B[NEXT, g]
+        _take(B, FB, S, IX, st, TG, h, b, size)
+        _give(B, FB, S, IX, st, TG, h, g, tag)
+    else:
+        _take(B, FB, S, IX, st, TG, h, b, size)
+    return b
+
+
+@njit(cache=True)
+def seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
+    """Start from a recorded live state: segments ``sg`` (rows: address, size, heap, keep, stream)
+    and blocks ``bk`` (rows: segment index, offset, size, stream, recorded address).
+
+    The caller has grown the arrays to fit.  A segment or block that does not fit
+    this replay's device or limit is allocated the ordinary way instead.
+    """
+    made = np.full(sg.shape[1], -1, np.int64)
+    for j in range(sg.shape[1]):
+        size, h, keep, stream = sg[1, j], sg[2, j], sg[3, j], sg[4, j]
+        if keep:
+            for s in range(st[NS]):  # the replay pool's own preallocated segment
+                if S[S_ALIVE, s] == 1 and S[S_KEEP, s] == 1 and S[S_SIZE, s] == size and S[S_USED, s] == 0:
+                    made[j] = s
+                    break
+        if made[j] < 0 and st[RES] + size <= cfg[C_LIMIT]:
+            b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, stream, 0)
+            if b >= 0:
+                made[j] = B[SEG, b]
+    for j in range(bk.shape[1]):
+        seg, off, size, stream = bk[0, j], bk[1, j], bk[2, j], bk[3, j]
+        b = -1
+        if made[seg] >= 0:
+            b = _place(B, FB, S, IX, st, TG, made[seg], off, size)
+        if b >= 0:
+            _allocated(B, st, b, size, stream)
+        else:
+            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size, stream, False)
+        if b >= 0:
+            live[bk[4, j]] = b
+    if st[RES]:
+        fst[F_PEAK] = (st[RES] - st[ALLOC]) / st[RES]
+
+
+@njit(cache=True)
+def run(kind, addr, size, stream, lo, hi, codes, st, fst, cfg,
         B, FB, S, FS, IX, TG, DT, EXT, live, tl_res, tl_alloc):
     """Replay events [lo, hi); returns the (possibly regrown) arrays B, FB, S, FS, IX, EXT.
 
+    ``codes`` holds the trace's code of each kind in ``CODES`` (-1: absent).
     ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
     they are as long as the trace (pass empty arrays otherwise).
     """
@@ -480,24 +556,42 @@ def run(kind, addr, size, stream, lo, hi, alloc_code, free_code, oom_code, st, f
             FS = _grown1(FS, 2 * FS.shape[0])
             EXT = _grown2(EXT, S.shape[1] + 2)
         k = kind[i]
-        if k == alloc_code or k == free_code:
+        peak0 = st[PEAK_RES]
+        if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
             a = addr[i]
+            is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
             if a in live:
                 b = live[a]
                 del live[a]
                 _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b)
-                if k == alloc_code:
-                    st[IMPLICIT] += 1
-            elif k == free_code:
+            elif not is_alloc:
                 st[UNMATCHED] += 1
-            if k == alloc_code:
-                b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i])
+            if is_alloc:
+                b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i], k == codes[_ALLOC_MOV])
                 if b >= 0:
                     live[a] = b
-        elif k == oom_code:
+        elif k == codes[_MOVE_OUT]:
+            # The recorded run moved this block; here it stays put, under its new name.
+            st[MOVING] = 0
+            if addr[i] in live:
+                st[MOVING] = live[addr[i]] + 1
+                del live[addr[i]]
+            if timeline:
+                tl_res[i] = st[RES]
+                tl_alloc[i] = st[ALLOC]
+            continue
+        elif k == codes[_MOVE_IN]:
+            if st[MOVING]:
+                live[addr[i]] = st[MOVING] - 1
+                st[MOVING] = 0
+            if timeline:
+                tl_res[i] = st[RES]
+                tl_alloc[i] = st[ALLOC]
+            continue
+        elif k == codes[_OOM]:
             # The recorded run asked and was refused: ask too (the ladder's side effects
             # shape what follows), and give back at once what a roomier pool hands out.
-            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i])
+            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size[i], stream[i], False)
             if b >= 0:
                 _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b)
         else:
@@ -506,10 +600,13 @@ def run(kind, addr, size, stream, lo, hi, alloc_code, free_code, oom_code, st, f
                 tl_alloc[i] = st[ALLOC]
             continue
         frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
-        fst[0] += frag
-        if frag > fst[1]:
-            fst[1] = frag
-        st[SAMPLES] += 1
+        if st[PEAK_RES] > peak0:
+            fst[F_PEAK] = frag
+        if st[ALLOC]:
+            fst[F_SUM] += frag
+            if frag > fst[F_MAX]:
+                fst[F_MAX] = frag
+            st[SAMPLES] += 1
         if timeline:
             tl_res[i] = st[RES]
             tl_alloc[i] = st[ALLOC]

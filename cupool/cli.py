@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:
+        # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read.
         print(f"cupool: error: {e}", file=sys.stderr)
         return 2
 

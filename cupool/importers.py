@@ -12,6 +12,10 @@ and stream.
 * RMM (``logging_resource_adaptor``): a CSV with ``Thread,Time,Action,Pointer,Size,Stream``
   rows; ``allocate``, ``free`` (or ``deallocate``) and ``allocate failure``.
 
+Every number must fit the int64 columns replay uses (sizes and addresses not
+negative): a value that does not is reported with its file and line (or event
+index) rather than wrapped around or left to fail deep in numpy.
+
 Snapshots are pickles, and unpickling can run code; the loader accepts only
 plain containers, numbers and strings, which is all a snapshot holds.
 """
@@ -44,6 +48,8 @@ _TORCH_SKIPPED = {"free_requested", "snapshot", "user_defined"}
 _RMM_ACTIONS = {"allocate": "alloc", "free": "free", "deallocate": "free", "allocate failure": "oom"}
 _RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 _CLOCK = re.compile(r"^(\d+):(\d+):(\d+)[.:](\d+)$")
+_INT64_MAX = (1 << 63) - 1
+_DAY_NS = 86_400 * 10**9
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -77,17 +83,23 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
         if not isinstance(e, dict) or "action" not in e:
             raise TraceError(p, f"device_traces[{device}][{i}] is not an event dict with an 'action'")
         action = e["action"]
+        where = f"device_traces[{device}][{i}]"
+        if not isinstance(action, str):
+            raise TraceError(p, f"{where}: the action must be a string, got {action!r}")
         kind = _TORCH_ACTIONS.get(action)
         if kind is None:
             skipped[action] = skipped.get(action, 0) + 1
             if action not in _TORCH_SKIPPED:
-                log.warning("%s: skipping unknown PyTorch trace action %r", p, action)
+                log.warning("%s: %s: skipping unknown PyTorch trace action %r", p, where, action)
             continue
-        try:
-            t_ns = int(e.get("time_us", i)) * 1000
-            events.append((t_ns, kind, int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0))))
-        except (TypeError, ValueError):
-            raise TraceError(p, f"device_traces[{device}][{i}] has a non-integer addr, size, stream or time") from None
+        values = []
+        for name, default, scale in (("time_us", i, 1000), ("addr", 0, 1), ("size", 0, 1), ("stream", 0, 1)):
+            v = e.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TraceError(p, f"{where} ({action}): {name} must be an integer, got {v!r}")
+            values.append(_checked(p, where, name, v * scale, signed=name in ("time_us", "stream")))
+        t_ns, addr, size, stream = values
+        events.append((t_ns, kind, addr, size, stream))
     return Trace.from_events(events, config={}, source=str(p), format="torch")
 
 
@@ -113,15 +125,35 @@ def load_rmm_log(path: str | Path) -> Trace:
         if kind is None:
             raise TraceError(p, f"line {line}: unknown action {action!r} (expected allocate, free or allocate failure)")
         try:
-            events.append((_rmm_time(when), kind, int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0))
-        except ValueError:
+            t_ns, a, n, s = _rmm_time(when), int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0
+        except (ValueError, OverflowError):
             raise TraceError(p, f"line {line}: cannot parse time {when!r}, pointer {ptr!r}, size {size!r} "
                                 f"or stream {stream!r}") from None
+        where = f"line {line}"
+        if events and t_ns < events[-1][0] - _DAY_NS // 2 and _CLOCK.match(when):
+            t_ns += _DAY_NS * (1 + (events[-1][0] - t_ns) // _DAY_NS)  # the wall clock passed midnight
+        events.append((_checked(p, where, "time", t_ns, signed=True), kind, _checked(p, where, "pointer", a),
+                       _checked(p, where, "size", n), _checked(p, where, "stream", s, signed=True)))
     return Trace.from_events(events, config={}, source=str(p), format="rmm")
 
 
+def _checked(p: Path, where: str, name: str, v: int, signed: bool = False) -> int:
+    """``v`` if it fits an int64 column (and is not negative, unless ``signed``); else a TraceError."""
+    if not (-_INT64_MAX - 1 if signed else 0) <= v <= _INT64_MAX:
+        raise TraceError(p, f"{where}: {name} {v} is out of range "
+                            f"({'an int64' if signed else 'from 0 to 2**63 - 1'})")
+    return v
+
+
 def _rmm_time(s: str) -> int:
-    """Nanoseconds from RMM's time column: seconds as a decimal, or HH:MM:SS:micro (older RMM)."""
+    """Nanoseconds from RMM's time column.
+
+    Current RMM (spdlog pattern ``%H:%M:%S.%f``) writes the wall clock with
+    microseconds, ``08:00:01.000250``; some versions separate the fraction with
+    a colon, ``08:00:01:000250``; logs converted by other tools carry seconds as
+    a decimal.  A wall clock wraps at midnight: the caller, which sees the
+    previous row, adds the day.
+    """
     m = _CLOCK.match(s)
     if m:
         h, mi, sec, frac = m.groups()

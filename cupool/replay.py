@@ -1,25 +1,51 @@
 """Replay a trace on the sim device, under the recorded or other pool settings.
 
-Only ``alloc``, ``free`` and ``oom`` events drive a replay (an ``oom`` is a request that
-was refused: the replay makes it too, and frees at once what it gets); the pool decides its own
-segments, so the trace's ``segment_*`` events are what the replay is compared
-against, not inputs.  Frees of addresses the replay does not hold (a trace that
+What drives a replay (the event contract is ``Pool.subscribe``'s):
+
+* ``alloc`` / ``free``: raw allocations, replayed as ``malloc`` / ``free``;
+* ``oom``: a request that was refused: the replay makes it too (the reclaim
+  ladder's side effects shape what follows) and frees at once what it gets;
+* ``alloc_movable`` / ``free_movable``: movable buffers, which grow the pool by
+  exactly their size;
+* ``move_out`` then ``move_in``: the block's identity moves from the first
+  address to the second, so later events that name the second find it;
+* ``spill`` / ``restore`` (after the matching ``free_movable`` / ``alloc_movable``):
+  the buffer left the device and came back, so its identity is carried across.
+
+The pool decides its own segments, so the trace's ``segment_*`` events are
+what a replay is compared against, not inputs; the exception is a recording
+that started on a pool already holding memory, whose first events (counted in
+the trace's ``seed`` configuration) describe the segments and live blocks the
+replay starts from.  Frees of addresses the replay does not hold (a trace that
 starts mid-run, an allocation the replay could not serve) are skipped and
 counted; an ``alloc`` at an address still held frees the old block first (the
-trace missed that free).  Compaction ``move`` events are not followed.
+trace missed that free).
 
-Two engines give the same numbers (``tests/test_replay.py`` holds them to it):
+Two engines:
 
-* ``"numba"`` (default): the compiled twin of the pool in ``_replay_engine``;
-  millions of events per second.
-* ``"pool"``: the real ``Pool`` on a fresh ``SimDevice``, one ``malloc``/``free``
-  per event; slow, but it is the pool itself, and it accepts every ``Pool``
-  argument, not only the sizes the compiled engine models.
+* ``"numba"``: the compiled twin of the pool in ``_replay_engine``; millions of
+  events per second.  It models raw allocations exactly (``tests/test_replay.py``
+  holds it equal to the pool engine) and movable buffers' exact-size growth, but
+  not compaction or spilling: for traces with movable buffers it follows the
+  recorded moves and spills and says, in ``ReplayResult.warnings``, that its
+  reserved memory may differ from the recording's.
+* ``"pool"``: the real ``Pool`` on a fresh ``SimDevice``; slow, but it is the pool
+  itself, it takes every ``Pool`` argument, and it reproduces compaction (and,
+  with the recorded spill settings, spilling) on its own: movable buffers are
+  replayed through ``pool.movable()``, so the recorded moves and spills only tell
+  it which buffer a later event means.  The replay never holds an array over a
+  buffer, so a buffer the recorded run kept leased (and so could not move) may
+  move in the replay; ``workloads.weight_streaming(movable=True)`` leases only
+  while it fills or checks a layer, and replays exactly.
+
+The default engine is ``"pool"`` for traces with movable buffers and ``"numba"``
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import math
 import sys
@@ -36,14 +62,30 @@ from .trace import Trace, load_trace
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
+#: Recorded settings that only the pool engine models (they act through movable buffers).
+POOL_KEYS = ("defrag_threshold", "spill", "spill_policy")
+#: Events that only pools with movable buffers emit.
+MOVABLE_KINDS = ("alloc_movable", "free_movable", "move_out", "move_in", "compact", "spill", "restore")
 ENGINES = ("numba", "pool")
+#: What max/mean fragmentation are, for the CLI and the report.
+FRAGMENTATION_NOTE = "after each alloc/free while anything is allocated"
 _CHUNK = 1 << 20
 _PROGRESS_MIN = 2_000_000
 
 
 @dataclass
 class ReplayResult:
-    """What a replay found; ``fragmentation`` is sampled after every alloc and free."""
+    """What a replay found.
+
+    ``max_fragmentation`` / ``mean_fragmentation`` are (reserved - allocated) /
+    reserved sampled after every event the replay acts on, but only while
+    something is allocated: a pool that holds nothing but cache has
+    fragmentation 1.0 by that formula, which says nothing about placement and
+    would make every run's maximum 1.0 at its teardown.
+    ``fragmentation_at_peak`` is taken after the event that set peak reserved,
+    where fragmentation costs the most.  ``warnings`` says what the engine could
+    not model for this trace.
+    """
 
     config: dict[str, Any]
     engine: str
@@ -52,12 +94,14 @@ class ReplayResult:
     peak_allocated: int
     max_fragmentation: float
     mean_fragmentation: float
+    fragmentation_at_peak: float
     ooms: int
     peak_segments: int
     segment_allocs: int
     segment_frees: int
     unmatched_frees: int
     seconds: float
+    warnings: list[str] = field(default_factory=list)
     timeline: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -100,12 +144,29 @@ def _parse_value(v: str) -> Any:
     return v
 
 
-def recorded_config(trace: Trace) -> dict[str, Any]:
+def uses_movables(trace: Trace) -> bool:
+    """Whether the trace has movable buffers (whose compaction and spilling only the pool engine models)."""
+    counts = trace.counts()
+    return any(counts.get(k) for k in MOVABLE_KINDS)
+
+
+def default_engine(trace: Trace) -> str:
+    return "pool" if uses_movables(trace) else "numba"
+
+
+def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
     """The recording pool's settings, as replay arguments (empty for foreign traces)."""
-    cfg = {k: trace.config[k] for k in CONFIG_KEYS if trace.config.get(k) is not None}
-    if "capacity" not in cfg and trace.config.get("limit"):
-        # Recorded on a GPU: the sim device gets the pool's limit as its size.
-        cfg["capacity"] = int(trace.config["limit"])
+    rec = trace.config
+    cfg = {k: rec[k] for k in CONFIG_KEYS if rec.get(k) is not None}
+    if "capacity" not in cfg and rec.get("limit"):
+        # Recorded on a GPU: the sim device gets the pool's limit as its size.  The
+        # limit already applies max_size and memory_fraction; applying them again
+        # to a device that small would shrink the pool twice.
+        cfg["capacity"] = rec["limit"]
+        cfg.pop("max_size", None)
+        cfg.pop("memory_fraction", None)
+    if engine == "pool":
+        cfg.update({k: rec[k] for k in POOL_KEYS if k in rec})
     return cfg
 
 
@@ -123,156 +184,340 @@ def _check_keys(config: dict[str, Any], engine: str) -> None:
         raise ValueError(f"unknown configuration key {key!r} (known: {', '.join(CONFIG_KEYS)})")
 
 
-def _sim_pool(config: dict[str, Any]) -> Pool:
+def _sim_pool(config: dict[str, Any], trace: Trace) -> Pool:
     try:
         return Pool("sim", **config)
-    except OutOfMemoryError as e:
-        raise ValueError(f"configuration {config}: {e}") from None
+    except (OutOfMemoryError, ValueError, TypeError) as e:
+        where = f"{trace.source}: " if trace.source else ""
+        raise ValueError(f"{where}cannot make a sim pool with {config}: {e}") from None
 
 
 def replay(
     trace: Trace,
     config: dict[str, Any] | None = None,
-    engine: str = "numba",
+    engine: str | None = None,
     timeline: bool = False,
     progress: bool | None = None,
     stop: int | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` on a fresh sim pool with ``config`` (default: the recorded settings).
 
-    ``timeline`` keeps reserved/allocated bytes after every event (numba engine);
-    ``progress`` shows a tqdm bar (default: on long traces, when stderr is a
-    terminal); ``stop`` replays only the first ``stop`` events.
+    ``engine`` None picks ``default_engine(trace)``.  ``timeline`` keeps
+    reserved/allocated bytes after every event; ``progress`` shows a tqdm bar
+    (default: on long traces, when stderr is a terminal); ``stop`` replays only
+    the first ``stop`` events.
     """
-    cfg = {**recorded_config(trace), **(config or {})}
+    engine = default_engine(trace) if engine is None else engine
+    cfg = {**recorded_config(trace, engine), **(config or {})}
     _check_keys(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     if progress is None:
         progress = n >= _PROGRESS_MIN and sys.stderr.isatty()
     if engine == "pool":
-        if timeline:
-            raise ValueError("timeline=True needs the numba engine")
-        return _replay_pool(trace, cfg, n, progress)
+        return _replay_pool(trace, cfg, n, timeline, progress)[0]
     return _replay_numba(trace, cfg, n, timeline, progress)[0]
 
 
-def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, progress: bool) -> ReplayResult:
-    pool = _sim_pool(cfg)
-    a_code, f_code, o_code = trace.code("alloc"), trace.code("free"), trace.code("oom")
+def _seed_count(trace: Trace, n: int) -> int:
+    """How many leading events describe the live state a recording started from (0 if none)."""
+    seed = trace.config.get("seed")
+    count = seed.get("events", 0) if isinstance(seed, dict) else 0
+    if not isinstance(count, int) or not 0 <= count <= len(trace):
+        raise ValueError(f"{trace.source}: the trace's seed configuration is corrupted ({seed!r})")
+    return min(count, n)
+
+
+def _spill_marks(trace: Trace, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which ``free_movable`` events are spills and which ``alloc_movable`` events restores."""
+    kind, addr = trace.kind[:n], trace.addr[:n]
+    spills = np.zeros(n, bool)
+    restores = np.zeros(n, bool)
+    fm, am = trace.code("free_movable"), trace.code("alloc_movable")
+    sp, rs = trace.code("spill"), trace.code("restore")
+    for j in np.flatnonzero(kind == sp) if sp >= 0 else ():
+        # The free_movable of a spill comes just before it, give or take a segment_free.
+        for i in range(j - 1, max(-1, j - 8), -1):
+            if kind[i] == fm and addr[i] == addr[j]:
+                spills[i] = True
+                break
+    for j in np.flatnonzero(kind == rs) if rs >= 0 else ():
+        if j and kind[j - 1] == am and addr[j - 1] == addr[j]:
+            restores[j - 1] = True
+    return spills, restores
+
+
+class _Books:
+    """Reserved and allocated bytes of a replay pool, kept from its own events.
+
+    Subscribing also makes the replay pool run as the recorded one did: a pool
+    with an observer does not park small frees on its fast path.
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        s = pool.stats()  # the preallocated segment came before any subscriber
+        self.reserved = self.peak = int(s["reserved_bytes.all.current"])
+        self.allocated = int(s["allocated_bytes.all.current"])
+
+    def __call__(self, ev: tuple) -> None:
+        kind, size = ev[1], ev[3]
+        if kind == "segment_alloc":
+            self.reserved += size
+            if self.reserved > self.peak:
+                self.peak = self.reserved
+        elif kind == "segment_free":
+            self.reserved -= size
+        elif kind == "alloc" or kind == "alloc_movable":
+            self.allocated += size
+        elif kind == "free" or kind == "free_movable":
+            self.allocated -= size
+
+
+def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool):
+    """Replay through a real Pool; returns the result and the pool (for ``layout``)."""
+    pool = _sim_pool(cfg, trace)
+    books = _Books(pool)
+    unsubscribe = pool.subscribe(books)
+    code = {k: trace.code(k) for k in ("alloc", "free", "oom", "alloc_movable", "free_movable",
+                                       "move_out", "move_in")}
     kind, addr, size, stream = (trace.kind[:n].tolist(), trace.addr[:n].tolist(),
                                 trace.size[:n].tolist(), trace.stream[:n].tolist())
-    live: dict[int, Any] = {}
+    spills, restores = _spill_marks(trace, n)
+    seeded = _seed_count(trace, n)
+    live: dict[int, Any] = {}  # recorded address -> Allocation or Movable
+    spilled: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+    moving = None
     unmatched = 0
     frag_sum = frag_max = 0.0
+    frag_peak = 1.0 if books.reserved else 0.0  # the peak so far is the empty preallocated segment
     samples = 0
+    tl_res = np.zeros(n if timeline else 0, np.int64)
+    tl_alloc = np.zeros(n if timeline else 0, np.int64)
     bar = _bar(n, progress, "replay (pool)")
     t0 = time.perf_counter()
     for i in range(n):
         k = kind[i]
-        if k == a_code or k == f_code:
-            a = live.pop(addr[i], None)
-            if a is not None:
-                pool.free(a)
-            elif k == f_code:
+        peak0 = books.peak
+        if k == code["alloc"] or k == code["free"]:
+            held = live.pop(addr[i], None)
+            if held is not None:
+                held.free()
+            elif k == code["free"]:
                 unmatched += 1
-            if k == a_code:
+            if k == code["alloc"]:
                 try:
                     live[addr[i]] = pool.malloc(size[i], stream[i])
                 except OutOfMemoryError:
                     pass
-        elif k == o_code:
+        elif k == code["alloc_movable"]:
+            held = live.pop(addr[i], None)
+            if held is not None:
+                held.free()
+            queue = spilled.get((size[i], stream[i])) if restores[i] else None
+            if queue:
+                # A restore: the buffer is back (the replay may never have spilled it),
+                # and was viewed, as the recorded run did to bring it back.
+                m = queue.popleft()
+                live[addr[i]] = m
+                try:
+                    m.array()
+                except OutOfMemoryError:
+                    pass
+            else:
+                try:
+                    live[addr[i]] = pool.movable(size[i], stream[i])
+                except OutOfMemoryError:
+                    pass
+        elif k == code["free_movable"]:
+            held = live.pop(addr[i], None)
+            if held is None:
+                unmatched += 1
+            elif spills[i]:
+                # Spilled in the recording: the replay pool spills (or not) by its own rules.
+                spilled[(size[i], stream[i])].append(held)
+            else:
+                held.free()
+        elif k == code["move_out"]:
+            moving = live.pop(addr[i], None)
+            continue
+        elif k == code["move_in"]:
+            if moving is not None:
+                live[addr[i]] = moving
+                moving = None
+            continue
+        elif k == code["oom"]:
             try:
                 pool.malloc(size[i], stream[i]).free()
             except OutOfMemoryError:
                 pass
         else:
+            if timeline:
+                tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
-        f = pool.fragmentation()
-        frag_sum += f
-        frag_max = max(frag_max, f)
-        samples += 1
+        if timeline:
+            tl_res[i], tl_alloc[i] = books.reserved, books.allocated
+        res, alloc = books.reserved, books.allocated
+        f = (res - alloc) / res if res else 0.0
+        if books.peak > peak0:
+            frag_peak = f
+        if alloc and i >= seeded:
+            frag_sum += f
+            frag_max = max(frag_max, f)
+            samples += 1
         if bar is not None and i % 65536 == 0:
             bar.update(min(65536, n - bar.n))
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    unsubscribe()
     s = pool.stats()
-    return ReplayResult(
+    warnings = []
+    kept = trace.config["seed"].get("kept_segments", ()) if seeded else ()
+    if seeded > len(kept):
+        warnings.append(f"the recording started on a pool already holding memory: the pool engine allocates its "
+                        f"{seeded} seed events afresh, so segments can differ from the recording's at first "
+                        "(the numba engine rebuilds them exactly)")
+    result = ReplayResult(
         config=cfg, engine="pool", events=n,
         peak_reserved=int(s["reserved_bytes.all.peak"]), peak_allocated=int(s["allocated_bytes.all.peak"]),
         max_fragmentation=frag_max, mean_fragmentation=frag_sum / samples if samples else 0.0,
+        fragmentation_at_peak=frag_peak,
         ooms=int(s["num_ooms"]), peak_segments=int(s["segment.all.peak"]),
         segment_allocs=int(s["num_device_alloc"]), segment_frees=int(s["num_device_free"]),
-        unmatched_frees=unmatched, seconds=seconds,
+        unmatched_frees=unmatched, seconds=seconds, warnings=warnings,
+        timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
+    return result, pool
 
 
 def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool):
     from . import _replay_engine as eng
 
-    probe = _sim_pool(cfg)  # validates the settings exactly as Pool does and resolves them to bytes
+    probe = _sim_pool(cfg, trace)  # validates the settings exactly as Pool does and resolves them to bytes
     state = eng.new_state(
         int(trace.stream.max()) + 1 if len(trace) else 1,
         probe.device.capacity, probe.limit, probe.release_threshold, probe.config["initial_size"],
     )
     del probe
+    seeded = _seed_count(trace, n)
+    if seeded:
+        _seed_numba(trace, seeded, state)
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
-    codes = (trace.code("alloc"), trace.code("free"), trace.code("oom"))
-    arrays = [state[k] for k in ("B", "FB", "S", "FS", "IX")]
-    ext = state["EXT"]
+    codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
+    arrays = [state[k] for k in ("B", "FB", "S", "FS", "IX", "EXT")]
     bar = _bar(n, progress, "replay")
     t0 = time.perf_counter()
-    for lo in range(0, n, _CHUNK if bar is not None else max(n, 1)):
-        hi = min(n, lo + (_CHUNK if bar is not None else n))
-        B, FB, S, FS, IX, ext = eng.run(
-            trace.kind, trace.addr, trace.size, trace.stream, lo, hi, *codes,
-            state["st"], state["fst"], state["cfg"], *arrays, state["TG"], state["DT"], ext,
+    step = _CHUNK if bar is not None else max(n - seeded, 1)
+    for lo in range(seeded, n, step):
+        hi = min(n, lo + step)
+        arrays = list(eng.run(
+            trace.kind, trace.addr, trace.size, trace.stream, lo, hi, codes,
+            state["st"], state["fst"], state["cfg"], *arrays[:5], state["TG"], state["DT"], arrays[5],
             state["live"], tl_res, tl_alloc,
-        )
-        arrays = [B, FB, S, FS, IX]
+        ))
         if bar is not None:
             bar.update(hi - lo)
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    if timeline and seeded:
+        tl_res[:seeded], tl_alloc[:seeded] = state["seeded_books"]
     st, fst = state["st"], state["fst"]
     samples = int(st[eng.SAMPLES])
+    warnings = []
+    if uses_movables(trace):
+        counts = trace.counts()
+        warnings.append(
+            f"this trace has movable buffers ({counts.get('alloc_movable', 0)} alloc_movable, "
+            f"{counts.get('move_in', 0)} moves, {counts.get('compact', 0)} compactions, "
+            f"{counts.get('spill', 0)} spills): the numba engine follows the recorded moves and spills but "
+            "does not compact or spill by itself, so reserved memory and segments can differ from the "
+            "recording's; the pool engine (--engine pool) reproduces them"
+        )
     result = ReplayResult(
         config=cfg, engine="numba", events=n,
         peak_reserved=int(st[eng.PEAK_RES]), peak_allocated=int(st[eng.PEAK_ALLOC]),
         max_fragmentation=float(fst[1]), mean_fragmentation=float(fst[0] / samples) if samples else 0.0,
+        fragmentation_at_peak=float(fst[2]),
         ooms=int(st[eng.OOMS]), peak_segments=int(st[eng.PEAK_SEG]),
         segment_allocs=int(st[eng.DEV_ALLOCS]), segment_frees=int(st[eng.DEV_FREES]),
-        unmatched_frees=int(st[eng.UNMATCHED]), seconds=seconds,
+        unmatched_frees=int(st[eng.UNMATCHED]), seconds=seconds, warnings=warnings,
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
     return result, arrays[0], arrays[2], st
+def _seed_numba(trace: Trace, seeded: int, state: dict) -> None:
+    """Rebuild the segments and live blocks a recording started from (its first ``seeded`` events).
+
+    Each recorded segment becomes a segment of the same size and pool (small or
+    large, from the seed configuration), with the live blocks at the same
+    offsets; the preallocated segment is the replay pool's own.  The replay's
+    addresses differ from the recording's, which only matters to the device's
+    first-fit placement.
+    """
+    from . import _replay_engine as eng
+
+    seed = trace.config["seed"]
+    small, kept = set(seed.get("small_segments", ())), set(seed.get("kept_segments", ()))
+    seg_code = trace.code("segment_alloc")
+    segs: list[list[int]] = []  # addr, size, heap, keep, stream
+    blocks: list[list[int]] = []  # segment index, offset, size, stream, recorded address
+    for i in range(seeded):
+        k, a, n, strm = int(trace.kind[i]), int(trace.addr[i]), int(trace.size[i]), int(trace.stream[i])
+        if k == seg_code:
+            segs.append([a, n, 0 if a in small else 1, int(a in kept), strm])
+            continue
+        if not segs or not segs[-1][0] <= a < segs[-1][0] + segs[-1][1]:
+            raise ValueError(f"{trace.source}: seed event {i} is not inside the segment before it")
+        blocks.append([len(segs) - 1, a - segs[-1][0], n, strm, a])
+    sg = np.array(segs, np.int64).reshape(-1, 5).T.copy()
+    bk = np.array(blocks, np.int64).reshape(-1, 5).T.copy()
+    need = 2 * (bk.shape[1] + sg.shape[1]) + 8
+    for key, grow in (("B", eng._grown2), ("FB", eng._grown1), ("IX", eng._grown3)):
+        if state[key].shape[-1] < need:
+            state[key] = grow(state[key], need)
+    if state["S"].shape[1] < sg.shape[1] + 4:
+        state["S"] = eng._grown2(state["S"], sg.shape[1] + 4)
+        state["FS"] = eng._grown1(state["FS"], sg.shape[1] + 4)
+        state["EXT"] = eng._grown2(state["EXT"], sg.shape[1] + 6)
+    eng.seed(sg, bk, state["st"], state["fst"], state["cfg"], state["B"], state["FB"], state["S"], state["FS"],
+             state["IX"], state["TG"], state["DT"], state["EXT"], state["live"])
+    state["seeded_books"] = (int(state["st"][eng.RES]), int(state["st"][eng.ALLOC]))
 
 
-def layout(trace: Trace, config: dict[str, Any] | None = None, stop: int | None = None) -> list[dict[str, Any]]:
-    """Segments and their blocks after replaying the first ``stop`` events (numba engine).
+def layout(
+    trace: Trace, config: dict[str, Any] | None = None, stop: int | None = None, engine: str | None = None,
+) -> list[dict[str, Any]]:
+    """Segments and their blocks after replaying the first ``stop`` events.
 
     Each segment: ``{"address", "size", "kind" ("small"/"large"), "blocks": [(offset, size, allocated)]}``.
     """
     from . import _replay_engine as eng
 
-    cfg = {**recorded_config(trace), **(config or {})}
-    _check_keys(cfg, "numba")
+    engine = default_engine(trace) if engine is None else engine
+    cfg = {**recorded_config(trace, engine), **(config or {})}
+    _check_keys(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
-    _, B, S, st = _replay_numba(trace, cfg, n, False, False)
     out = []
-    for s in range(int(st[eng.NS])):
-        if not S[eng.S_ALIVE, s]:
-            continue
-        base = int(S[eng.S_ADDR, s])
-        blocks = []
-        b = int(S[eng.S_HEAD, s])
-        while b >= 0:
-            blocks.append((int(B[eng.ADDR, b]) - base, int(B[eng.SIZE, b]), not B[eng.FREE, b]))
-            b = int(B[eng.NEXT, b])
-        out.append({"address": base, "size": int(S[eng.S_SIZE, s]),
-                    "kind": "small" if S[eng.S_KIND, s] == 0 else "large", "blocks": blocks})
+    if engine == "pool":
+        _, pool = _replay_pool(trace, cfg, n, False, False)
+        for seg in pool.snapshot()["segments"]:
+            base = seg["address"]
+            out.append({"address": base, "size": seg["total_size"], "kind": seg["segment_type"],
+                        "blocks": [(b["address"] - base, b["size"], b["state"] != "inactive")
+                                   for b in seg["blocks"]]})
+    else:
+        _, B, S, st = _replay_numba(trace, cfg, n, False, False)
+        for s in range(int(st[eng.NS])):
+            if not S[eng.S_ALIVE, s]:
+                continue
+            base = int(S[eng.S_ADDR, s])
+            blocks = []
+            b = int(S[eng.S_HEAD, s])
+            while b >= 0:
+                blocks.append((int(B[eng.ADDR, b]) - base, int(B[eng.SIZE, b]), not B[eng.FREE, b]))
+                b = int(B[eng.NEXT, b])
+            out.append({"address": base, "size": int(S[eng.S_SIZE, s]),
+                        "kind": "small" if S[eng.S_KIND, s] == 0 else "large", "blocks": blocks})
     out.sort(key=lambda seg: seg["address"])
     return out
 
@@ -294,8 +539,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,...; 'recorded' for the recorded settings)")
-    p.add_argument("--engine", choices=ENGINES, default="numba",
-                   help="numba (fast, default) or pool (the real Pool, slow, takes any Pool argument)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
+                        "and spilling); default: pool for traces with movable buffers, else numba")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on for long traces on a terminal)")
     p.set_defaults(func=_cmd_replay)
@@ -303,23 +549,27 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
+    engine = args.engine or default_engine(trace)
     base = parse_config(args.config)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
     for c in configs:  # reject a bad key before spending time on any replay
-        _check_keys({**recorded_config(trace), **c}, args.engine)
+        _check_keys({**recorded_config(trace, engine), **c}, engine)
     counts = trace.counts()
     print(f"{args.trace}: {len(trace)} events ({trace.format}; "
           + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
-    results = [replay(trace, c, engine=args.engine, progress=args.progress) for c in configs]
+    results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
+    for w in dict.fromkeys(w for r in results for w in r.warnings):
+        print(f"warning: {w}")
     if args.compare is None:
         r = results[0]
         print(f"configuration      {_show_config(r.config)}")
         for label, value in (
             ("peak reserved", format_bytes(r.peak_reserved)),
             ("peak allocated", format_bytes(r.peak_allocated)),
-            ("max fragmentation", f"{r.max_fragmentation:.3f}"),
-            ("mean fragmentation", f"{r.mean_fragmentation:.3f}"),
+            ("max fragmentation", f"{r.max_fragmentation:.3f} ({FRAGMENTATION_NOTE})"),
+            ("mean fragmentation", f"{r.mean_fragmentation:.3f} (same samples)"),
+            ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
             ("OOMs", str(r.ooms)),
             ("peak segments", str(r.peak_segments)),
             ("unmatched frees", str(r.unmatched_frees)),
@@ -327,16 +577,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         ):
             print(f"{label:<19}{value}")
         return 0
-    head = f"{'configuration':<34} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} {'OOMs':>5} {'time':>8}"
+    head = (f"{'configuration':<34} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} "
+            f"{'frag@peak':>9} {'OOMs':>5} {'time':>8}")
     print(head)
     for spec, r in zip(specs, results):
         name = spec or "recorded"
         print(f"{name[:34]:<34} {format_bytes(r.peak_reserved):>13} {format_bytes(r.peak_allocated):>11} "
-              f"{r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} {r.ooms:>5} {r.seconds:>7.3f}s")
+              f"{r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} {r.fragmentation_at_peak:>9.3f} "
+              f"{r.ooms:>5} {r.seconds:>7.3f}s")
+    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked ({engine} engine)")
     return 0
 
 
 def _show_config(cfg: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={format_bytes(v) if isinstance(v, int) and k != 'memory_fraction' else v}"
+    sizes = ("capacity", "initial_size", "max_size", "release_threshold")
+    return ", ".join(f"{k}={format_bytes(v) if k in sizes and isinstance(v, int) else v}"
                      for k, v in cfg.items()) or "defaults"
-

@@ -1,11 +1,15 @@
 """Pictures of a trace: memory over time, fragmentation over time, and a segment map.
 
-The curves come from a replay on the sim device (numba engine, the recorded
-settings unless told otherwise), so every trace format gets the same figures
-and, for cupool's own traces, the replay is the recording (the tests hold them
-equal).  Events that replay does not act on (moves, compaction, spills,
-restores) and OOMs are marked at their recorded times.  The segment map shows
-the pool at its peak reserved moment, where fragmentation costs the most.
+The curves come from a replay on the sim device (the recorded settings unless
+told otherwise), so every trace format gets the same figures.  For a cupool
+trace replayed on its recorded settings the curves' peaks and segment counts
+equal the recording's (``tests/test_replay.py`` holds the replay to that); the
+segments' addresses are the replay's own, and a trace that started mid-run
+starts from its recorded live state.  Traces with movable buffers are replayed
+by the pool engine, the only one that compacts and spills.  Compactions,
+moves, spills, restores and OOMs are marked at their recorded times.  The
+segment map shows the pool at its peak reserved moment, where fragmentation
+costs the most.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from ._units import format_bytes
-from .replay import CONFIG_KEYS, layout, parse_config, replay
+from .replay import CONFIG_KEYS, FRAGMENTATION_NOTE, default_engine, layout, parse_config, replay
 from .trace import Trace, load_trace
 
-_MARKED = {"oom": ("tab:red", "x"), "move": ("tab:purple", "|"), "compact": ("tab:purple", "v"),
+_MARKED = {"oom": ("tab:red", "x"), "move_in": ("tab:purple", "|"), "compact": ("tab:purple", "v"),
            "spill": ("tab:orange", "v"), "restore": ("tab:green", "^")}
 _MAX_SEGMENTS_SHOWN = 48
 
@@ -36,13 +40,14 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    result = replay(trace, config, timeline=True, progress=False)
+    engine = default_engine(trace)
+    result = replay(trace, config, engine=engine, timeline=True, progress=False)
     tl = result.timeline
     assert tl is not None
     n = len(trace)
     t = (trace.t_ns - trace.t_ns[0]) / 1e9 if n else np.zeros(0)
     peak_i = int(np.argmax(tl["reserved"])) if n else 0
-    segs = layout(trace, config, stop=peak_i + 1) if n else []
+    segs = layout(trace, config, stop=peak_i + 1, engine=engine) if n else []
     scale, unit = _unit(max(result.peak_reserved, 1))
 
     fig = plt.figure(figsize=(11, 10), layout="constrained")
@@ -51,7 +56,8 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     ax2 = fig.add_subplot(gs[1], sharex=ax1)
     ax3 = fig.add_subplot(gs[2])
     title = Path(trace.source).name or "trace"
-    fig.suptitle(f"{title}: {n} events ({trace.format}), replayed on the sim device", fontsize=12)
+    fig.suptitle(f"{title}: {n} events ({trace.format}), replayed on the sim device ({engine} engine)",
+                 fontsize=12)
 
     ax1.step(t, tl["reserved"] / scale, where="post", color="tab:blue", label="reserved")
     ax1.step(t, tl["allocated"] / scale, where="post", color="tab:green", label="allocated")
@@ -64,7 +70,7 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
         idx = np.flatnonzero(trace.kind == c)
         if len(idx):
             ax1.scatter(t[idx], tl["reserved"][idx] / scale, color=color, marker=marker, s=40, zorder=3,
-                        label=f"{kind} ({len(idx)})")
+                        label=f"{'move' if kind == 'move_in' else kind} ({len(idx)})")
     ax1.axvline(t[peak_i] if n else 0, color="grey", ls=":", lw=1)
     ax1.set_ylabel(f"memory ({unit})")
     ax1.set_title(f"peak reserved {format_bytes(result.peak_reserved)}, peak allocated "
@@ -82,14 +88,19 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     ax2.set_ylabel("fragmentation")
     ax2.set_xlabel("time (s)")
     ax2.set_title(f"(reserved - allocated) / reserved: max {result.max_fragmentation:.3f}, "
-                  f"mean {result.mean_fragmentation:.3f}", fontsize=10)
+                  f"mean {result.mean_fragmentation:.3f} ({FRAGMENTATION_NOTE}); "
+                  f"{result.fragmentation_at_peak:.3f} at peak reserved", fontsize=10)
     ax2.grid(alpha=0.3)
 
     _segment_map(ax3, segs, t[peak_i] if n else 0.0)
     ax3.legend(handles=[Patch(color="tab:green", label="allocated"), Patch(color="0.85", label="free")],
                loc="lower right", fontsize=8)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise OSError(f"cannot write the report {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return result.as_dict()
 
 
@@ -132,8 +143,14 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    folder = Path(args.output).resolve().parent
+    if not folder.is_dir():  # before the replay, which can take a while
+        raise OSError(f"cannot write the report {args.output}: the folder {folder} does not exist")
     trace = load_trace(args.trace)
     summary = plot_report(trace, args.output, parse_config(args.config))
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
     print(f"wrote {args.output}: peak reserved {format_bytes(summary['peak_reserved'])}, "
-          f"max fragmentation {summary['max_fragmentation']:.3f}")
+          f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
+          f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
     return 0

@@ -9,8 +9,12 @@ pool without any code of ours in the loop.
 The events come from the pool's active recorder (``pool.record()``), if any; a
 pool that nobody records exports its segments with empty traces.  cupool's
 ``free`` becomes PyTorch's ``free_requested`` + ``free_completed`` pair (cupool
-never defers a free); ``move``/``compact``/``spill``/``restore`` have no PyTorch
-counterpart and are left out.
+never defers a free).  Movable buffers are blocks to PyTorch: ``alloc_movable`` /
+``free_movable`` export as an alloc / free, and a compaction move
+(``move_out`` then ``move_in``) as a free of the old address followed by an
+alloc of the new one, so PyTorch's viewers track the block to where it went.
+The annotations (``compact``, ``spill``, ``restore``, ``reclaim:*``) have no
+PyTorch counterpart and are left out; their block events carry the memory.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ if TYPE_CHECKING:
     from .pool import Pool
 
 _FRAME = re.compile(r'^\s*File "(?P<filename>[^"]*)", line (?P<line>\d+), in (?P<name>.*)$')
+_FREE = ("free_requested", "free_completed")
 _ACTIONS = {
     "alloc": ("alloc",),
-    "free": ("free_requested", "free_completed"),
+    "free": _FREE,
+    "alloc_movable": ("alloc",),
+    "free_movable": _FREE,
+    "move_out": _FREE,
+    "move_in": ("alloc",),
     "segment_alloc": ("segment_alloc",),
     "segment_free": ("segment_free",),
     "oom": ("oom",),

@@ -14,6 +14,11 @@ last completed flush.  Only plain numeric datasets are used (stacks are stored
 as bytes plus end offsets), because variable-length strings do not survive a
 killed SWMR writer reliably.
 
+A write that fails (disk full, file removed, a kind that does not fit) must not
+hurt the pool whose lock the recorder runs under: the recorder stops writing,
+keeps its ring buffer going, and raises the error, naming the file, at ``stop()``
+(the end of the ``with`` block).
+
 Every loader returns a ``Trace``: parallel numpy arrays, with streams renumbered
 densely from 0 so that any trace replays on the sim device.
 """
@@ -21,7 +26,9 @@ densely from 0 so that any trace replays on the sim device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import threading
 import time
 import traceback
@@ -36,14 +43,17 @@ import numpy as np
 if TYPE_CHECKING:
     from .pool import Pool
 
-#: Event kinds known in advance; recorders accept any other kind string too.
-KINDS = ("alloc", "free", "segment_alloc", "segment_free", "move", "compact", "spill", "restore", "oom")
+#: Event kinds known in advance (see ``Pool.subscribe``); recorders accept any other kind string too.
+KINDS = ("alloc", "free", "alloc_movable", "free_movable", "move_out", "move_in", "segment_alloc",
+         "segment_free", "compact", "spill", "restore", "oom")
 FORMAT = "cupool-trace"
 VERSION = 1
 _MAX_KINDS = 64
 _KIND_WIDTH = 32
 _COLUMNS = ("t_ns", "kind", "addr", "size", "stream")
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+_INT64_MAX = (1 << 63) - 1
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class TraceError(ValueError):
@@ -102,16 +112,32 @@ class Trace:
         format: str = FORMAT,
         stacks: list[str] | None = None,
     ) -> Trace:
-        """Build a trace from ``(t_ns, kind, addr, size, stream)`` tuples (extra fields ignored)."""
+        """Build a trace from ``(t_ns, kind, addr, size, stream)`` tuples (extra fields ignored).
+
+        Kinds must be strings and the numbers int64 integers (sizes not negative):
+        the compiled replay reads the columns as int64, so a value that does not
+        fit is refused here, with the event's index, rather than wrapped around.
+        """
         kinds = list(KINDS)
         codes = {k: i for i, k in enumerate(kinds)}
         kind = np.empty(len(events), np.uint8)
         for i, ev in enumerate(events):
             c = codes.get(ev[1])
             if c is None:
+                if not isinstance(ev[1], str):
+                    raise ValueError(f"event {i}: the kind must be a string, got {ev[1]!r}")
+                if len(kinds) >= _MAX_KINDS:
+                    raise ValueError(f"event {i}: more than {_MAX_KINDS} event kinds")
                 c = codes[ev[1]] = len(kinds)
                 kinds.append(ev[1])
             kind[i] = c
+            for j, name in ((0, "time"), (2, "address"), (3, "size"), (4, "stream")):
+                v = ev[j]
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ValueError(f"event {i}: the {name} must be an integer, got {v!r}")
+                if not -_INT64_MAX - 1 <= v <= _INT64_MAX or (j == 3 and v < 0):
+                    raise ValueError(f"event {i}: the {name} {v} is out of range"
+                                     + (" (sizes cannot be negative)" if j == 3 and v < 0 else " (int64)"))
         cols = [np.fromiter((ev[j] for ev in events), np.int64, len(events)) for j in (0, 2, 3, 4)]
         return cls(
             cols[0], kind, cols[1], cols[2], dense_streams(cols[3]), tuple(kinds),
@@ -129,8 +155,14 @@ def dense_streams(streams: np.ndarray) -> np.ndarray:
 
 def _stack() -> str:
     # Drop the recorder's and the pool's own frames: the user wants their call site.
-    frames = [f for f in traceback.extract_stack()[:-3] if "/cupool/" not in f.filename.replace("\\", "/")]
+    frames = [f for f in traceback.extract_stack()[:-3] if not _in_package(f.filename)]
     return "".join(traceback.format_list(frames[-8:]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_package(filename: str) -> bool:
+    """Whether a frame's file is part of this installed package (not merely under some "cupool" folder)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
 
 
 # ------------------------------------------------------------------- recording
@@ -150,8 +182,15 @@ class EventRecorder:
 
     Use as a context manager (``with pool.record(): ...``) or call ``start``/``stop``.
     When started on a pool that already holds memory, the recorder first writes
-    its current segments and live blocks as ``segment_alloc``/``alloc`` events, so
-    a replay of the trace starts from the same live set.
+    its current segments and live blocks as ``segment_alloc``/``alloc``/``alloc_movable``
+    events, and notes in the trace's configuration (``"seed"``) how many events
+    that is and which segments are small-pool or preallocated ones, so that a
+    replay starts from the same segments and live set.  The live state is read
+    and the recorder subscribed under one hold of the pool's lock, so no event
+    falls between the two.
+
+    If writing the file fails, recording to the file stops (the ring buffer goes
+    on), the pool is unaffected, and ``stop()`` raises the ``TraceError``.
     """
 
     def __init__(
@@ -178,28 +217,45 @@ class EventRecorder:
         self._interval_ns = int(flush_interval * 1e9)
         self._deadline = 0
         self._flushed = 0
-        self._writer = None if path is None else _Hdf5Writer(Path(path), pool.config, self.stacks)
-        self._unsubscribe = None
+        self._writer = None if path is None else _Hdf5Writer(Path(path), self.stacks)
+        self._unsubscribe: Any = None
+        self._config: dict[str, Any] = {}
+        self.error: TraceError | None = None
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> EventRecorder:
         if self._unsubscribe is not None:
             raise RuntimeError("this recorder is already started")
-        if self._writer is not None:
-            self._writer.open()
-        now = time.perf_counter_ns()
-        self._deadline = now + self._interval_ns
-        for seg in self.pool.snapshot()["segments"]:
-            self._on_event((now, "segment_alloc", seg["address"], seg["total_size"], seg["stream"]))
-            for b in seg["blocks"]:
-                if b["state"] != "inactive":
-                    self._on_event((now, "alloc", b["address"], b["size"], seg["stream"]))
-        self._unsubscribe = self.pool.subscribe(self._on_event)
+        pool = self.pool
+        self._config = recording_config(pool)
+        # One hold of the pool's lock for reading the live state and subscribing:
+        # Pool.snapshot() and Pool.subscribe() each take the lock, and an event
+        # between them would be in neither.  So this reads the heaps itself, after
+        # applying queued frees (_drain) exactly as snapshot() does, and appends to
+        # the observer list that subscribe() appends to.
+        with pool._lock:
+            pool._drain()
+            now = time.perf_counter_ns()
+            seed, self._config["seed"] = _live_state(pool, now)
+            if self._writer is not None:
+                self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
+            self._deadline = now + self._interval_ns
+            for ev in seed:
+                self._on_event(ev)
+            pool._observers.append(self._on_event)
+
+        def unsubscribe() -> None:
+            with pool._lock:
+                if self._on_event in pool._observers:
+                    pool._observers.remove(self._on_event)
+
+        self._unsubscribe = unsubscribe
         with _active_lock:
-            _active.setdefault(self.pool, []).append(self)
+            _active.setdefault(pool, []).append(self)
         return self
 
     def stop(self) -> None:
+        """Detach from the pool, flush and close the file; raise the ``TraceError`` of a failed write."""
         if self._unsubscribe is None:
             return
         self._unsubscribe()
@@ -210,14 +266,28 @@ class EventRecorder:
                 recs.remove(self)
         if self._writer is not None:
             # Lock-free here: the pool no longer calls us, so nobody else touches the ring.
-            self._flush()
-            self._writer.close()
+            if self.error is None:
+                self._flush()
+            try:
+                self._writer.close()
+            except Exception as e:  # noqa: BLE001 - reported below like any write failure
+                if self.error is None:
+                    self._fail(e)
+        if self.error is not None:
+            raise self.error
 
     def __enter__(self) -> EventRecorder:
         return self.start()
 
     def __exit__(self, et: type | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
+        if ev is None:
+            self.stop()
+            return
+        # The block already raised: that error stays the one reported, the trace's goes in a note.
+        try:
+            self.stop()
+        except TraceError as e:
+            ev.add_note(f"cupool: also, the trace was not fully written: {e}")
 
     # -- the hot path -----------------------------------------------------------
     def _on_event(self, ev: tuple) -> None:
@@ -227,14 +297,36 @@ class EventRecorder:
         self._ring[self._n % self.capacity] = ev
         self._n += 1
         if self._writer is not None and (self._n - self._flushed >= self._batch or ev[0] >= self._deadline):
-            self._flush()
+            if self.error is None:
+                self._flush()
 
     def _flush(self) -> None:
         lo, hi = self._flushed, self._n
         if hi > lo:
-            self._writer.append([self._ring[i % self.capacity] for i in range(lo, hi)])
+            try:
+                self._writer.append([self._ring[i % self.capacity] for i in range(lo, hi)])
+            except Exception as e:  # noqa: BLE001 - see _fail
+                self._fail(e)
+                return
             self._flushed = hi
         self._deadline = time.perf_counter_ns() + self._interval_ns
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop writing after a failed write, keeping the error for ``stop()``.
+
+        Any exception is caught, not only OSError: this runs inside a pool
+        operation holding the pool's lock, and an exception escaping here would
+        abandon that operation half done (a block taken but never handed out, a
+        free applied to the heap but not to the caller's handle).
+        """
+        reason = str(e) or type(e).__name__
+        self.error = TraceError(
+            self._writer.path,
+            f"writing the trace failed after {self._flushed} events ({reason}); "
+            "recording to the file stopped there (the pool was not affected)",
+        )
+        with contextlib.suppress(Exception):
+            self._writer.close()
 
     # -- reading ----------------------------------------------------------------
     @property
@@ -256,24 +348,71 @@ class EventRecorder:
     def trace(self) -> Trace:
         evs = self.events()
         stacks = [e[5] for e in evs] if self.stacks else None
-        return Trace.from_events(evs, self.pool.config, source="<memory>", stacks=stacks)
+        config = dict(self._config)
+        if self.dropped:
+            config.pop("seed", None)  # the ring no longer starts with the live state
+        return Trace.from_events(evs, config, source="<memory>", stacks=stacks)
 
     @property
     def path(self) -> Path | None:
         return None if self._writer is None else self._writer.path
 
 
+def recording_config(pool: Pool) -> dict[str, Any]:
+    """The pool's configuration plus its spill settings, as stored with a trace.
+
+    Any spill tier is recorded as ``"host"``: a replay must not write into the
+    recorded run's spill file, and on the sim device where it costs device
+    memory the same either way.
+    """
+    cfg = dict(pool.config)
+    sched = getattr(pool, "scheduler", None)
+    if sched is not None:
+        cfg["spill"] = None if sched.tier is None else "host"
+        cfg["spill_policy"] = sched.policy
+    return cfg
+
+
+def _live_state(pool: Pool, now: int) -> tuple[list[tuple], dict[str, Any]]:
+    """The pool's segments and live blocks as events, and what a replay needs to rebuild them.
+
+    The caller holds the pool's lock and has drained it.  A raw block's stream is
+    not kept on the block, so it is reported as its segment's stream.
+    """
+    from .pool import SMALL
+
+    events: list[tuple] = []
+    small: list[int] = []
+    kept: list[int] = []
+    for heap_kind, heap in enumerate(pool._heaps):
+        for seg in sorted(heap.segments.values(), key=lambda s: s.addr):
+            stream = seg.stream or 0
+            events.append((now, "segment_alloc", seg.addr, seg.size, stream))
+            if heap_kind == SMALL:
+                small.append(seg.addr)
+            if seg.keep:
+                kept.append(seg.addr)
+            for b in seg.blocks():
+                if b.free:
+                    continue
+                owner = b.payload() if isinstance(b.payload, weakref.ReferenceType) else None
+                if owner is not None:
+                    events.append((now, "alloc_movable", b.addr, b.size, owner.stream or 0))
+                else:
+                    events.append((now, "alloc", b.addr, b.size, stream))
+    return events, {"events": len(events), "small_segments": small, "kept_segments": kept}
+
+
 class _Hdf5Writer:
     """Appends event batches to resizable chunked datasets of a SWMR-mode HDF5 file."""
 
-    def __init__(self, path: Path, config: dict[str, Any], stacks: bool) -> None:
+    def __init__(self, path: Path, stacks: bool) -> None:
         self.path = path
-        self.config = config
         self.stacks = stacks
         self._f = None
         self._kinds: dict[str, int] = {}
 
-    def open(self) -> None:
+    def open(self, config: dict[str, Any]) -> None:
         import h5py
 
         try:
@@ -282,7 +421,7 @@ class _Hdf5Writer:
             raise TraceError(self.path, f"cannot create the trace file ({e})") from None
         f.attrs["format"] = FORMAT
         f.attrs["version"] = VERSION
-        f.attrs["config"] = json.dumps(self.config, default=str)
+        f.attrs["config"] = json.dumps(config, default=str)
         f.attrs["created"] = time.time()
         chunk = 1 << 14
         for name in _COLUMNS:
@@ -409,20 +548,40 @@ def _load_hdf5(p: Path) -> Trace:
             missing = [c for c in (*_COLUMNS, "count", "kind_names") if c not in f]
             if missing:
                 raise TraceError(p, f"cupool trace lacks dataset(s) {', '.join(missing)}")
+            for c in (*_COLUMNS, "count"):
+                if f[c].dtype.kind not in "iu":
+                    raise TraceError(p, f"cupool trace is corrupted: dataset {c!r} holds {f[c].dtype}, not integers")
+            if f["kind_names"].dtype.kind != "S":
+                raise TraceError(p, f"cupool trace is corrupted: 'kind_names' holds {f['kind_names'].dtype}, "
+                                    "not byte strings")
             n = int(f["count"][()])
-            if any(f[c].shape[0] < n for c in _COLUMNS):
+            if n < 0 or any(f[c].shape[0] < n for c in _COLUMNS):
                 raise TraceError(p, f"cupool trace is truncated: count says {n} events, datasets hold fewer")
             cols = {c: f[c][:n] for c in _COLUMNS}
-            names = [s.decode() for s in f["kind_names"][:] if s]
-            if n and int(cols["kind"].max()) >= len(names):
+            for c in _COLUMNS:
+                if cols[c].dtype == np.uint64 and n and int(cols[c].max()) > _INT64_MAX:
+                    raise TraceError(p, f"cupool trace is corrupted: dataset {c!r} holds values past int64")
+                cols[c] = cols[c].astype(np.int64)
+            names = [s.decode("utf-8", "replace") for s in f["kind_names"][:] if s]
+            if n and (int(cols["kind"].min()) < 0 or int(cols["kind"].max()) >= len(names)):
                 raise TraceError(p, "cupool trace is corrupted: an event kind has no name")
+            cols["kind"] = cols["kind"].astype(np.uint8)
+            if n and int(cols["size"].min()) < 0:
+                i = int(np.argmax(cols["size"] < 0))
+                raise TraceError(p, f"cupool trace is corrupted: event {i} has a negative size")
             stacks = None
             if "stack_end" in f:
                 ends = f["stack_end"][:n]
                 raw = f["stack_bytes"][: int(ends[-1]) if n else 0].tobytes()
                 starts = np.concatenate(([0], ends[:-1]))
                 stacks = [raw[a:b].decode("utf-8", "replace") for a, b in zip(starts, ends)]
-            config = json.loads(f.attrs.get("config", "{}"))
+            raw_config = f.attrs.get("config", "{}")
+            try:
+                config = json.loads(raw_config)
+            except (TypeError, ValueError):
+                raise TraceError(p, "cupool trace is corrupted: its 'config' attribute is not JSON text") from None
+            if not isinstance(config, dict):
+                raise TraceError(p, "cupool trace is corrupted: its 'config' attribute is not a JSON object")
     except TraceError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:

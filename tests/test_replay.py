@@ -15,7 +15,7 @@ from cupool.replay import parse_config, replay
 from cupool.trace import KINDS, Trace, load_trace
 
 _SAME = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "ooms",
-         "unmatched_frees", "max_fragmentation", "mean_fragmentation")
+         "unmatched_frees", "max_fragmentation", "mean_fragmentation", "fragmentation_at_peak")
 
 
 def _recorded(pool_stats, r):
@@ -179,9 +179,11 @@ def test_cli_replay_and_compare(tmp_path, capsys):
     out = capsys.readouterr().out
     peak = cupool.format_bytes(stats["reserved_bytes.all.peak"])
     assert f"peak reserved      {peak}" in out and "OOMs               0" in out
+    assert "(after each alloc/free while anything is allocated)" in out and "frag. at peak" in out
     assert main(["replay", str(path), "--compare", "recorded", "max_size=80MiB", "release_threshold=0",
                  "--engine", "pool"]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows.pop().startswith("max/mean frag: after each alloc/free while anything is allocated")
     assert [r.split()[0] for r in rows] == ["recorded", "max_size=80MiB", "release_threshold=0"]
     assert rows[0].split()[1:3] == peak.split()
     assert int(rows[1].split()[-2]) > 0  # 80 MiB is too small for these layers: OOMs counted
@@ -200,10 +202,120 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "nope.h5: cannot read" in capsys.readouterr().err
 
 
-def test_kinds_we_do_not_replay_are_ignored():
-    events = [(0, "alloc", 1, 4096, 0), (1, "move", 1, 4096, 0), (2, "spill", 1, 4096, 0),
+def test_annotations_and_segment_events_do_not_drive_a_replay():
+    events = [(0, "alloc", 1, 4096, 0), (1, "compact", 0, 0, 0), (2, "reclaim:release", 0, 1 << 21, 0),
               (3, "segment_free", 7, 1 << 21, 0), (4, "free", 1, 4096, 0)]
     trace = Trace.from_events(events)
     assert set(KINDS) <= set(trace.kinds)
     r = _agree(trace, {"capacity": "64MiB"})
     assert r.peak_allocated == 4096 and r.unmatched_frees == 0
+
+
+_MOVED = [
+    (0, "alloc_movable", 100, 4 << 20, 0),
+    (1, "alloc_movable", 200, 3 << 20, 1),
+    (2, "move_out", 100, 4 << 20, 0), (3, "move_in", 50, 4 << 20, 0),   # 100 -> 50
+    (4, "move_out", 50, 4 << 20, 0), (5, "move_in", 10, 4 << 20, 0),    # moved twice in one plan
+    (6, "compact", 0, 8 << 20, 0),
+    (7, "free_movable", 200, 3 << 20, 1), (8, "spill", 200, 3 << 20, 1),  # spilled
+    (9, "alloc", 300, 1 << 20, 0),
+    (10, "alloc_movable", 400, 3 << 20, 1), (11, "restore", 400, 3 << 20, 1),  # and back
+    (12, "free_movable", 10, 4 << 20, 0),  # later events name the block where it moved
+    (13, "free_movable", 400, 3 << 20, 1),
+    (14, "free", 300, 1 << 20, 0),
+]
+
+
+@pytest.mark.parametrize("engine", ["numba", "pool"])
+def test_moves_and_spills_carry_a_blocks_identity(engine):
+    r = replay(Trace.from_events(_MOVED), {"capacity": "64MiB"}, engine=engine)
+    assert r.unmatched_frees == 0 and r.ooms == 0
+    assert r.peak_allocated == (4 << 20) + (3 << 20) + (1 << 20)
+    # Movable buffers grow the pool by exactly their size (rounded to 2 MiB pages), not by a 20 MiB
+    # segment; the 1 MiB raw block gets a 2 MiB small segment; the restore reuses the spilled one's.
+    assert r.peak_reserved == (4 << 20) + (4 << 20) + (2 << 20) and r.peak_segments == 3
+    # A move that lost its block (src never allocated) is not a free of anything.
+    stray = Trace.from_events([(0, "move_out", 5, 512, 0), (1, "move_in", 6, 512, 0), (2, "free_movable", 6, 512, 0)])
+    assert replay(stray, {"capacity": "64MiB"}, engine=engine).unmatched_frees == 1
+
+
+def test_engines_agree_on_movables_without_compaction():
+    events = [e for e in _MOVED if e[1] not in ("compact",)]
+    _agree(Trace.from_events(events), {"capacity": "64MiB"})
+    fast = replay(Trace.from_events(events), {"capacity": "64MiB"}, engine="numba")
+    assert fast.warnings and "does not compact" in fast.warnings[0]
+
+
+def test_a_compacting_pool_replays_exactly_on_the_pool_engine(tmp_path, capsys):
+    pool = cupool.Pool("sim", capacity="512MiB")
+    path = tmp_path / "movable.h5"
+    with pool.record(path):
+        workloads.weight_streaming(pool, workloads.mixed_shapes(40, seed=0), movable=True)
+    stats = pool.stats()
+    trace = load_trace(path)
+    counts = trace.counts()
+    assert counts["compact"] == stats["num_compactions"] > 0 and counts["move_in"] > 0
+    assert trace.config["defrag_threshold"] == 0.3
+    r = replay(trace)  # the default engine for a trace with movables is the pool
+    assert r.engine == "pool" and r.config["defrag_threshold"] == 0.3 and not r.warnings
+    _recorded(stats, r)
+    # The numba engine cannot compact, and says so.
+    fast = replay(trace, engine="numba")
+    assert fast.peak_allocated == stats["allocated_bytes.all.peak"]
+    assert fast.warnings and "--engine pool" in fast.warnings[0]
+    assert main(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "pool)" in out and "warning" not in out
+    assert f"peak reserved      {cupool.format_bytes(stats['reserved_bytes.all.peak'])}" in out
+    assert main(["replay", str(path), "--engine", "numba"]) == 0
+    assert "warning: this trace has movable buffers" in capsys.readouterr().out
+
+
+def test_a_gpu_trace_applies_the_limit_once():
+    # A pool on an 80 GiB GPU with max_size=50% recorded limit=40 GiB; the sim device gets 40 GiB,
+    # and max_size must not halve it again.  Scaled down: limit 64 MiB, a 40 MiB request.
+    config = {"device": "cuda:0", "capacity": None, "max_size": "50%", "memory_fraction": 0.9,
+              "limit": 64 << 20, "initial_size": 0, "release_threshold": None}
+    trace = Trace.from_events([(0, "alloc", 1, 40 << 20, 0), (1, "free", 1, 40 << 20, 0)], config=config)
+    for engine in ("numba", "pool"):
+        r = replay(trace, engine=engine)
+        assert r.ooms == 0 and r.peak_allocated == 40 << 20
+        assert r.config["capacity"] == 64 << 20 and "max_size" not in r.config
+        assert "memory_fraction" not in r.config
+    # An explicit override still applies, to the recorded limit.
+    assert replay(trace, {"max_size": "50%"}).ooms == 1
+
+
+def test_fragmentation_is_sampled_while_something_is_allocated():
+    mib = 1 << 20
+    events = [(0, "alloc", 1, 3 * mib, 0), (1, "alloc", 2, 8 * mib, 0), (2, "free", 1, 3 * mib, 0),
+              (3, "free", 2, 8 * mib, 0)]  # the last free is teardown: all cache, nothing allocated
+    r = _agree(Trace.from_events(events), {"capacity": "64MiB"})
+    samples = [17 / 20, 9 / 20, 12 / 20]
+    assert r.max_fragmentation == pytest.approx(17 / 20)  # not 1.0 from the teardown
+    assert r.mean_fragmentation == pytest.approx(sum(samples) / 3)
+    assert r.fragmentation_at_peak == pytest.approx(17 / 20)  # the 20 MiB segment came with the first alloc
+
+
+def test_a_spilling_pool_replays_exactly_with_its_recorded_spill_settings(tmp_path):
+    pool = cupool.Pool("sim", capacity="64MiB", spill="host")
+    path = tmp_path / "spill.h5"
+    with pool.record(path):
+        bufs = []
+        for i in range(30):  # 150 MiB of buffers through a 64 MiB device
+            bufs.append(pool.movable(5 << 20))
+            if i % 3 == 0:
+                bufs.pop(0).free()
+        for b in bufs[:4]:
+            b.array()  # brought back from the host
+        for b in bufs:
+            b.free()
+    trace = load_trace(path)
+    assert trace.config["spill"] == "host" and trace.config["spill_policy"] == "lru"
+    assert trace.counts()["spill"] > 0 and trace.counts()["restore"] == 4
+    r = replay(trace)
+    assert r.engine == "pool" and r.unmatched_frees == 0 and r.config["spill"] == "host"
+    _recorded(pool.stats(), r)
+    # Without spilling the same run cannot fit: the buffers that could not be made are OOMs.
+    tight = replay(trace, {"spill": None})
+    assert tight.ooms > 0 and tight.unmatched_frees == tight.ooms

@@ -53,3 +53,22 @@ def test_report_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "x.csv: line 2: unknown action 'explode'" in err
     assert not (tmp_path / "o.png").exists()
+
+
+def test_report_to_a_missing_folder_exits_2(tmp_path, capsys):
+    path, _ = _trace(tmp_path)
+    out = tmp_path / "missing_dir" / "x.png"
+    assert main(["report", str(path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the report {out}" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_report_of_a_compacting_pool_uses_the_pool_engine(tmp_path):
+    pool = cupool.Pool("sim", capacity="512MiB")
+    path = tmp_path / "movable.h5"
+    with pool.record(path):
+        workloads.weight_streaming(pool, workloads.mixed_shapes(24, seed=0), movable=True)
+    summary = plot_report(load_trace(path), tmp_path / "m.png")
+    assert summary["engine"] == "pool" and not summary["warnings"]
+    assert summary["peak_reserved"] == pool.stats()["reserved_bytes.all.peak"]
+    assert summary["max_fragmentation"] < 1.0

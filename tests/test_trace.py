@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import re
 import signal
@@ -78,16 +79,90 @@ def test_hdf5_trace_round_trip_with_custom_kinds_and_stacks(pool, tmp_path):
     del live
 
 
-def test_recording_starts_from_the_live_state(tmp_path):
-    pool = cupool.Pool("sim", capacity="64MiB")
-    before = [pool.malloc(s) for s in (3 << 20, 100, 700 << 10)]
+@pytest.mark.parametrize("initial", [None, "8MiB"])
+def test_recording_starts_from_the_live_state(tmp_path, initial):
+    pool = cupool.Pool("sim", capacity="96MiB", initial_size=initial)
+    before = [pool.malloc(s) for s in (3 << 20, 100, 700 << 10, 5 << 20, 300, 2 << 20, 12 << 20)]
+    for i in (0, 4, 5):  # holes in the middle of segments, which the replay must keep
+        before[i].free()
+    pool.reset_peak_stats()
+    segments = len(pool.snapshot()["segments"])
     with pool.record(tmp_path / "t.h5"):
-        after = _churn(pool, 60, seed=3)
+        after = _churn(pool, 80, seed=3)
     tr = load_trace(tmp_path / "t.h5")
-    assert tr.counts()["alloc"] >= 3
+    seed = tr.config["seed"]
+    assert seed["events"] == segments + 4 and len(seed["small_segments"]) == 1
+    assert len(seed["kept_segments"]) == (initial is not None)
+    stats = pool.stats()
     r = replay(tr)
-    assert r.peak_allocated == pool.stats()["allocated_bytes.all.peak"]
+    assert r.peak_allocated == stats["allocated_bytes.all.peak"]
+    assert r.peak_reserved == stats["reserved_bytes.all.peak"]
+    assert r.peak_segments == stats["segment.all.peak"]
     del before, after
+
+
+def test_recorder_reads_the_live_state_and_subscribes_under_one_lock(pool, monkeypatch):
+    # An allocation slipped in between reading the state and subscribing would be in neither,
+    # so start() must not take the lock twice (snapshot(), then subscribe()).
+    monkeypatch.setattr(pool, "subscribe", lambda cb: pytest.fail("start() must not subscribe separately"))
+    monkeypatch.setattr(pool, "snapshot", lambda: pytest.fail("start() must not snapshot separately"))
+    keep = pool.malloc(300)
+    with pool.record() as rec:
+        pool.malloc(100).free()
+    assert [e[1] for e in rec.events()] == ["segment_alloc", "alloc", "alloc", "free"]
+    keep.free()
+
+
+def test_a_failing_disk_never_corrupts_the_pool(pool, tmp_path, monkeypatch):
+    from cupool import trace as trace_mod
+
+    path = tmp_path / "full.h5"
+    calls = []
+
+    def append(self, events):
+        calls.append(len(events))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace_mod._Hdf5Writer, "append", append)
+    rec = pool.record(path, batch=4)
+    with pytest.raises(TraceError, match=re.escape(str(path)) + ".*No space left on device"):
+        with rec:
+            live = [pool.malloc(1000 * (i + 1)) for i in range(20)]  # the 4th event hits the disk
+            for a in live[::2]:
+                a.free()
+            pool.check()
+    assert calls == [4]  # writing stopped at the first failure
+    assert rec.n_events == 1 + 20 + 10  # the ring went on: segment, allocs, frees
+    for a in live[1::2]:
+        a.free()  # no DoubleFreeError: every operation completed
+    pool.check()
+    assert pool.stats()["allocated_bytes.all.current"] == 0 and pool._observers == []
+
+
+def test_a_failing_disk_does_not_hide_the_error_of_the_block(pool, tmp_path, monkeypatch):
+    from cupool import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod._Hdf5Writer, "append", lambda self, ev: 1 / 0)
+    with pytest.raises(KeyError) as info:
+        with pool.record(tmp_path / "x.h5", batch=1):
+            pool.malloc(10).free()
+            raise KeyError("the user's own error")
+    assert any("the trace was not fully written" in n for n in info.value.__notes__)
+
+
+def test_stacks_keep_user_frames_in_folders_named_cupool(pool, tmp_path):
+    folder = tmp_path / "cupool"
+    folder.mkdir()
+    script = folder / "user_script.py"
+    script.write_text("def work(pool):\n    return pool.malloc(4096)\n")
+    ns: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), ns)
+    with pool.record(stacks=True) as rec:
+        a = ns["work"](pool)
+    stack = rec.events()[-1][5]
+    assert str(script) in stack and "in work" in stack
+    assert f'"{os.path.dirname(cupool.__file__)}{os.sep}' not in stack  # the package's own frames are gone
+    a.free()
 
 
 _KILLED = textwrap.dedent(
@@ -155,6 +230,59 @@ def test_bad_trace_files_get_clear_errors(tmp_path, pool):
         load_trace(wrong)
 
 
+def _rewrite(src, dst, edit):
+    dst.write_bytes(src.read_bytes())
+    with h5py.File(dst, "r+") as f:
+        edit(f)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda f: (f.__delitem__("size"), f.create_dataset("size", data=np.full(f["t_ns"].shape, 1.5))),
+         "dataset 'size' holds float64, not integers"),
+        (lambda f: (f.__delitem__("kind_names"), f.create_dataset("kind_names", data=np.arange(64))),
+         "'kind_names' holds int64, not byte strings"),
+        (lambda f: f.attrs.__setitem__("config", "{not json"), "'config' attribute is not JSON"),
+        (lambda f: f.attrs.__setitem__("config", "[1, 2]"), "'config' attribute is not a JSON object"),
+        (lambda f: f["size"].__setitem__(0, -5), "event 0 has a negative size"),
+        (lambda f: f["kind"].__setitem__(0, 200), "an event kind has no name"),
+    ],
+)
+def test_corrupted_columns_and_attributes_get_clear_errors(pool, tmp_path, edit, problem):
+    good = tmp_path / "good.h5"
+    with pool.record(good):
+        _churn(pool, 20)
+    bad = _rewrite(good, tmp_path / "bad.h5", edit)
+    with pytest.raises(TraceError, match=re.escape(str(bad)) + ".*" + re.escape(problem)):
+        load_trace(bad)
+
+
+def test_bad_recorded_settings_name_the_file(pool, tmp_path, capsys):
+    from cupool.cli import main
+
+    good = tmp_path / "good.h5"
+    with pool.record(good):
+        _churn(pool, 20)
+    bad = _rewrite(good, tmp_path / "bad.h5", lambda f: f.attrs.__setitem__(
+        "config", json.dumps({"capacity": "lots", "limit": 1 << 30})))
+    assert main(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "capacity" in err and "Traceback" not in err
+
+
+def test_events_must_be_int64_integers():
+    with pytest.raises(ValueError, match="event 1: the size must be an integer, got 1.5"):
+        cupool.trace.Trace.from_events([(0, "alloc", 1, 5, 0), (1, "alloc", 2, 1.5, 0)])
+    with pytest.raises(ValueError, match="event 0: the kind must be a string, got 7"):
+        cupool.trace.Trace.from_events([(0, 7, 1, 5, 0)])
+    with pytest.raises(ValueError, match="event 0: the size -1 is out of range"):
+        cupool.trace.Trace.from_events([(0, "alloc", 1, -1, 0)])
+    with pytest.raises(ValueError, match="event 0: the address .* out of range"):
+        cupool.trace.Trace.from_events([(0, "alloc", 1 << 64, 5, 0)])
+
+
 def test_recorder_rejects_bad_options(pool, tmp_path):
     with pytest.raises(ValueError, match="capacity"):
         pool.record(capacity=0)
@@ -196,6 +324,23 @@ def test_torch_snapshot_import(tmp_path):
         load_torch_snapshot(p, device=5)
 
 
+@pytest.mark.parametrize(
+    "event, problem",
+    [
+        ({"action": "alloc", "addr": 1 << 64, "size": 5}, "device_traces[1][7]: addr 18446744073709551616 is out of range"),
+        ({"action": "alloc", "addr": 16, "size": -5}, "device_traces[1][7]: size -5 is out of range"),
+        ({"action": "alloc", "addr": 16, "size": 5, "time_us": 1 << 62}, "device_traces[1][7]: time_us"),
+        ({"action": "alloc", "addr": 16, "size": "5"}, "device_traces[1][7] (alloc): size must be an integer"),
+        ({"action": 3, "addr": 16, "size": 5}, "device_traces[1][7]: the action must be a string, got 3"),
+    ],
+)
+def test_torch_snapshot_bad_values_name_the_file_and_event(tmp_path, event, problem):
+    p = tmp_path / "bad.pickle"
+    _torch_fixture(p, extra=[event])
+    with pytest.raises(TraceError, match=re.escape(str(p)) + ".*" + re.escape(problem)):
+        load_trace(p)
+
+
 def test_torch_snapshot_rejects_objects_and_other_pickles(tmp_path):
     p = tmp_path / "evil.pickle"
     p.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": np.int64(1)}]]}))
@@ -232,12 +377,29 @@ def test_rmm_log_import(tmp_path):
     assert load_rmm_log(old).t_ns[0] == (8 * 3600 + 1) * 10**9 + 250_000
 
 
+def test_rmm_wall_clock_times_and_midnight(tmp_path):
+    p = tmp_path / "clock.csv"
+    p.write_text("Thread,Time,Action,Pointer,Size,Stream\n"
+                 "1,23:59:59.999500,allocate,0x10,512,0x0\n"
+                 "1,00:00:00.000250,free,0x10,512,0x0\n"
+                 "1,00:00:01.5,allocate,0x10,512,0x0\n")
+    t = load_rmm_log(p).t_ns
+    assert t[0] == (23 * 3600 + 59 * 60 + 59) * 10**9 + 999_500_000
+    assert t[1] - t[0] == 750_000 and t[2] - t[1] == 1_499_750_000  # across midnight, not a day back
+
+
 @pytest.mark.parametrize(
     "body, problem",
     [
         ("1,1.0,allocate,0x10\n", "line 2: expected 6 fields"),
         ("1,1.0,reallocate,0x10,5,0x0\n", "line 2: unknown action 'reallocate'"),
         ("1,1.0,allocate,zz,5,0x0\n", "line 2: cannot parse"),
+        ("1,1.0,allocate,0x10,5.5,0x0\n", "line 2: cannot parse"),
+        ("1,1.0,allocate,0x10,-5,0x0\n", "line 2: size -5 is out of range"),
+        ("1,1.0,allocate,0xffffffffffffffffff,5,0x0\n", "line 2: pointer 4722366482869645213695 is out of range"),
+        ("1,1.0,allocate,0x10,99999999999999999999,0x0\n", "line 2: size 99999999999999999999 is out of range"),
+        ("1,1e12,allocate,0x10,5,0x0\n", "line 2: time 1000000000000000000000 is out of range"),
+        ("1,inf,allocate,0x10,5,0x0\n", "line 2: cannot parse"),
     ],
 )
 def test_rmm_log_errors_name_the_line(tmp_path, body, problem):
@@ -284,3 +446,29 @@ def test_export_snapshot_renders_with_torch_memory_viz(pool, tmp_path):
         payload = json.loads(re.search(r"(\[\{\"name\": \"snapshot.pickle\".*?\}\])", html).group(1))
         assert pickle.loads(base64.b64decode(payload[0]["base64"])) == data
     del keep
+
+
+def test_export_follows_compaction_moves(tmp_path):
+    pool = cupool.Pool("sim", capacity="512MiB", initial_size="36MiB", defrag_threshold=None)
+    with pool.record():
+        bufs = [pool.movable(3 << 20) for _ in range(12)]  # all in the preallocated segment
+        for m in bufs[::2]:
+            m.free()
+        report = pool.compact()
+        path = tmp_path / "moved.pickle"
+        pool.export_snapshot(path)
+    assert report.moves > 0
+    entries = pickle.loads(path.read_bytes())["device_traces"][0]
+    live = {}
+    for e in entries:
+        if e["action"] == "alloc":
+            assert e["addr"] not in live
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            assert live.pop(e["addr"]) == e["size"]  # every free names a block that is live there
+    snap_live = {b["address"]: b["size"] for s in pool.snapshot()["segments"] for b in s["blocks"]
+                 if b["state"] != "inactive"}
+    assert len(snap_live) == 6 and live == snap_live  # following the moves ends where the pool is
+    assert {m.ptr for m in bufs[1::2]} == set(live)
+    r = replay(load_trace(path), {"capacity": "512MiB"})
+    assert r.unmatched_frees == 0 and r.peak_allocated == 12 * (3 << 20)
