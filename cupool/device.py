@@ -260,11 +260,14 @@ class CudaDevice(Device):
     def malloc(self, nbytes: int) -> int:
         with self._dev:
             try:
-                return self._rt.malloc(nbytes)
+                return self._allocate(nbytes)
             except self._rt.CUDARuntimeError as e:
                 if e.status == 2:  # cudaErrorMemoryAllocation
                     raise DeviceOutOfMemory(str(e)) from None
                 raise
+
+    def _allocate(self, nbytes: int) -> int:
+        return self._rt.malloc(nbytes)
 
     def free(self, ptr: int, nbytes: int) -> None:
         with self._dev:

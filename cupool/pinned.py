@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from .device import CudaDevice, Device, SimDevice, _HostView, parse_device
-from .errors import DeviceOutOfMemory
 from .pool import Pool
 
 # cudaHostAllocPortable | cudaHostAllocMapped: usable from every context, addressable from kernels.
@@ -56,14 +55,8 @@ class CudaPinnedDevice(CudaDevice):
     def name(self) -> str:
         return "pinned:cuda"
 
-    def malloc(self, nbytes: int) -> int:
-        with self._dev:
-            try:
-                return self._rt.hostAlloc(nbytes, _HOST_ALLOC_FLAGS)
-            except self._rt.CUDARuntimeError as e:
-                if e.status == 2:  # cudaErrorMemoryAllocation
-                    raise DeviceOutOfMemory(str(e)) from None
-                raise
+    def _allocate(self, nbytes: int) -> int:
+        return self._rt.hostAlloc(nbytes, _HOST_ALLOC_FLAGS)
 
     def free(self, ptr: int, nbytes: int) -> None:
         with self._dev:

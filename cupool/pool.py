@@ -113,30 +113,20 @@ class Allocation:
         return b.size
 
     def __del__(self) -> None:
-        block = self._block
-        if block is not None:
+        if self._block is not None:
             pool = self._pool
-            # The fast path of Pool._park, inlined: a finalizer is the hot free of CuPy arrays.
-            if self._kind == SMALL and not pool._observers and pool.release_threshold is None:
-                lock = pool._lock
-                if lock.acquire(False):
-                    try:
-                        if pool._observers:  # subscribed meanwhile: it must see this free
-                            pool._release(self)
-                            return
-                        self._block = None
-                        stack = pool._stacks.get((block.size, self.stream))
-                        if stack is None:
-                            pool._stacks[(block.size, self.stream)] = [block]
-                        else:
-                            stack.append(block)
-                        pool._log.append(-1 - self.size)  # folded at the next malloc past _LOG_MAX, or any read
-                        if pool._pending:
-                            pool._drain()
-                    finally:
-                        lock.release()
-                    return
-            pool._free_from_finalizer(self)
+            # Pool._free_from_finalizer, inlined: a finalizer is the hot free of CuPy
+            # arrays, and each call saved shows in the allocate-and-drop loop.
+            lock = pool._lock
+            if lock.acquire(False):
+                try:
+                    pool._release(self)  # parks small blocks: the common case
+                    if pool._pending:
+                        pool._drain()
+                finally:
+                    lock.release()
+            else:
+                pool._pending.append(self)
 
     def __repr__(self) -> str:
         state = "freed" if self._block is None else f"stream={self.stream}"
