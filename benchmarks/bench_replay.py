@@ -5,10 +5,10 @@
 The trace mixes small (< 1 MiB) and large (1-64 MiB) requests.  It allocates
 until ``--live`` blocks are live, then allocations and frees are equally likely
 while the live count stays between half of ``--live`` and ``--live`` (the mean
-is printed).  Throughput falls as the live count grows: the compiled engine keeps
-its free index in sorted arrays, so an insert or removal shifts O(free blocks)
-entries, and a second stream adds settle passes.  Prints medians and the
-same-run ratio numba / pool.
+is printed).  Throughput falls slowly as the live count grows: the compiled
+engine keeps its free index in per-stream treaps, O(log free blocks) per insert,
+removal or best-fit search, and more live blocks mean more cache misses.  Prints
+medians and the same-run ratio numba / pool.
 """
 
 from __future__ import annotations

@@ -88,33 +88,144 @@ def _kill_block(B, FB, st, b):
 
 
 # ------------------------------------------------------- the free index
+# The free blocks of each heap, kept per stream tag in a treap (a binary search
+# tree whose nodes also carry a random priority, so that its expected depth is
+# O(log n) whatever the order of inserts and removals).  Why this shape:
+#
+# * best fit asks for the first free block, in (size, address) order, tagged
+#   with the request's stream or untagged.  One tree per (heap, tag) answers it
+#   with two descents (the stream's tree and the untagged one, then the smaller
+#   of the two answers) instead of stepping over other streams' blocks;
+# * a settle retags all free blocks of one stream: that is an in-order walk of
+#   that stream's tree, O(its size), instead of a pass over the whole index;
+# * nodes are block ids, so the tree lives in IX[0, row, b] and grows with B
+#   (``run`` keeps IX at least as long as B; ``replay`` grows both to the same
+#   length before seeding).  A sorted array, the earlier design, shifted
+#   O(free blocks) entries per insert or removal, which dominated replays with
+#   thousands of live blocks.
+#
+# Nodes know their parent (IX_UP), so that a removal needs no search from the
+# root: the pool removes a block it already holds (coalesce, take, settle).
+#
+# A node's key is copied into IX when it is inserted, so that the tree never
+# depends on B's size/address rows changing under it (they do not while a block
+# is indexed, but a copy makes that a non-issue).  Roots are TG[h, ROOT, tag + 1].
+IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)
+_NIX = 6
+ROOT = 3  # row of TG holding each tag's tree root (-1: empty)
+
+
 @njit(cache=True)
-def _lower_bound(IX, h, n, size, addr):
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        s = IX[h, 0, mid]
-        if s < size or (s == size and IX[h, 1, mid] < addr):
-            lo = mid + 1
+def _priority(b):
+    """A fixed pseudo-random priority per block id (splitmix64), so replays are deterministic."""
+    x = np.uint64(b) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x >> np.uint64(2))
+
+
+@njit(cache=True)
+def _less(IX, a, size, addr):
+    """Whether node ``a`` sorts before key (size, addr)."""
+    s = IX[0, IX_SIZE, a]
+    return s < size or (s == size and IX[0, IX_ADDR, a] < addr)
+
+
+@njit(cache=True)
+def _split(IX, t, size, addr):
+    """Split tree ``t`` into (keys < (size, addr), the rest); iterative, O(depth).
+
+    The roots' parents are left for the caller to set.
+    """
+    lroot, rroot, lt, rt = -1, -1, -1, -1
+    while t >= 0:
+        if _less(IX, t, size, addr):
+            if lt < 0:
+                lroot = t
+            else:
+                IX[0, IX_RIGHT, lt] = t
+            IX[0, IX_UP, t] = lt
+            lt = t
+            t = IX[0, IX_RIGHT, t]
         else:
-            hi = mid
-    return lo
+            if rt < 0:
+                rroot = t
+            else:
+                IX[0, IX_LEFT, rt] = t
+            IX[0, IX_UP, t] = rt
+            rt = t
+            t = IX[0, IX_LEFT, t]
+    if lt >= 0:
+        IX[0, IX_RIGHT, lt] = -1
+    if rt >= 0:
+        IX[0, IX_LEFT, rt] = -1
+    return lroot, rroot
+
+
+@njit(cache=True)
+def _merge(IX, a, b):
+    """Join trees ``a`` and ``b`` (every key of ``a`` below every key of ``b``); iterative."""
+    root, parent, right = -1, -1, False
+    while a >= 0 and b >= 0:
+        if IX[0, IX_PRI, a] > IX[0, IX_PRI, b]:
+            x = a
+            a = IX[0, IX_RIGHT, a]
+            nxt_right = True
+        else:
+            x = b
+            b = IX[0, IX_LEFT, b]
+            nxt_right = False
+        if parent < 0:
+            root = x
+        elif right:
+            IX[0, IX_RIGHT, parent] = x
+        else:
+            IX[0, IX_LEFT, parent] = x
+        IX[0, IX_UP, x] = parent
+        parent, right = x, nxt_right
+    x = a if a >= 0 else b
+    if parent < 0:
+        root = x
+    elif right:
+        IX[0, IX_RIGHT, parent] = x
+    else:
+        IX[0, IX_LEFT, parent] = x
+    if x >= 0:
+        IX[0, IX_UP, x] = parent
+    return root
 
 
 @njit(cache=True)
 def _ix_insert(B, IX, st, TG, h, b):
-    n = st[NIX0 + h]
     size, addr = B[SIZE, b], B[ADDR, b]
-    i = _lower_bound(IX, h, n, size, addr)
-    for j in range(n, i, -1):
-        IX[h, 0, j] = IX[h, 0, j - 1]
-        IX[h, 1, j] = IX[h, 1, j - 1]
-        IX[h, 2, j] = IX[h, 2, j - 1]
-    IX[h, 0, i] = size
-    IX[h, 1, i] = addr
-    IX[h, 2, i] = b
-    st[NIX0 + h] = n + 1
     t = B[TAG, b] + 1
+    pri = _priority(b)
+    IX[0, IX_SIZE, b] = size
+    IX[0, IX_ADDR, b] = addr
+    IX[0, IX_PRI, b] = pri
+    # Descend while the nodes outrank b, then b takes that subtree, split at its key.
+    parent, right = -1, False
+    node = TG[h, ROOT, t]
+    while node >= 0 and IX[0, IX_PRI, node] > pri:
+        parent = node
+        right = _less(IX, node, size, addr)
+        node = IX[0, IX_RIGHT, node] if right else IX[0, IX_LEFT, node]
+    lo, hi = _split(IX, node, size, addr)
+    IX[0, IX_LEFT, b] = lo
+    IX[0, IX_RIGHT, b] = hi
+    IX[0, IX_UP, b] = parent
+    if lo >= 0:
+        IX[0, IX_UP, lo] = b
+    if hi >= 0:
+        IX[0, IX_UP, hi] = b
+    if parent < 0:
+        TG[h, ROOT, t] = b
+    elif right:
+        IX[0, IX_RIGHT, parent] = b
+    else:
+        IX[0, IX_LEFT, parent] = b
+    st[NIX0 + h] += 1
     TG[h, 0, t] += 1
     if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
         TG[h, 1, t] = 1
@@ -124,24 +235,65 @@ def _ix_insert(B, IX, st, TG, h, b):
 
 @njit(cache=True)
 def _ix_remove(B, IX, st, TG, h, b):
-    n = st[NIX0 + h]
-    i = _lower_bound(IX, h, n, B[SIZE, b], B[ADDR, b])
-    for j in range(i, n - 1):
-        IX[h, 0, j] = IX[h, 0, j + 1]
-        IX[h, 1, j] = IX[h, 1, j + 1]
-        IX[h, 2, j] = IX[h, 2, j + 1]
-    st[NIX0 + h] = n - 1
-    TG[h, 0, B[TAG, b] + 1] -= 1
+    t = B[TAG, b] + 1
+    parent = IX[0, IX_UP, b]
+    sub = _merge(IX, IX[0, IX_LEFT, b], IX[0, IX_RIGHT, b])
+    if parent < 0:
+        TG[h, ROOT, t] = sub
+    elif IX[0, IX_RIGHT, parent] == b:
+        IX[0, IX_RIGHT, parent] = sub
+    else:
+        IX[0, IX_LEFT, parent] = sub
+    if sub >= 0:
+        IX[0, IX_UP, sub] = parent
+    st[NIX0 + h] -= 1
+    TG[h, 0, t] -= 1
 
 
 @njit(cache=True)
-def _find(B, IX, st, h, size, key):
-    n = st[NIX0 + h]
-    for j in range(_lower_bound(IX, h, n, size, 0), n):
-        t = B[TAG, IX[h, 2, j]]
-        if t == key or t == -1:
-            return IX[h, 2, j]
-    return -1
+def _first_fit(IX, node, size):
+    """The first node of a tree in (size, address) order with at least ``size`` bytes; -1: none."""
+    best = -1
+    while node >= 0:
+        if IX[0, IX_SIZE, node] >= size:
+            best = node
+            node = IX[0, IX_LEFT, node]
+        else:
+            node = IX[0, IX_RIGHT, node]
+    return best
+
+
+@njit(cache=True)
+def _find(B, IX, st, TG, h, size, key):
+    """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
+    a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
+    u = _first_fit(IX, TG[h, ROOT, 0], size)
+    if a < 0:
+        return u
+    if u < 0 or _less(IX, a, IX[0, IX_SIZE, u], IX[0, IX_ADDR, u]):
+        return a
+    return u
+
+
+@njit(cache=True)
+def _tagged(IX, TG, h, t):
+    """The blocks of tag ``t``'s tree in (size, address) order (an iterative in-order walk)."""
+    n = TG[h, 0, t + 1]
+    out = np.empty(n, np.int64)
+    stack = np.empty(n + 1, np.int64)
+    sp, m = 0, 0
+    node = TG[h, ROOT, t + 1]
+    while node >= 0 or sp > 0:
+        while node >= 0:
+            stack[sp] = node
+            sp += 1
+            node = IX[0, IX_LEFT, node]
+        sp -= 1
+        node = stack[sp]
+        out[m] = node
+        m += 1
+        node = IX[0, IX_RIGHT, node]
+    return out
 
 
 # ------------------------------------------------- split and coalesce
@@ -223,14 +375,8 @@ def _settle(B, FB, IX, st, TG, DT, wait):
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 0
-            n = st[NIX0 + h]
-            ids = np.empty(n, np.int64)
-            m = 0
-            for j in range(n):
-                if B[TAG, IX[h, 2, j]] == t:
-                    ids[m] = IX[h, 2, j]
-                    m += 1
-            for j in range(m):
+            ids = _tagged(IX, TG, h, t)  # the order the heap visits them in
+            for j in range(ids.shape[0]):
                 b = ids[j]
                 if B[ALIVE, b] == 1 and B[FREE, b] == 1 and B[TAG, b] == t:
                     moved += B[SIZE, b]
@@ -372,7 +518,7 @@ def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
 
 @njit(cache=True)
 def _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
-    b = _find(B, IX, st, h, size, key)
+    b = _find(B, IX, st, TG, h, size, key)
     if b < 0:
         b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
     return b
@@ -382,10 +528,10 @@ def _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
 def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key, exact):
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = 0 if size <= SMALL_MAX else 1
-    b = _find(B, IX, st, h, size, key)
+    b = _find(B, IX, st, TG, h, size, key)
     if b < 0 and st[NORD0 + h] > 1:
         _settle(B, FB, IX, st, TG, DT, False)
-        b = _find(B, IX, st, h, size, key)
+        b = _find(B, IX, st, TG, h, size, key)
     if b < 0:
         b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
     # The reclaim ladder: wait for all streams, then release cached segments.
@@ -432,6 +578,9 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
     st[NEXT_N] = 1
+    # Per heap and tag + 1: free block count, seen, first-seen order (by position), tree root.
+    tg = np.zeros((2, 4, n_streams + 1), np.int64)
+    tg[:, ROOT, :] = -1
     state = {
         "st": st,
         "fst": np.zeros(3, np.float64),  # F_SUM, F_MAX, F_PEAK
@@ -440,8 +589,8 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
         "FB": np.zeros(cap, np.int64),
         "S": np.zeros((_NSF, cap), np.int64),
         "FS": np.zeros(cap, np.int64),
-        "IX": np.zeros((2, 3, cap), np.int64),
-        "TG": np.zeros((2, 3, n_streams + 1), np.int64),
+        "IX": np.zeros((1, _NIX, cap), np.int64),  # the free index's tree nodes, by block id
+        "TG": tg,
         "DT": np.zeros(n_streams + 1, np.int64),
         "EXT": ext,
         "live": Dict.empty(types.int64, types.int64),
@@ -549,8 +698,8 @@ def run(kind, addr, size, stream, lo, hi, codes, st, fst, cfg,
         if st[NB] + 4 > B.shape[1]:
             B = _grown2(B, 2 * B.shape[1])
             FB = _grown1(FB, 2 * FB.shape[0])
-        if st[NIX0] + 4 > IX.shape[2] or st[NIX1] + 4 > IX.shape[2]:
-            IX = _grown3(IX, 2 * IX.shape[2])
+        if IX.shape[2] < B.shape[1]:  # tree nodes are block ids
+            IX = _grown3(IX, B.shape[1])
         if st[NS] + 2 > S.shape[1]:
             S = _grown2(S, 2 * S.shape[1])
             FS = _grown1(FS, 2 * FS.shape[0])
