@@ -225,7 +225,6 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> 
     Numba reads its memory manager when it creates a CUDA context, so install
     before the first Numba kernel or array (or set ``NUMBA_CUDA_MEMORY_MANAGER=cupool.numba``).
     """
-    global _installed
     for flag, name in ((cupy, "cupy"), (numba, "numba")):
         if not isinstance(flag, bool):
             raise TypeError(f"install(): {name} must be True or False, got {flag!r}")

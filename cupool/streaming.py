@@ -17,7 +17,6 @@ what the settings table measures) or spill them under pressure.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import os
 import tempfile

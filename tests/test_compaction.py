@@ -1,7 +1,6 @@
 """Movable buffers, leases and compaction: the planner alone, then the pool."""
 
 import itertools
-import threading
 import time
 
 import numpy as np
@@ -10,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 import cupool
+from conftest import needs_gpu
 from cupool import workloads
 from cupool.compaction import plan
 from cupool.heap import Heap
@@ -370,3 +370,25 @@ class CompactionMachine(RuleBasedStateMachine):
 
 
 TestCompactionMachine = CompactionMachine.TestCase
+
+
+@needs_gpu
+def test_compaction_on_the_gpu_keeps_bytes_and_pins():
+    import cupy
+
+    p = cupool.Pool("cuda", max_size="512MiB", defrag_threshold=None)
+    p.movable(64 * MiB)  # dropped at once: one cached segment the buffers then share
+    bufs = [p.movable(4 * MiB) for _ in range(16)]
+    for i, m in enumerate(bufs):
+        m.array((MiB,), cupy.float32)[...] = i
+    for m in bufs[::2]:
+        m.free()
+    pinned = bufs[5].array((MiB,), cupy.float32)
+    pinned_ptr = bufs[5].ptr
+    r = p.compact()
+    assert r.moves > 0 and bufs[5].ptr == pinned_ptr
+    for i, m in enumerate(bufs):
+        if not m.freed:
+            assert bool((m.array((MiB,), cupy.float32) == i).all()), f"buffer {i} lost its bytes"
+    assert bool((pinned == 5).all())
+    p.check()

@@ -111,7 +111,8 @@ def test_using_is_thread_local(pool):
     finally:
         cupy.cuda.set_allocator(previous)
     assert seen["live"] == (1, 1)  # this thread's x in pool, the other's array in process_pool
-    del x, seen
+    del x
+    seen.clear()
     assert live(pool) == 0 and live(process_pool) == 0
 
 
@@ -136,7 +137,7 @@ def test_install_routes_everywhere_and_uninstall_restores(pool):
     cupool.uninstall()
     assert cupy.cuda.get_allocator() == before
     assert driver._memory_manager is None
-    del got
+    got.clear()
     assert live(pool) == 0
 
 

@@ -9,6 +9,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cupool
+from conftest import needs_gpu
 from cupool.kernels.move import barriers, move_cpu, word_size
 
 
@@ -133,3 +135,34 @@ def test_barriers_match_the_plain_rule(moves):
     src, dst, n = ([m[i] for m in moves] for i in range(3))
     got = barriers(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(n, dtype=np.int64))
     assert got.tolist() == _barriers_reference(src, dst, n)
+
+
+@needs_gpu
+@given(move_lists(unit=8), st.binary(min_size=SIZE, max_size=SIZE))
+def test_cuda_kernel_on_the_gpu_matches_memmove(moves, data):
+    """Many blocks, cooperative launch: the real grid-wide barriers, through CudaDevice."""
+    import cupy
+
+    pool = cupool.Pool("cuda", max_size="64MiB")
+    a = pool.malloc(SIZE)
+    pool.device.from_host(a.ptr, np.frombuffer(data, dtype=np.uint8))
+    src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
+    pool.device.execute_moves(src + a.ptr, dst + a.ptr, n)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert bytes(pool.device.to_host(a.ptr, SIZE)) == bytes(reference(bytearray(data), moves))
+
+
+@needs_gpu
+def test_cuda_kernel_moves_large_overlapping_blocks():
+    """Megabytes sliding over themselves by a few words: many chunks, each behind a grid barrier."""
+    pool = cupool.Pool("cuda", max_size="256MiB")
+    size = 64 << 20
+    a = pool.malloc(size)
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    pool.device.from_host(a.ptr, data)
+    moves = [(4096, 0, 32 << 20), (0, 1 << 20, 48 << 20), (40 << 20, 8 << 20, 16 << 20)]
+    src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
+    pool.device.execute_moves(src + a.ptr, dst + a.ptr, n)
+    expected = bytearray(data.tobytes())
+    reference(expected, moves)
+    assert bytes(pool.device.to_host(a.ptr, size)) == bytes(expected)

@@ -1,12 +1,13 @@
-"""A stateful hypothesis machine over the whole pool on the sim device."""
+"""A stateful hypothesis machine over the whole pool: on the sim device, and on a GPU when there is one."""
 
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 import cupool
 from cupool.device import SimDevice
+from conftest import needs_gpu
 
 MiB = 1 << 20
 SIZES = st.one_of(
@@ -25,21 +26,31 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.dev = SimDevice("48MiB")
-        self.pool = cupool.Pool(self.dev)
+        self._setup()
+        self.sim = isinstance(self.dev, SimDevice)
         self.live = {}  # ptr -> (Allocation or array, nbytes, pattern, stream)
         self.arrays = []
         self.counter = 0
         self.unsafe = []  # (addr, size, stream, mark): freed while the stream was busy
 
     # -- helpers
+    def _setup(self):
+        self.dev = SimDevice("48MiB")
+        self.pool = cupool.Pool(self.dev)
+
+    def _stream(self, i):
+        """The pool's name for the machine's stream i (sim streams are integers)."""
+        return i
+
     def _fill(self, ptr, n):
         self.counter = self.counter % 250 + 1
         if n:
-            self.dev.bytes_at(ptr, n)[:] = self.counter
+            self.dev.from_host(ptr, np.full(n, self.counter, dtype=np.uint8))
         return self.counter
 
     def _check_stream_rule(self, ptr, n, stream):
+        if not self.sim:  # work in flight is modelled on the sim device only
+            return
         retired = self.dev._retired
         self.unsafe = [u for u in self.unsafe if retired.get(u[2], 0) < u[3]]
         for addr, size, s, _ in self.unsafe:
@@ -55,7 +66,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(target=allocs, n=SIZES, stream=STREAMS)
     def malloc(self, n, stream):
         try:
-            a = self.pool.malloc(n, stream=stream)
+            a = self.pool.malloc(n, stream=self._stream(stream))
         except cupool.OutOfMemoryError:
             return None
         self._check_stream_rule(a.ptr, a.nbytes, stream)
@@ -67,9 +78,10 @@ class PoolMachine(RuleBasedStateMachine):
         if a is None:
             return
         _, n, pattern, stream = self.live.pop(a.ptr)
-        busy = self.dev._enqueued.get(stream, 0)
-        if busy > self.dev._retired.get(stream, 0):
-            self.unsafe.append((a.ptr, a.nbytes, stream, busy))
+        if self.sim:
+            busy = self.dev._enqueued.get(stream, 0)
+            if busy > self.dev._retired.get(stream, 0):
+                self.unsafe.append((a.ptr, a.nbytes, stream, busy))
         self.pool.free(a)
 
     @rule(
@@ -81,8 +93,8 @@ class PoolMachine(RuleBasedStateMachine):
             x = self.pool.empty(shape, dtype)
         except cupool.OutOfMemoryError:
             return
-        self._check_stream_rule(x.ctypes.data, x.nbytes, 0)
-        x.view(np.uint8).reshape(-1)[:] = pattern = self._fill(x.ctypes.data, 0)
+        self._check_stream_rule(_ptr(x), x.nbytes, 0)
+        x.view(np.uint8).reshape(-1)[...] = pattern = self._fill(_ptr(x), 0)
         self.arrays.append((x, pattern))
 
     @rule(data=st.data())
@@ -97,10 +109,12 @@ class PoolMachine(RuleBasedStateMachine):
         released = self.pool.empty_cache()
         assert self.pool.stats()["reserved_bytes.all.current"] == before - released
 
+    @precondition(lambda self: self.sim)
     @rule(stream=STREAMS)
     def launch_work(self, stream):
         self.dev.enqueue(stream)
 
+    @precondition(lambda self: self.sim)
     @rule(stream=STREAMS)
     def synchronize(self, stream):
         self.dev.synchronize(stream)
@@ -136,7 +150,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def live_blocks_do_not_overlap_and_are_aligned(self):
         spans = sorted((a.ptr, a.nbytes) for a, *_ in self.live.values())
-        spans += sorted((x.ctypes.data, max(x.nbytes, 1)) for x, _ in self.arrays)
+        spans += sorted((_ptr(x), max(x.nbytes, 1)) for x, _ in self.arrays)
         spans.sort()
         for (p0, n0), (p1, _) in zip(spans, spans[1:]):
             assert p0 + n0 <= p1, f"{p0:#x}+{n0} overlaps {p1:#x}"
@@ -155,15 +169,39 @@ class PoolMachine(RuleBasedStateMachine):
         snap = self.pool.snapshot()
         free = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive")
         assert s["allocated_bytes.all.current"] + free == s["reserved_bytes.all.current"]
-        assert s["reserved_bytes.all.current"] == self.dev.used
+        if self.sim:
+            assert s["reserved_bytes.all.current"] == self.dev.used
 
     @invariant()
     def data_is_intact(self):
         for a, n, pattern, _ in self.live.values():
             if n:
-                assert (self.dev.bytes_at(a.ptr, n) == pattern).all(), f"{a!r} was overwritten"
+                assert (self.dev.to_host(a.ptr, n) == pattern).all(), f"{a!r} was overwritten"
         for x, pattern in self.arrays:
-            assert (x.view(np.uint8) == pattern).all(), "an array's bytes changed"
+            assert bool((x.view(np.uint8) == pattern).all()), "an array's bytes changed"
+
+
+def _ptr(x):
+    """The address of a numpy (sim) or CuPy (GPU) array."""
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
 
 TestPoolMachine = PoolMachine.TestCase
+
+
+class CudaPoolMachine(PoolMachine):
+    """The same machine on the GPU, with two real CuPy streams beside the null stream."""
+
+    def _setup(self):
+        import cupy
+
+        self.pool = cupool.Pool("cuda", max_size="48MiB")
+        self.dev = self.pool.device
+        self._stream_objects = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]  # kept alive
+        self._streams = [0] + [st.ptr for st in self._stream_objects]
+
+    def _stream(self, i):
+        return self._streams[i]
+
+
+TestCudaPoolMachine = needs_gpu(CudaPoolMachine.TestCase)
