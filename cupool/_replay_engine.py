@@ -307,26 +307,26 @@ def _coalesce(B, FB, IX, st, TG, h, b):
     nxt = B[NEXT, b]
     if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
         _ix_remove(B, IX, st, TG, h, nxt)
-        if B[TAG, b] == -1:
-            B[TAG, b] = B[TAG, nxt]
-        B[SIZE, b] += B[SIZE, nxt]
-        B[NEXT, b] = B[NEXT, nxt]
-        if B[NEXT, nxt] >= 0:
-            B[PREV, B[NEXT, nxt]] = b
-        _kill_block(B, FB, st, nxt)
+        _absorb(B, FB, st, b, nxt)
     prv = B[PREV, b]
     if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
         _ix_remove(B, IX, st, TG, h, prv)
-        if B[TAG, prv] == -1:
-            B[TAG, prv] = B[TAG, b]
-        B[SIZE, prv] += B[SIZE, b]
-        B[NEXT, prv] = B[NEXT, b]
-        if B[NEXT, b] >= 0:
-            B[PREV, B[NEXT, b]] = prv
-        _kill_block(B, FB, st, b)
+        _absorb(B, FB, st, prv, b)
         b = prv
     _ix_insert(B, IX, st, TG, h, b)
     return b
+
+
+@njit(cache=True)
+def _absorb(B, FB, st, left, right):
+    """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
+    if B[TAG, left] == -1:
+        B[TAG, left] = B[TAG, right]
+    B[SIZE, left] += B[SIZE, right]
+    B[NEXT, left] = B[NEXT, right]
+    if B[NEXT, right] >= 0:
+        B[PREV, B[NEXT, right]] = left
+    _kill_block(B, FB, st, right)
 
 
 @njit(cache=True)

@@ -202,23 +202,11 @@ class Heap:
         nxt = b.next
         if nxt is not None and nxt.free and _mergeable(nxt.tag, b.tag):
             self._remove(nxt)
-            if b.tag is None:
-                b.tag = nxt.tag
-            b.size += nxt.size
-            b.epoch = max(b.epoch, nxt.epoch)
-            b.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = b
+            _absorb(b, nxt)
         prv = b.prev
         if prv is not None and prv.free and _mergeable(prv.tag, b.tag):
             self._remove(prv)
-            if prv.tag is None:
-                prv.tag = b.tag
-            prv.size += b.size
-            prv.epoch = max(prv.epoch, b.epoch)
-            prv.next = b.next
-            if b.next is not None:
-                b.next.prev = prv
+            _absorb(prv, b)
             b = prv
         self._insert(b)
         return b
@@ -256,3 +244,14 @@ class Heap:
 
 def _mergeable(a: Tag, b: Tag) -> bool:
     return a == b or a is None or b is None
+
+
+def _absorb(left: Block, right: Block) -> None:
+    """Merge free ``right`` into its free left neighbour, keeping the stricter tag and the later epoch."""
+    if left.tag is None:
+        left.tag = right.tag
+    left.size += right.size
+    left.epoch = max(left.epoch, right.epoch)
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left
