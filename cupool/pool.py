@@ -161,6 +161,16 @@ class Pool:
         ladder and of spill victims (see ``cupool.scheduler``).
     """
 
+    #: The reclaim ladder, tried in order when the device or the limit refuses to
+    #: grow: (step name, method name).  The scheduler reorders it and adds "spill".
+    LADDER = (
+        ("streams", "_step_streams"),
+        ("release", "_step_release"),
+        ("compact", "_step_compact"),
+        ("rehome", "_step_rehome"),
+        ("gc", "_step_gc"),
+    )
+
     def __init__(
         self,
         device: str | Device = "auto",
@@ -246,20 +256,12 @@ class Pool:
         self._bytes_moved = 0
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._moved_pending: collections.deque[tuple[Movable, int, int]] = collections.deque()
-        # The reclaim ladder, tried in order when the device or the limit refuses to grow.
-        self._ladder: list[tuple[str, Callable[[], bool]]] = [
-            ("streams", self._step_streams),
-            ("release", self._step_release),
-            ("compact", self._step_compact),
-            ("rehome", self._step_rehome),
-            ("gc", self._step_gc),
-        ]
         if not isinstance(track_sites, bool):
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
         self._sites = SiteTracker() if track_sites else None
-        # The scheduler orders the reclaim ladder per spill_policy and adds its spill step.
+        # The scheduler orders the reclaim ladder (LADDER, plus its spill step) per
+        # spill_policy; iterating it yields (name, step) pairs.
         self.scheduler = Scheduler(self, spill, spill_policy)
-        self._ladder = self.scheduler
         if init:
             self._new_segment(LARGE, init, None, keep=True)
 
@@ -678,7 +680,7 @@ class Pool:
         self._retries += 1
         if self._log:  # the ladder's steps and the scheduler read the tables
             self._fold()
-        for _, step in self._ladder:
+        for _, step in self.scheduler:
             if step():
                 block = heap.find(size, key)
                 if block is not None:

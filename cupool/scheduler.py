@@ -90,8 +90,8 @@ class Scheduler:
         # methods would make a Pool -> Scheduler -> Pool cycle, so a dropped pool (and
         # its HDF5 spill file) would linger until the cycle collector ran.
         self._pool_ref = weakref.ref(pool)
-        self._methods = {name: step.__name__ for name, step in pool._ladder}
-        self._base = [name for name, _ in pool._ladder]
+        self._methods = dict(pool.LADDER)
+        self._base = [name for name, _ in pool.LADDER]
         self._victims: collections.deque[Movable] | None = None
         self._run_spilled = 0
         self._run_failure = ""
