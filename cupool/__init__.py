@@ -8,17 +8,17 @@ simulated device so the same pool runs (and is tested) without a GPU.
 from importlib.metadata import PackageNotFoundError, version
 
 from ._units import format_bytes, parse_size
-from .batch import BatchSizer
+from .observe.batch import BatchSizer
 from .device import CudaDevice, Device, SimDevice
 from .errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
 from .hooks import cupy_allocator, default_pool, install, uninstall, using
-from .monitor import Alert, Monitor
-from .movable import Movable
-from .pinned import PinnedPool
-from .pool import Allocation, CompactionReport, Pool
+from .observe.monitor import Alert, Monitor
+from .core.handles import Movable
+from .core.handles import Allocation
+from .pool import CompactionReport, PinnedPool, Pool
 from .replay import ReplayResult
-from .scheduler import Decision
-from .spill import HDF5Tier, HostTier, SpillError
+from .pressure.scheduler import Decision
+from .pressure.spill import HDF5Tier, HostTier, SpillError
 from .trace import EventRecorder, Trace, TraceError, load_trace
 
 try:

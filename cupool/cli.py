@@ -1,4 +1,4 @@
-"""The ``cupool`` command: ``info`` and ``demo``."""
+"""The ``cupool`` command: ``info``, ``demo``, ``replay`` and ``report``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import streaming, workloads
 from ._units import format_bytes
-from .device import cuda_available
+from .device import CudaDevice, SimDevice, cuda_available
 from .pool import Pool
+from .replay.commands import add_commands as add_replay_commands
 
 
 def _versions() -> dict[str, str]:
@@ -34,7 +35,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     pool = Pool(args.device, capacity=args.capacity)
     free, total = pool.device.mem_info()
     print(f"device          {pool.device.name} ({pool.device!r})")
-    if pool.device.kind == "cuda":
+    if isinstance(pool.device, CudaDevice):
         import cupy
 
         props = cupy.cuda.runtime.getDeviceProperties(pool.device.index)
@@ -98,7 +99,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         pool = make()
         mx_, mean_, peak_res = _summary(workloads.weight_streaming(pool, shapes, fill=True, **kw))
         smallest = "n/a on a GPU"
-        if pool.device.kind == "sim":
+        if isinstance(pool.device, SimDevice):
             cap = workloads.smallest_capacity(
                 lambda c: Pool("sim", capacity=c), shapes, peak_live, 4 * peak_live, 2 << 20, **kw
             )
@@ -132,10 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="layers in the longer mixed run (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
-    from . import replay, report
-
-    replay.add_command(sub)
-    report.add_command(sub)
+    add_replay_commands(sub.add_parser)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from ._units import parse_size
-from .movable import Movable
+from .core.handles import Movable
 from .pool import Pool
-from .spill import _nslots
+from .pressure.spill import chunk_cache_slots
 from .workloads import source_shapes
 
 #: The source's four cache settings: (name, max_cached_layers, prefetch_distance, mean, peak fragmentation).
@@ -116,7 +116,7 @@ class LayerCache:
         import h5py
 
         cache = parse_size(rdcc_nbytes, name="rdcc_nbytes")
-        self._file = h5py.File(h5_path, "r", rdcc_nbytes=cache, rdcc_nslots=_nslots(cache, 1 << 20))
+        self._file = h5py.File(h5_path, "r", rdcc_nbytes=cache, rdcc_nslots=chunk_cache_slots(cache, 1 << 20))
         if _GROUP not in self._file:
             self._file.close()
             raise ValueError(f"{h5_path} has no '{_GROUP}' group of layer datasets (see build_model_file)")

@@ -11,8 +11,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import cupool
 from conftest import needs_gpu
 from cupool import workloads
-from cupool.compaction import plan
-from cupool.heap import Heap
+from cupool.core.heap import Heap
+from cupool.pressure.plan import plan
 
 A = 512
 MiB = 1 << 20
@@ -206,7 +206,9 @@ def test_bad_input_for_movables_and_compact(pool):
         pool.compact(max_bytes="lots")
     other = cupool.Pool("sim", capacity="8MiB")
     with pytest.raises(cupool.ForeignAllocationError):
-        pool._free_movable(other.movable(10))
+        pool.free(other.malloc(10))
+    with pytest.raises(TypeError, match="Allocation"):
+        pool.free(other.movable(10))  # a movable buffer is freed by its own .free()
     with pytest.raises(ValueError, match="defrag_threshold"):
         cupool.Pool("sim", capacity="8MiB", defrag_threshold=1.5)
 
@@ -358,7 +360,7 @@ class CompactionMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_overlap(self):
-        spans = sorted([(m.ptr, m._block.size) for m, _ in self.model.values()] + [(a.ptr, a.nbytes) for a, _, _ in self.raw])
+        spans = sorted([(m.ptr, m.block.size) for m, _ in self.model.values()] + [(a.ptr, a.nbytes) for a, _, _ in self.raw])
         for (p0, n0), (p1, _) in zip(spans, spans[1:]):
             assert p0 + n0 <= p1
 

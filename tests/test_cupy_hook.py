@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cupool
+from conftest import needs_gpu
 from cupool import hooks
 from cupool.config import parse_conf
 from cupool.device import SimDevice
@@ -19,12 +20,13 @@ MiB = 1 << 20
 def clean_hooks(monkeypatch):
     """Every test starts uninstalled, with no default pools and CuPy's own allocator."""
     before = cupy.cuda.get_allocator()
-    monkeypatch.setattr(hooks, "_default_pools", {})
+    hooks.reset_default_pools()
     monkeypatch.delenv("CUPOOL_CONF", raising=False)
     yield
     if hooks.installed():
         cupool.uninstall()
     cupy.cuda.set_allocator(before)
+    hooks.reset_default_pools()
 
 
 def live(pool):
@@ -83,7 +85,7 @@ def test_using_restores_after_an_exception(pool):
         with cupool.using(pool):
             raise KeyError("boom")
     assert cupy.cuda.get_allocator() is before
-    assert not getattr(hooks._local, "pools", [])
+    assert hooks.using_pools() == ()
 
 
 def test_using_is_thread_local(pool):
@@ -197,7 +199,7 @@ def test_pool_of_another_device_is_refused(pool, entry):
         else:
             cupool.install(foreign)
     assert cupy.cuda.get_allocator() is before and not hooks.installed()
-    assert not getattr(hooks._local, "pools", [])
+    assert hooks.using_pools() == ()
 
 
 def test_wrong_kinds_of_pool_are_refused():
@@ -233,7 +235,7 @@ def test_bad_cupool_conf_is_a_clear_error(monkeypatch, conf, match):
     with pytest.raises(ValueError, match="CUPOOL_CONF") as ei:
         cupool.default_pool()
     assert ei.match(match)
-    assert hooks._default_pools == {}
+    assert hooks.existing_pool() is None  # no default pool was left behind
 
 
 def test_cupool_conf_that_parses_but_cannot_make_a_pool(monkeypatch):
@@ -285,7 +287,7 @@ def test_stats_stay_exact_through_the_fast_path():
     pool.check()
 
 
-@pytest.mark.skipif(not hooks._gpu(), reason="needs a CUDA GPU (none is usable on this machine)")
+@needs_gpu
 def test_cupy_workload_on_a_gpu_matches_cupys_own_pool():
     def workload():
         rs = cupy.random.RandomState(7)
@@ -306,9 +308,9 @@ def test_cupy_workload_on_a_gpu_matches_cupys_own_pool():
 
 
 def test_a_failed_install_changes_nothing(pool, monkeypatch):
-    """E.g. under NUMBA_ENABLE_CUDASIM, where cupool.numba cannot be imported."""
+    """E.g. under NUMBA_ENABLE_CUDASIM, where the Numba plugin cannot be imported."""
     before = cupy.cuda.get_allocator()
-    monkeypatch.setitem(sys.modules, "cupool.numba", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "cupool.hooks.numba", None)  # makes the import fail
     with pytest.raises(ImportError):
         cupool.install(pool)
     assert cupy.cuda.get_allocator() is before and not cupool.hooks.installed()

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cupool.heap import Heap
+from cupool.core.heap import Heap
 
 A = 512
 
@@ -126,7 +126,7 @@ class HeapMachine(RuleBasedStateMachine):
     @rule(tag=st.sampled_from([1, 2]))
     def settle(self, tag):
         for b in self.heap.free_blocks(tag):
-            if self.heap._free.get(b.addr) is b and b.tag == tag:
+            if self.heap.is_indexed(b) and b.tag == tag:
                 self.heap.retag(b, None)
 
     @rule()

@@ -1,14 +1,16 @@
 """Threshold alerts: crossings, re-arming, callbacks, logging and severity bands."""
 
+import gc
 import logging
 import threading
+import weakref
 
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cupool
-from cupool.monitor import Alert, Monitor, severity
+from cupool.observe.monitor import Alert, Monitor, severity
 
 MiB = 1 << 20
 
@@ -131,12 +133,31 @@ def test_a_pool_already_above_a_threshold_alerts_at_once(pool):
 
 def test_frees_still_in_the_fast_paths_log_are_seen(pool):
     small = [pool.malloc(MiB) for _ in range(40)]  # 20 small segments, full
-    del small  # the fast path: only logged
-    assert pool._log
+    del small  # nobody subscribed: the fast path parks the blocks and only logs the frees
     got = []
     with Monitor(pool, callbacks=got.append) as mon:
         mon.flush()
-    assert [(x.metric, x.level, x.allocated) for x in got] == [("fragmentation", "warning", 0)]
+        # Read from the tables without the log, the pool would look full (allocated 40 MiB).
+        assert [(x.metric, x.level, x.allocated) for x in got] == [("fragmentation", "warning", 0)]
+        # The monitor leaves the fast path on: small blocks reach it through the books
+        # at its next event, here a large allocation (20 MiB more reserved, 12 allocated).
+        small = [pool.malloc(MiB) for _ in range(40)]
+        mon.flush()
+        assert len(got) == 1  # no event of its own for a small block
+        big = pool.malloc(12 * MiB)
+        mon.flush()
+    assert [(x.metric, x.level, x.allocated) for x in got[1:]] == [("fragmentation", "ok", 52 * MiB)]
+    del small, big
+
+
+def test_a_small_allocation_that_grows_the_pool_is_evaluated(pool):
+    big = pool.malloc(78 * MiB)  # usage 0.78
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        small = pool.malloc(MiB)  # a new 2 MiB small segment: usage 0.80
+        mon.flush()
+        assert [(x.metric, x.level) for x in got] == [("usage", "warning")]
+    del big, small
 
 
 def test_rehoming_raises_no_alert_for_its_passing_double_reservation():
@@ -164,9 +185,14 @@ def test_close_unsubscribes(pool):
     mon = Monitor(pool)
     got = collect_alerts(mon)
     mon.close()
-    a = pool.malloc(95 * MiB)
-    assert got == [] and pool._observers == []
+    a = pool.malloc(95 * MiB)  # would be critical, were the monitor still listening
+    assert got == [] and list(mon.alerts) == [] and mon.usage_level == "ok"
     mon.close()  # idempotent
+    # Nothing in the pool holds on to it: its subscription is gone, not merely ignored.
+    ref = weakref.ref(mon)
+    del mon, got
+    gc.collect()
+    assert ref() is None
     del a
 
 
@@ -195,9 +221,18 @@ def test_severity_bands(value, band):
 )
 def test_bad_arguments_are_refused_without_subscribing(pool, kw, exc, word):
     threads = threading.active_count()
+    made = []
+
+    class Probe(Monitor):
+        def __init__(self, *args, **kwargs):
+            made.append(weakref.ref(self))
+            super().__init__(*args, **kwargs)
+
     with pytest.raises(exc, match=word):
-        Monitor(pool, **kw)
-    assert pool._observers == [] and threading.active_count() == threads
+        Probe(pool, **kw)
+    # A subscription or a dispatcher thread left behind would keep the refused monitor alive.
+    gc.collect()
+    assert made and made[0]() is None and threading.active_count() == threads
 
 
 def test_monitor_needs_a_pool():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupool
-from cupool.pinned import CudaPinnedDevice, SimPinnedDevice
+from cupool.device import CudaPinnedDevice, SimPinnedDevice
 
 from conftest import needs_gpu
 
@@ -20,6 +20,7 @@ def pinned():
 
 def test_pinned_pool_serves_host_arrays_with_stats(pinned):
     assert pinned.device.name == "pinned:sim" and pinned.device.kind == "pinned"
+    assert not pinned.device.capabilities.device_memory and pinned.device.capabilities.host_accessible
     x = pinned.empty((1000,), np.float64)
     assert isinstance(x, np.ndarray) and x.ctypes.data % 4096 == 0  # first block of a page-aligned segment
     x[:] = np.arange(1000)

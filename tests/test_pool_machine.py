@@ -32,6 +32,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.arrays = []
         self.counter = 0
         self.unsafe = []  # (addr, size, stream, mark): freed while the stream was busy
+        self.subs = []  # subscribers: their filter, what they saw, and the raw allocations since they came
+        self.raw_allocs = 0  # successful mallocs and empties: each must reach an exact subscriber
+        self.closed = False
 
     # -- helpers
     def _setup(self):
@@ -51,8 +54,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _check_stream_rule(self, ptr, n, stream):
         if not self.sim:  # work in flight is modelled on the sim device only
             return
-        retired = self.dev._retired
-        self.unsafe = [u for u in self.unsafe if retired.get(u[2], 0) < u[3]]
+        self.unsafe = [u for u in self.unsafe if not self.dev.event_done(u[3])]
         for addr, size, s, _ in self.unsafe:
             if s != stream:
                 assert not (ptr < addr + size and addr < ptr + max(n, 1)), (
@@ -69,6 +71,11 @@ class PoolMachine(RuleBasedStateMachine):
             a = self.pool.malloc(n, stream=self._stream(stream))
         except cupool.OutOfMemoryError:
             return None
+        except ValueError:
+            assert self.closed, "only a closed pool refuses a valid request with ValueError"
+            return None
+        assert not self.closed, "a closed pool handed out memory"
+        self.raw_allocs += 1
         self._check_stream_rule(a.ptr, a.nbytes, stream)
         self.live[a.ptr] = (a, n, self._fill(a.ptr, n), stream)
         return a
@@ -79,9 +86,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         _, n, pattern, stream = self.live.pop(a.ptr)
         if self.sim:
-            busy = self.dev._enqueued.get(stream, 0)
-            if busy > self.dev._retired.get(stream, 0):
-                self.unsafe.append((a.ptr, a.nbytes, stream, busy))
+            work = self.dev.record_event(stream)  # completes once the stream's work so far has
+            if not self.dev.event_done(work):
+                self.unsafe.append((a.ptr, a.nbytes, stream, work))
         self.pool.free(a)
 
     @rule(
@@ -93,6 +100,10 @@ class PoolMachine(RuleBasedStateMachine):
             x = self.pool.empty(shape, dtype)
         except cupool.OutOfMemoryError:
             return
+        except ValueError:
+            assert self.closed
+            return
+        self.raw_allocs += 1
         self._check_stream_rule(_ptr(x), x.nbytes, 0)
         x.view(np.uint8).reshape(-1)[...] = pattern = self._fill(_ptr(x), 0)
         self.arrays.append((x, pattern))
@@ -135,6 +146,34 @@ class PoolMachine(RuleBasedStateMachine):
         self.free(a)
         return a
 
+    @rule(
+        kinds=st.one_of(st.none(), st.sets(st.sampled_from(["alloc", "free", "segment_alloc", "segment_free"]))),
+        small=st.booleans(),
+        raises=st.booleans(),
+    )
+    def subscribe(self, kinds, small, raises):
+        sub = {"kinds": kinds, "small": small, "raises": raises, "seen": [], "since": self.raw_allocs}
+
+        def callback(ev, sub=sub):
+            sub["seen"].append(ev)
+            if sub["raises"]:
+                raise RuntimeError("a broken observer")
+
+        sub["unsubscribe"] = self.pool.subscribe(callback, kinds=kinds, small_blocks=small)
+        self.subs.append(sub)
+
+    @rule(data=st.data())
+    def unsubscribe(self, data):
+        if self.subs:
+            self.subs.pop(data.draw(st.integers(0, len(self.subs) - 1)))["unsubscribe"]()
+
+    @rule()
+    def close(self):
+        alive = (self.live or self.arrays) and not self.closed  # closing again is a no-op
+        with pytest.warns(ResourceWarning) if alive else _no_warning():
+            self.pool.close()
+        self.closed = True
+
     @rule(bad=st.sampled_from([-1, -4096, 1.0, "8", None, True]))
     def bad_size_is_refused(self, bad):
         before = self._books()
@@ -173,12 +212,45 @@ class PoolMachine(RuleBasedStateMachine):
             assert s["reserved_bytes.all.current"] == self.dev.used
 
     @invariant()
+    def subscribers_see_what_they_asked_for(self):
+        for sub in self.subs:
+            seen = sub["seen"]
+            assert all(type(ev[4]) is int for ev in seen), "an event without an int stream"
+            if sub["kinds"] is not None:
+                assert {ev[1] for ev in seen} <= sub["kinds"]
+            if sub["raises"]:
+                assert len(seen) <= 1, "a subscriber that raised was called again"
+            elif sub["small"] and (sub["kinds"] is None or "alloc" in sub["kinds"]):
+                # Exact: every raw allocation since it subscribed, fast path or not.
+                assert sum(ev[1] == "alloc" for ev in seen) == self.raw_allocs - sub["since"]
+
+    @invariant()
+    def a_closed_pool_keeps_only_segments_in_use(self):
+        if self.closed:
+            for seg in self.pool.snapshot()["segments"]:
+                assert seg["allocated_size"] > 0, "a closed pool kept a wholly free segment"
+
+    @invariant()
     def data_is_intact(self):
         for a, n, pattern, _ in self.live.values():
             if n:
                 assert (self.dev.to_host(a.ptr, n) == pattern).all(), f"{a!r} was overwritten"
         for x, pattern in self.arrays:
             assert bool((x.view(np.uint8) == pattern).all()), "an array's bytes changed"
+
+
+class _no_warning:
+    """``pytest.warns`` for no warning: any ResourceWarning escaping is an error."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", ResourceWarning)
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
 
 
 def _ptr(x):

@@ -8,7 +8,7 @@ import numpy as np
 import cupool
 from cupool import workloads
 from cupool.cli import main
-from cupool.report import plot_report
+from cupool.replay import plot_report
 from cupool.trace import Trace, load_trace
 
 

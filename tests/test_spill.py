@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import cupool
-from cupool import spill as spill_mod
 from cupool.device import CudaDevice
-from cupool.spill import HDF5Tier, HostTier
+from cupool.pressure.spill import HDF5Tier, HostTier
 
 MiB = 1 << 20
 
@@ -273,10 +272,10 @@ def test_any_copy_failure_gives_the_pinned_block_back(monkeypatch):
     m = p.movable(2 * MiB)
     want = fill(m, 4)
 
-    def broken(device, ptr, out):
+    def broken(ptr, out):
         raise RuntimeError("copy engine fault")
 
-    monkeypatch.setattr(spill_mod, "_copy_out", broken)
+    monkeypatch.setattr(p.device, "read_into", broken)
     with pytest.raises(RuntimeError, match="copy engine fault"):
         p.spill()
     assert tier._pinned_held == 0

@@ -11,15 +11,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import h5py
 import numpy as np
 import pytest
 
 import cupool
-from cupool.importers import load_rmm_log, load_torch_snapshot
+from cupool.core.events import KINDS
 from cupool.replay import replay
-from cupool.trace import TraceError, load_trace
+from cupool.trace import Trace, TraceError, active_recorder, load_rmm_log, load_torch_snapshot, load_trace
+from cupool.trace.format import Hdf5Writer
 
 
 def _churn(pool, n=200, seed=0, streams=1):
@@ -36,12 +38,40 @@ def _churn(pool, n=200, seed=0, streams=1):
     return live
 
 
-def test_recording_is_off_by_default_and_detaches(pool):
-    assert pool._observers == []
-    with pool.record() as rec:
-        assert len(pool._observers) == 1
+def _subscribers(pool, monkeypatch):
+    """The callbacks subscribed to ``pool`` through ``pool.subscribe`` and not yet unsubscribed."""
+    live = []
+    subscribe = pool.subscribe
+
+    def counted(callback, *args, **kwargs):
+        unsubscribe = subscribe(callback, *args, **kwargs)
+        live.append(callback)
+
+        def counted_unsubscribe():
+            live.remove(callback)
+            unsubscribe()
+
+        return counted_unsubscribe
+
+    monkeypatch.setattr(pool, "subscribe", counted)
+    return live
+
+
+def _detached(pool, rec):
+    """Whether ``rec`` no longer hears ``pool``, and ``pool`` no longer names it its recorder."""
+    n = rec.n_events
+    pool.malloc(100).free()
+    return rec.n_events == n and active_recorder(pool) is not rec
+
+
+def test_recording_is_off_by_default_and_detaches(pool, monkeypatch):
+    subscribers = _subscribers(pool, monkeypatch)
+    rec = pool.record()
+    assert subscribers == []
+    with rec:
+        assert len(subscribers) == 1 and active_recorder(pool) is rec
         pool.malloc(100).free()
-    assert pool._observers == []
+    assert subscribers == [] and active_recorder(pool) is None
     kinds = [e[1] for e in rec.events()]
     assert kinds == ["segment_alloc", "alloc", "free"]
     pool.malloc(100).free()
@@ -58,13 +88,15 @@ def test_ring_buffer_keeps_the_newest_events(pool):
     del allocs
 
 
-def test_hdf5_trace_round_trip_with_custom_kinds_and_stacks(pool, tmp_path):
+def test_hdf5_trace_round_trip_with_compaction_and_stacks(tmp_path):
+    pool = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None)
     path = tmp_path / "run.h5"
     with pool.record(path, stacks=True, batch=16) as rec:
         live = _churn(pool, 120)
-        with pool._lock:  # how compaction / spilling emit their own kinds
-            pool._emit("compact", 0, 4096, 0)
-            pool._emit("my_custom_kind", 1, 2, 0)
+        bufs = [pool.movable(3 << 20) for _ in range(8)]
+        for m in bufs[::2]:
+            m.free()
+        assert pool.compact().moves > 0
     tr = load_trace(path)
     mem = rec.events()
     assert len(tr) == len(mem) == rec.n_events
@@ -73,10 +105,45 @@ def test_hdf5_trace_round_trip_with_custom_kinds_and_stacks(pool, tmp_path):
     assert tr.addr.tolist() == [e[2] for e in mem]
     assert tr.t_ns.tolist() == [e[0] for e in mem]
     assert tr.config["capacity"] == pool.config["capacity"]
-    assert tr.counts()["compact"] == 1 and tr.counts()["my_custom_kind"] == 1
+    assert tr.kinds == KINDS  # a file's kinds start as the pool's one list
+    assert tr.counts()["compact"] == 1 and tr.counts()["move_in"] > 0
     assert tr.stacks is not None and len(tr.stacks) == len(tr)
     assert "test_trace.py" in tr.stacks[0] and "_churn" in tr.stacks[5]
-    del live
+    del live, bufs
+
+
+def test_kinds_outside_the_known_list_are_appended(tmp_path):
+    path = tmp_path / "custom.h5"
+    events = [(0, "alloc", 512, 512, 0), (1, "my_custom_kind", 1, 2, 0), (2, "reclaim:gc", 0, 0, 0),
+              (3, "another_kind", 0, 0, 0), (4, "my_custom_kind", 3, 4, 0)]
+    writer = Hdf5Writer(path, stacks=False)
+    writer.open({})
+    writer.append(events[:2])
+    writer.append(events[2:])
+    writer.close()
+    tr = load_trace(path)
+    assert tr.kinds == (*KINDS, "my_custom_kind", "another_kind")
+    assert [tr.kinds[k] for k in tr.kind] == [e[1] for e in events]
+    mem = Trace.from_events(events)
+    assert mem.kinds == tr.kinds and mem.kind.tolist() == tr.kind.tolist()
+
+
+def test_files_written_before_a_kind_was_added_read_back_under_their_own_names(pool, tmp_path):
+    # Before the reclaim kinds joined the list, a file appended them as it met them, after "oom".
+    path = tmp_path / "old.h5"
+    with pool.record(path):
+        pool.malloc(100).free()
+    old = (*KINDS[:KINDS.index("oom") + 1], "reclaim:gc")
+    with h5py.File(path, "r+") as f:
+        names = np.zeros(f["kind_names"].shape, f["kind_names"].dtype)
+        names[: len(old)] = [k.encode() for k in old]
+        f["kind_names"][:] = names
+        f["kind"][-1] = len(old) - 1
+    tr = load_trace(path)
+    assert tr.kinds == old
+    assert [tr.kinds[k] for k in tr.kind] == ["segment_alloc", "alloc", "reclaim:gc"]
+    assert tr.code("reclaim:gc") == len(old) - 1 and tr.code("reclaim:streams") == -1
+    assert replay(tr).peak_allocated == 512
 
 
 @pytest.mark.parametrize("initial", [None, "8MiB"])
@@ -103,19 +170,27 @@ def test_recording_starts_from_the_live_state(tmp_path, initial):
 
 def test_recorder_reads_the_live_state_and_subscribes_under_one_lock(pool, monkeypatch):
     # An allocation slipped in between reading the state and subscribing would be in neither,
-    # so start() must not take the lock twice (snapshot(), then subscribe()).
-    monkeypatch.setattr(pool, "subscribe", lambda cb: pytest.fail("start() must not subscribe separately"))
+    # so start() must subscribe while it still holds the pool: another thread's allocation
+    # waits until then, and is recorded.
     monkeypatch.setattr(pool, "snapshot", lambda: pytest.fail("start() must not snapshot separately"))
+    racer = threading.Thread(target=lambda: pool.malloc(100).free())
+    subscribe = pool.subscribe
+
+    def racing_subscribe(callback, *args, **kwargs):
+        racer.start()
+        racer.join(0.2)
+        assert racer.is_alive(), "another thread allocated between reading the live state and subscribing"
+        return subscribe(callback, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "subscribe", racing_subscribe)
     keep = pool.malloc(300)
     with pool.record() as rec:
-        pool.malloc(100).free()
+        racer.join()
     assert [e[1] for e in rec.events()] == ["segment_alloc", "alloc", "alloc", "free"]
     keep.free()
 
 
 def test_a_failing_disk_never_corrupts_the_pool(pool, tmp_path, monkeypatch):
-    from cupool import trace as trace_mod
-
     path = tmp_path / "full.h5"
     calls = []
 
@@ -123,7 +198,7 @@ def test_a_failing_disk_never_corrupts_the_pool(pool, tmp_path, monkeypatch):
         calls.append(len(events))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(trace_mod._Hdf5Writer, "append", append)
+    monkeypatch.setattr(Hdf5Writer, "append", append)
     rec = pool.record(path, batch=4)
     with pytest.raises(TraceError, match=re.escape(str(path)) + ".*No space left on device"):
         with rec:
@@ -136,13 +211,11 @@ def test_a_failing_disk_never_corrupts_the_pool(pool, tmp_path, monkeypatch):
     for a in live[1::2]:
         a.free()  # no DoubleFreeError: every operation completed
     pool.check()
-    assert pool.stats()["allocated_bytes.all.current"] == 0 and pool._observers == []
+    assert pool.stats()["allocated_bytes.all.current"] == 0 and _detached(pool, rec)
 
 
 def test_a_failing_disk_does_not_hide_the_error_of_the_block(pool, tmp_path, monkeypatch):
-    from cupool import trace as trace_mod
-
-    monkeypatch.setattr(trace_mod._Hdf5Writer, "append", lambda self, ev: 1 / 0)
+    monkeypatch.setattr(Hdf5Writer, "append", lambda self, ev: 1 / 0)
     with pytest.raises(KeyError) as info:
         with pool.record(tmp_path / "x.h5", batch=1):
             pool.malloc(10).free()
@@ -177,8 +250,8 @@ _KILLED = textwrap.dedent(
         live.append(pool.malloc(1024 * (1 + i % 50)))
         if len(live) > 20:
             live.pop(0).free()
-        if rec._flushed >= 640 and rec.n_events % 64 == 17:
-            print(rec._flushed, flush=True)
+        if rec.flushed >= 640 and rec.n_events % 64 == 17:
+            print(rec.flushed, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -274,13 +347,13 @@ def test_bad_recorded_settings_name_the_file(pool, tmp_path, capsys):
 
 def test_events_must_be_int64_integers():
     with pytest.raises(ValueError, match="event 1: the size must be an integer, got 1.5"):
-        cupool.trace.Trace.from_events([(0, "alloc", 1, 5, 0), (1, "alloc", 2, 1.5, 0)])
+        Trace.from_events([(0, "alloc", 1, 5, 0), (1, "alloc", 2, 1.5, 0)])
     with pytest.raises(ValueError, match="event 0: the kind must be a string, got 7"):
-        cupool.trace.Trace.from_events([(0, 7, 1, 5, 0)])
+        Trace.from_events([(0, 7, 1, 5, 0)])
     with pytest.raises(ValueError, match="event 0: the size -1 is out of range"):
-        cupool.trace.Trace.from_events([(0, "alloc", 1, -1, 0)])
+        Trace.from_events([(0, "alloc", 1, -1, 0)])
     with pytest.raises(ValueError, match="event 0: the address .* out of range"):
-        cupool.trace.Trace.from_events([(0, "alloc", 1 << 64, 5, 0)])
+        Trace.from_events([(0, "alloc", 1 << 64, 5, 0)])
 
 
 def test_recorder_rejects_bad_options(pool, tmp_path):
@@ -288,9 +361,10 @@ def test_recorder_rejects_bad_options(pool, tmp_path):
         pool.record(capacity=0)
     with pytest.raises(ValueError, match="batch"):
         pool.record(capacity=4, batch=8)
+    rec = pool.record(tmp_path / "no" / "such" / "dir.h5")
     with pytest.raises(TraceError, match="cannot create"):
-        pool.record(tmp_path / "no" / "such" / "dir.h5").start()
-    assert pool._observers == []
+        rec.start()
+    assert rec.n_events == 0 and _detached(pool, rec)
 
 
 # ------------------------------------------------------------------ importers

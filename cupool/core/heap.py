@@ -68,7 +68,18 @@ class Segment:
 
 
 class Heap:
-    """Best fit with split and coalesce over a set of segments."""
+    """Best fit with split and coalesce over a set of segments.
+
+    The placement contract (what the arena and the compaction planner rely on, and
+    what tests/conformance/test_placement_conformance.py holds every placement
+    algorithm to): ``add_segment`` / ``remove_segment``; ``find(size, tag)`` returns a
+    free block of at least ``size`` usable by ``tag`` (its own or untagged) or None;
+    ``take(block, size)`` allocates the first ``size`` bytes of it; ``give(block,
+    tag, epoch)`` frees and coalesces; ``retag`` moves a free block to another tag;
+    ``free_blocks``, ``tags``, ``largest_free``, ``reserved``, ``allocated``,
+    ``n_allocated``, ``segments``; and ``check()``, which raises AssertionError on any
+    broken invariant.
+    """
 
     def __init__(self, alignment: int = 512) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -164,6 +175,10 @@ class Heap:
         if tag is None:
             block.epoch = 0
         return self._coalesce(block)
+
+    def is_indexed(self, block: Block) -> bool:
+        """Whether ``block`` is still a free block of its own (a merge may have absorbed it)."""
+        return self._free.get(block.addr) is block
 
     def free_blocks(self, tag: Tag) -> list[Block]:
         return [self._free[a] for _, a in self._index.get(tag, ())]

@@ -6,7 +6,7 @@ batch by 0.8, when it used less than ``target - 0.1`` multiply it by 1.2, and
 keep it within ``[minimum, maximum]``.
 
 Usage here is the *peak allocated* bytes since the previous ``update()``, over the
-pool's limit.  Peak, because by the time a training step returns its
+pool's limit, read from a ``Pool.peak_window()``.  Peak, because by the time a training step returns its
 activations are usually freed and the current figure says nothing about what the
 step needed; allocated rather than reserved, because reserved bytes include
 cache that a caching pool keeps after a big step, which would make the batch
@@ -16,37 +16,12 @@ shrink for memory nobody is using.
 from __future__ import annotations
 
 import math
-import weakref
 
-from .pool import _B_ALLOC, Pool
+from ..pool import Pool
 
 _BAND = 0.1
 _SHRINK = 0.8
 _GROW = 1.2
-
-
-class _PeakWatch:
-    """Highest allocated bytes seen since the last reset; updated under the pool's lock.
-
-    Kept apart from ``BatchSizer`` so that the pool's subscriber list does not keep
-    the sizer alive.
-    """
-
-    __slots__ = ("pool", "peak")
-
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-        self.peak = 0
-
-    def __call__(self, event: tuple) -> None:
-        self.peak = max(self.peak, self.allocated())
-
-    def allocated(self) -> int:
-        """Allocated bytes now, counting the frees the fast path has only logged (lock held)."""
-        pool = self.pool
-        if pool._log:
-            pool._fold()
-        return pool._cur[_B_ALLOC][2]
 
 
 class BatchSizer:
@@ -79,11 +54,9 @@ class BatchSizer:
         self._high = round(target + _BAND, 9)
         self._low = round(target - _BAND, 9)
         self.last_usage: float | None = None
-        self._watch = _PeakWatch(pool)
-        # Subscribed first, so that no allocation falls between the reading and the watch.
-        weakref.finalize(self, pool.subscribe(self._watch))
-        with pool._lock:
-            self._watch.peak = max(self._watch.peak, self._watch.allocated())
+        # A peak window, not a subscription: it costs nothing on the pool's fast path
+        # and needs no unsubscribing when the sizer dies (Note [Fast path]).
+        self._window = pool.peak_window()
 
     def update(self, usage: float | None = None) -> int:
         """Adjust the batch to the usage of the step just done; returns the new batch size.
@@ -93,9 +66,9 @@ class BatchSizer:
         """
         if usage is None:
             pool = self.pool
-            with pool._lock:
-                usage = self._watch.peak / pool.limit
-                self._watch.peak = self._watch.allocated()
+            with pool.hold() as view:
+                usage = self._window.peak / pool.limit
+                self._window.peak = view.books.allocated
         elif isinstance(usage, bool) or not isinstance(usage, (int, float)):
             raise TypeError(f"usage must be a number (a fraction of the pool's limit) or None, got {usage!r}")
         elif not math.isfinite(usage) or usage < 0:

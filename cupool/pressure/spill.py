@@ -1,10 +1,14 @@
 """Spill tiers: where a movable buffer's bytes wait while it is off the device.
 
-A tier's ``store(device, ptr, nbytes)`` copies device bytes into its own storage
-and returns a handle with ``load() -> np.ndarray`` (uint8) and ``discard()``: the
-protocol ``Movable`` keeps in ``_spilled`` and ``Pool._restore`` uses.  ``store``
-runs *before* the device block is freed, so when it fails (an unwritable path, a
-full disk, no host memory) nothing is lost: the buffer simply stays where it was.
+The tier protocol (``Tier``) is small, so that ``Pool(spill=MyTier())`` works for
+a user's own tier: ``store(device, ptr, nbytes)`` copies device bytes into the
+tier's own storage and returns a handle with ``load() -> np.ndarray`` (uint8) and
+``discard()``; ``describe()`` names the storage in messages; ``name`` is what a
+trace records.  ``store`` runs *before* the device block is freed, so when it
+fails (an unwritable path, a full disk, no host memory) nothing is lost: the
+buffer simply stays where it was.  It should raise ``SpillError`` for that.
+``device.read_into(ptr, out)`` is the copy a tier wants: no intermediate buffer,
+and no wait (the scheduler synchronizes once per spill).
 
 * ``HostTier`` keeps the bytes in host memory: page-locked buffers from a
   ``PinnedPool`` (copies to and from the GPU run at full DMA speed and the pool
@@ -22,14 +26,15 @@ import itertools
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._units import format_bytes, parse_size
-from .device import CudaDevice, Device, SimDevice
-from .errors import OutOfMemoryError
+from .._units import format_bytes, parse_size
+from ..device import Device
+from ..errors import OutOfMemoryError
 
 log = logging.getLogger("cupool")
 
@@ -41,20 +46,30 @@ class SpillError(Exception):
     """A tier could not take a buffer's bytes; the buffer is still on the device."""
 
 
-def _copy_out(device: Device, ptr: int, out: np.ndarray) -> None:
-    """Device bytes into a host buffer the caller owns, without an intermediate copy.
+class SpillHandle(Protocol):
+    def load(self) -> np.ndarray: ...
+    def discard(self) -> None: ...
 
-    Does not synchronize: the scheduler synchronizes the device once per spill,
-    before the tier copies, and a second wait here would only cost time.
-    """
-    if isinstance(device, SimDevice):
-        np.copyto(out, device.bytes_at(ptr, out.nbytes))
-    elif isinstance(device, CudaDevice):
-        rt = device._rt
-        with device._dev:
-            rt.memcpy(out.ctypes.data, ptr, out.nbytes, rt.memcpyDeviceToHost)
-    else:
-        np.copyto(out, device.to_host(ptr, out.nbytes))
+
+@runtime_checkable
+class Tier(Protocol):
+    """What a pool needs from a spill tier."""
+
+    name: str
+
+    def store(self, device: Device, ptr: int, nbytes: int) -> SpillHandle: ...
+    def describe(self) -> str: ...
+
+
+class _Claim:
+    """A tier serves one live pool: its pool's lock is what serialises the tier's state."""
+
+    _owner: weakref.ref | None = None
+
+    def claim(self, owner: object) -> None:
+        if self._owner is not None and self._owner() is not None:
+            raise ValueError(f"this {type(self).__name__} already serves another live pool; make one per pool")
+        self._owner = weakref.ref(owner)
 
 
 # ---------------------------------------------------------------------- host
@@ -78,7 +93,7 @@ class _HostHandle:
         self._owner = None
 
 
-class HostTier:
+class HostTier(_Claim):
     """Spill to host memory: pinned when ``pinned`` (a ``PinnedPool``) has room, else pageable.
 
     ``Pool(spill="host")`` makes one with a pinned pool beside the device;
@@ -93,7 +108,6 @@ class HostTier:
         # tells when a request cannot fit without asking, and running, the pinned
         # pool's reclaim ladder (whose gc.collect would cost more than the copy).
         self._pinned_held = 0
-        self._pool: weakref.ref | None = None  # the pool served, once claimed
 
     def store(self, device: Device, ptr: int, nbytes: int) -> _HostHandle:
         """Copy ``nbytes`` at ``ptr`` (device synchronized by the caller) into host memory."""
@@ -111,7 +125,7 @@ class HostTier:
                 data = self.pinned.device.as_array(owner.ptr, (nbytes,), np.dtype(np.uint8), owner)
             else:
                 data = np.empty(nbytes, dtype=np.uint8)
-            _copy_out(device, ptr, data)
+            device.read_into(ptr, data)
         except BaseException as e:
             # Whatever failed, the pinned block goes back and the count with it: a
             # leaked count would push every later spill to pageable memory.
@@ -152,7 +166,7 @@ class _H5Handle:
 _MAX_CHUNK = (1 << 32) - 1
 
 
-class HDF5Tier:
+class HDF5Tier(_Claim):
     """Spill to chunked HDF5 datasets, one per spilled buffer.
 
     ``chunk_bytes`` bounds each dataset's chunks: HDF5 reads and writes whole
@@ -191,10 +205,9 @@ class HDF5Tier:
         self.path = Path(path)
         self.chunk_bytes = chunk
         self.rdcc_nbytes = cache
-        self.rdcc_nslots = _nslots(cache, chunk) if rdcc_nslots is None else rdcc_nslots
+        self.rdcc_nslots = chunk_cache_slots(cache, chunk) if rdcc_nslots is None else rdcc_nslots
         self._file: Any = None
         self._names = itertools.count()
-        self._pool: weakref.ref | None = None  # the pool served, once claimed
 
     def store(self, device: Device, ptr: int, nbytes: int) -> _H5Handle:
         """Write ``nbytes`` at ``ptr`` (device synchronized by the caller) to a new dataset."""
@@ -202,11 +215,12 @@ class HDF5Tier:
         name = f"b{next(self._names)}"
         try:
             if nbytes:
-                if isinstance(device, SimDevice):
-                    host = device.bytes_at(ptr, nbytes)  # the arena is host memory: write from it
+                if device.capabilities.host_accessible:
+                    # Host memory already (the sim arena, pinned memory): write from it.
+                    host = np.asarray(device.as_array(ptr, (nbytes,), np.dtype(np.uint8), None))
                 else:
                     host = np.empty(nbytes, dtype=np.uint8)
-                    _copy_out(device, ptr, host)
+                    device.read_into(ptr, host)
                 ds = f.create_dataset(name, shape=(nbytes,), dtype=np.uint8, chunks=(min(nbytes, self.chunk_bytes),))
                 ds.write_direct(host)
             else:
@@ -259,7 +273,7 @@ class HDF5Tier:
             log.warning("cupool spill: could not delete dataset %s from %s: %s", name, self.path, e)
 
 
-def _nslots(cache_bytes: int, chunk_bytes: int) -> int:
+def chunk_cache_slots(cache_bytes: int, chunk_bytes: int) -> int:
     """A prime near 100 slots per chunk that fits in the cache, as the HDF5 docs advise."""
     n = max(101, 100 * max(1, cache_bytes // max(1, chunk_bytes)))
     while any(n % p == 0 for p in range(2, int(n**0.5) + 1)):
@@ -277,22 +291,18 @@ def _close_and_remove(f: Any, path: Path) -> None:
             pass
 
 
-def make_tier(spill: Any, pool: Any) -> HostTier | HDF5Tier | None:
-    """Resolve ``Pool(spill=...)``: None, "host", a path ending in .h5 / .hdf5, or a tier.
+def make_tier(spill: Any, device: Device, host_pool: Callable[[], Any], owner: object) -> Tier | None:
+    """Resolve ``Pool(spill=...)``: None, "host", a path ending in .h5 / .hdf5, or any ``Tier``.
 
-    A tier serves one live pool: that pool's lock is what serializes the tier's
-    stores, loads and discards (its h5py file and pinned count are not thread-safe).
+    ``host_pool`` makes the pinned pool that ``"host"`` spills into (the pool layer
+    knows how; this layer does not import it).  A built-in tier serves one live
+    pool (``owner``): that pool's lock is what serialises the tier's stores, loads
+    and discards (its h5py file and pinned count are not thread-safe).
     """
     if spill is None:
         return None
-    if isinstance(spill, (HostTier, HDF5Tier)):
-        if spill._pool is not None and spill._pool() is not None:
-            raise ValueError(f"this {type(spill).__name__} already serves another live pool; make one per pool")
-        spill._pool = weakref.ref(pool)
-        return spill
-    device = pool.device
     if isinstance(spill, str) and spill == "host":
-        tier = HostTier(_pinned_pool_for(device))
+        tier: Any = HostTier(host_pool())
     elif isinstance(spill, (str, os.PathLike)):
         path = Path(spill)
         if path.suffix.lower() not in (".h5", ".hdf5"):
@@ -300,22 +310,22 @@ def make_tier(spill: Any, pool: Any) -> HostTier | HDF5Tier | None:
                 f"spill must be None, 'host', a path ending in .h5 or .hdf5, or a tier, got {spill!r}"
             )
         tier = HDF5Tier(path)
+    elif callable(getattr(spill, "store", None)) and callable(getattr(spill, "describe", None)):
+        tier = spill
     else:
         raise TypeError(
-            f"spill must be None, 'host', a path ending in .h5 or .hdf5, or a HostTier/HDF5Tier, got {spill!r}"
+            "spill must be None, 'host', a path ending in .h5 or .hdf5, or a tier "
+            f"(an object with store(device, ptr, nbytes) and describe()), got {spill!r}"
         )
-    tier._pool = weakref.ref(pool)
+    claim = getattr(tier, "claim", None)
+    if callable(claim):
+        claim(owner)
     return tier
 
 
-def _pinned_pool_for(device: Device) -> Any:
-    """A pinned pool beside ``device`` (None where cupool has no pinned pool)."""
-    try:
-        from .pinned import PinnedPool
-    except ImportError:
+def tier_name(tier: Any) -> str | None:
+    """What a trace records for a tier: its ``name``, else its class's name."""
+    if tier is None:
         return None
-    if isinstance(device, CudaDevice):
-        return PinnedPool(f"cuda:{device.index}")
-    # On the sim device "pinned" memory is another host arena; sized like the device,
-    # with spills beyond it going to pageable memory.  NORESERVE: free until written.
-    return PinnedPool("sim", capacity=device.total)
+    name = getattr(tier, "name", None)
+    return name if isinstance(name, str) and name else type(tier).__name__

@@ -23,7 +23,7 @@ trace missed that free).
 
 Two engines:
 
-* ``"numba"``: the compiled twin of the pool in ``_replay_engine``; millions of
+* ``"numba"``: the compiled twin of the pool in ``cupool.replay.engine``; millions of
   events per second.  It models raw allocations exactly (``tests/test_replay.py``
   holds it equal to the pool engine) and movable buffers' exact-size growth, but
   not compaction or spilling: for traces with movable buffers it follows the
@@ -44,7 +44,6 @@ otherwise.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import inspect
 import math
@@ -55,10 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from ._units import format_bytes
-from .errors import OutOfMemoryError
-from .pool import Pool
-from .trace import Trace, load_trace
+from ..core.sizes import LARGE, SMALL
+from ..errors import OutOfMemoryError
+from ..pool import Pool
+from ..trace import Trace
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
@@ -167,10 +166,15 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
         cfg.pop("memory_fraction", None)
     if engine == "pool":
         cfg.update({k: rec[k] for k in POOL_KEYS if k in rec})
+        if cfg.get("spill") is not None:
+            # Whatever tier the recorded run spilled to, a replay spills to host
+            # memory: a trace file must never choose where a replay writes.
+            cfg["spill"] = "host"
     return cfg
 
 
-def _check_keys(config: dict[str, Any], engine: str) -> None:
+def check_config(config: dict[str, Any], engine: str) -> None:
+    """Refuse an unknown engine or a setting ``engine`` does not model, before any replay runs."""
     if engine not in ENGINES:
         raise ValueError(f"unknown replay engine {engine!r} (choose {' or '.join(ENGINES)})")
     pool_keys = [p for p in inspect.signature(Pool).parameters if p != "device"]
@@ -209,7 +213,7 @@ def replay(
     """
     engine = default_engine(trace) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
-    _check_keys(cfg, engine)
+    check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     if progress is None:
         progress = n >= _PROGRESS_MIN and sys.stderr.isatty()
@@ -390,7 +394,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
 
 
 def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool):
-    from . import _replay_engine as eng
+    from . import engine as eng
 
     probe = _sim_pool(cfg, trace)  # validates the settings exactly as Pool does and resolves them to bytes
     state = eng.new_state(
@@ -445,6 +449,8 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
     return result, arrays[0], arrays[2], st
+
+
 def _seed_numba(trace: Trace, seeded: int, state: dict) -> None:
     """Rebuild the segments and live blocks a recording started from (its first ``seeded`` events).
 
@@ -454,7 +460,7 @@ def _seed_numba(trace: Trace, seeded: int, state: dict) -> None:
     addresses differ from the recording's, which only matters to the device's
     first-fit placement.
     """
-    from . import _replay_engine as eng
+    from . import engine as eng
 
     seed = trace.config["seed"]
     small, kept = set(seed.get("small_segments", ())), set(seed.get("kept_segments", ()))
@@ -464,23 +470,14 @@ def _seed_numba(trace: Trace, seeded: int, state: dict) -> None:
     for i in range(seeded):
         k, a, n, strm = int(trace.kind[i]), int(trace.addr[i]), int(trace.size[i]), int(trace.stream[i])
         if k == seg_code:
-            segs.append([a, n, 0 if a in small else 1, int(a in kept), strm])
+            segs.append([a, n, SMALL if a in small else LARGE, int(a in kept), strm])
             continue
         if not segs or not segs[-1][0] <= a < segs[-1][0] + segs[-1][1]:
             raise ValueError(f"{trace.source}: seed event {i} is not inside the segment before it")
         blocks.append([len(segs) - 1, a - segs[-1][0], n, strm, a])
     sg = np.array(segs, np.int64).reshape(-1, 5).T.copy()
     bk = np.array(blocks, np.int64).reshape(-1, 5).T.copy()
-    need = 2 * (bk.shape[1] + sg.shape[1]) + 8
-    for key, grow in (("B", eng._grown2), ("FB", eng._grown1), ("IX", eng._grown3)):
-        if state[key].shape[-1] < need:
-            state[key] = grow(state[key], need)
-    if state["S"].shape[1] < sg.shape[1] + 4:
-        state["S"] = eng._grown2(state["S"], sg.shape[1] + 4)
-        state["FS"] = eng._grown1(state["FS"], sg.shape[1] + 4)
-        state["EXT"] = eng._grown2(state["EXT"], sg.shape[1] + 6)
-    eng.seed(sg, bk, state["st"], state["fst"], state["cfg"], state["B"], state["FB"], state["S"], state["FS"],
-             state["IX"], state["TG"], state["DT"], state["EXT"], state["live"])
+    eng.seed_state(state, sg, bk)
     state["seeded_books"] = (int(state["st"][eng.RES]), int(state["st"][eng.ALLOC]))
 
 
@@ -491,11 +488,11 @@ def layout(
 
     Each segment: ``{"address", "size", "kind" ("small"/"large"), "blocks": [(offset, size, allocated)]}``.
     """
-    from . import _replay_engine as eng
+    from . import engine as eng
 
     engine = default_engine(trace) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
-    _check_keys(cfg, engine)
+    check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     out = []
     if engine == "pool":
@@ -517,7 +514,7 @@ def layout(
                 blocks.append((int(B[eng.ADDR, b]) - base, int(B[eng.SIZE, b]), not B[eng.FREE, b]))
                 b = int(B[eng.NEXT, b])
             out.append({"address": base, "size": int(S[eng.S_SIZE, s]),
-                        "kind": "small" if S[eng.S_KIND, s] == 0 else "large", "blocks": blocks})
+                        "kind": "small" if S[eng.S_KIND, s] == SMALL else "large", "blocks": blocks})
     out.sort(key=lambda seg: seg["address"])
     return out
 
@@ -528,68 +525,3 @@ def _bar(n: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=n, desc=desc, unit="ev", unit_scale=True, file=sys.stderr)
-
-
-# ------------------------------------------------------------------- the CLI
-def add_command(sub: argparse._SubParsersAction) -> None:
-    """Register ``cupool replay``."""
-    p = sub.add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation")
-    p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
-    p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
-                   help="replay once per configuration (each K=V,...; 'recorded' for the recorded settings)")
-    p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
-                        "and spilling); default: pool for traces with movable buffers, else numba")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on for long traces on a terminal)")
-    p.set_defaults(func=_cmd_replay)
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
-    engine = args.engine or default_engine(trace)
-    base = parse_config(args.config)
-    specs = args.compare or [None]
-    configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
-    for c in configs:  # reject a bad key before spending time on any replay
-        _check_keys({**recorded_config(trace, engine), **c}, engine)
-    counts = trace.counts()
-    print(f"{args.trace}: {len(trace)} events ({trace.format}; "
-          + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
-    results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
-    for w in dict.fromkeys(w for r in results for w in r.warnings):
-        print(f"warning: {w}")
-    if args.compare is None:
-        r = results[0]
-        print(f"configuration      {_show_config(r.config)}")
-        for label, value in (
-            ("peak reserved", format_bytes(r.peak_reserved)),
-            ("peak allocated", format_bytes(r.peak_allocated)),
-            ("max fragmentation", f"{r.max_fragmentation:.3f} ({FRAGMENTATION_NOTE})"),
-            ("mean fragmentation", f"{r.mean_fragmentation:.3f} (same samples)"),
-            ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
-            ("OOMs", str(r.ooms)),
-            ("peak segments", str(r.peak_segments)),
-            ("unmatched frees", str(r.unmatched_frees)),
-            ("time", f"{r.seconds:.3f} s ({r.events_per_second / 1e6:.2f} M events/s, {r.engine})"),
-        ):
-            print(f"{label:<19}{value}")
-        return 0
-    head = (f"{'configuration':<34} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} "
-            f"{'frag@peak':>9} {'OOMs':>5} {'time':>8}")
-    print(head)
-    for spec, r in zip(specs, results):
-        name = spec or "recorded"
-        print(f"{name[:34]:<34} {format_bytes(r.peak_reserved):>13} {format_bytes(r.peak_allocated):>11} "
-              f"{r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} {r.fragmentation_at_peak:>9.3f} "
-              f"{r.ooms:>5} {r.seconds:>7.3f}s")
-    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked ({engine} engine)")
-    return 0
-
-
-def _show_config(cfg: dict[str, Any]) -> str:
-    sizes = ("capacity", "initial_size", "max_size", "release_threshold")
-    return ", ".join(f"{k}={format_bytes(v) if k in sizes and isinstance(v, int) else v}"
-                     for k, v in cfg.items()) or "defaults"

@@ -15,10 +15,16 @@ hysteresis, so a pool hovering at a threshold does not flood the log.
   severe.  A pool holding little memory is all "fragmentation" by that ratio, so
   ``min_reserved`` can keep small pools from alerting.
 
-The subscription callback runs under the pool's lock, so it only does
-arithmetic on the pool's counters.  Alerts are handed to a dispatcher thread that
-logs them (logger ``"cupool"``) and calls the user's callbacks outside the lock,
-where a callback may safely call into the pool; ``flush()`` waits for it.
+The monitor subscribes with ``small_blocks=False`` and leaves out the kinds
+emitted mid-operation, so watching a pool does not switch its fast path off: a
+small block's allocation or free reaches the monitor through ``pool.view.books``
+at its next event (any large block, segment, movable buffer, compaction, ...),
+not at once.
+
+The subscription callback runs under the pool's lock, so it only reads the
+pool's figures and does arithmetic.  Alerts are handed to a dispatcher thread
+that logs them (logger ``"cupool"``) and calls the user's callbacks outside the
+lock, where a callback may safely call into the pool; ``flush()`` waits for it.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._units import format_bytes, parse_size
-from .pool import _B_ALLOC, _B_RES, Pool
+from .._units import format_bytes, parse_size
+from ..core.events import KINDS, MID_OPERATION
+from ..pool import Pool
 
 log = logging.getLogger("cupool")
 
@@ -41,8 +48,9 @@ log = logging.getLogger("cupool")
 SEVERITY_BANDS = ((0.15, "good"), (0.30, "moderate"), (0.40, "serious"))
 
 _LEVELS = ("ok", "warning", "critical")
-#: Events emitted inside a pool operation, before the books reach a state a caller can see.
-_MID_OPERATION = frozenset({"segment_alloc", "move_out", "move_in"})
+#: What a monitor listens to: every kind but those emitted mid-operation, when the
+#: books show a state no caller ever sees.
+_KINDS = frozenset(KINDS) - MID_OPERATION
 _LOG_LEVEL = {"ok": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
 
 
@@ -160,8 +168,10 @@ class Monitor:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._dispatch, name="cupool-monitor", daemon=True)
         self._thread.start()
-        self._unsubscribe = pool.subscribe(self._on_event)
-        with pool._lock:
+        # small_blocks=False keeps the pool's fast path on: small blocks' allocs and
+        # frees reach the books, and the monitor sees them at its next event.
+        self._unsubscribe = pool.subscribe(self._on_event, kinds=_KINDS, small_blocks=False)
+        with pool.hold():
             self._evaluate()
 
     # ----------------------------------------------------------------- public
@@ -202,23 +212,19 @@ class Monitor:
 
     # --------------------------------------------------------------- internals
     def _on_event(self, event: tuple) -> None:
-        # Under the pool's lock.  Some events come in the middle of a pool operation,
-        # when the books show a state no caller ever sees: a segment_alloc comes
-        # before its block is taken (fresh reserved bytes, nothing allocated yet), and
-        # the moves of a compaction or a re-home are emitted while the old segment and
-        # its exact-size replacement are both reserved.  Evaluating there would raise
-        # usage and fragmentation alerts for spikes that last no longer than the
-        # operation; the event that ends it (alloc, segment_free, compact, ...) is
-        # evaluated instead.
-        if event[1] not in _MID_OPERATION:
-            self._evaluate()
+        # Under the pool's lock.  The subscription leaves out the events that come in
+        # the middle of a pool operation, when the books show a state no caller ever
+        # sees: a segment_alloc comes before its block is taken (fresh reserved bytes,
+        # nothing allocated yet), and the moves of a compaction or a re-home are
+        # emitted while the old segment and its exact-size replacement are both
+        # reserved.  The event that ends the operation is evaluated instead.
+        self._evaluate()
 
     def _evaluate(self) -> None:
         pool = self.pool
-        if pool._log:  # frees the fast path has only logged so far
-            pool._fold()
-        reserved = pool._cur[_B_RES][2]
-        allocated = pool._cur[_B_ALLOC][2]
+        books = pool.view.books  # folds the frees the fast path has only logged so far
+        reserved = books.reserved
+        allocated = books.allocated
         usage = reserved / pool.limit if pool.limit else 0.0
         frag = (reserved - allocated) / reserved if reserved else 0.0
         crossings = ((self._usage, usage), (self._frag, frag if reserved >= self.min_reserved else 0.0))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedList
 
-from .heap import Block, Heap, Segment
+from ..core.heap import Block, Heap, Segment
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,14 @@ costs the most.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._units import format_bytes
-from .replay import CONFIG_KEYS, FRAGMENTATION_NOTE, default_engine, layout, parse_config, replay
-from .trace import Trace, load_trace
+from .._units import format_bytes
+from ..trace import Trace
+from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
 
 _MARKED = {"oom": ("tab:red", "x"), "move_in": ("tab:purple", "|"), "compact": ("tab:purple", "v"),
            "spill": ("tab:orange", "v"), "restore": ("tab:green", "^")}
@@ -129,28 +128,3 @@ def _unit(n: int) -> tuple[float, str]:
         if n >= 2 * scale:
             return float(scale), unit
     return 1.0, "B"
-
-
-# ------------------------------------------------------------------- the CLI
-def add_command(sub: argparse._SubParsersAction) -> None:
-    """Register ``cupool report``."""
-    p = sub.add_parser("report", help="plot memory, fragmentation and a segment map of a trace")
-    p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
-    p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
-    p.set_defaults(func=_cmd_report)
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    folder = Path(args.output).resolve().parent
-    if not folder.is_dir():  # before the replay, which can take a while
-        raise OSError(f"cannot write the report {args.output}: the folder {folder} does not exist")
-    trace = load_trace(args.trace)
-    summary = plot_report(trace, args.output, parse_config(args.config))
-    for w in summary["warnings"]:
-        print(f"warning: {w}")
-    print(f"wrote {args.output}: peak reserved {format_bytes(summary['peak_reserved'])}, "
-          f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
-          f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
-    return 0

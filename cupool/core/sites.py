@@ -3,11 +3,8 @@
 Every allocation the pool hands out already frees itself when its owner dies
 (``Allocation.__del__``; arrays from ``Pool.empty`` and the CuPy and Numba hooks
 hold their ``Allocation`` as the memory's owner; a ``Movable`` frees itself when
-it and the arrays leasing it are gone).  This module adds two things on top:
+it and the arrays leasing it are gone).  This module adds one thing on top:
 
-* ``collect(pool)`` runs Python's cycle collector, so owners caught in reference
-  cycles die now rather than at the collector's leisure, and says how many bytes
-  went back to the pool.
 * ``SiteTracker``, switched on by ``Pool(track_sites=True)``, remembers for each
   live allocation the line that asked for it (the first frame outside cupool and
   the array libraries that call it) and a short stack.  It holds allocations
@@ -15,25 +12,21 @@ it and the arrays leasing it are gone).  This module adds two things on top:
   entry disappears by itself when its owner dies.
 
 With tracking off, the cost is the one truth test ``Pool.malloc`` makes on its
-``_sites`` attribute.
+``sites`` attribute.
 """
 
 from __future__ import annotations
 
 import collections
-import gc
 import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .movable import Movable
-
-if TYPE_CHECKING:
-    from .pool import Allocation, Pool
+from .handles import Allocation, Movable
 
 #: Top-level packages whose frames are plumbing between the user's line and the pool.
 _PLUMBING = frozenset({"cupool", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda"})
@@ -173,23 +166,6 @@ class SiteTracker:
         return rows[:n]
 
 
-def collect(pool: Pool) -> int:
-    """Run ``gc.collect()`` and return the bytes that owners dying in it gave back to ``pool``.
-
-    Counted from the pool's running total of freed bytes, so a free made meanwhile
-    by another thread is counted too.
-    """
-    from .pool import _B_ALLOC
-
-    with pool._lock:
-        pool._drain()
-        before = pool._total_out[_B_ALLOC][2]
-    gc.collect()
-    with pool._lock:
-        pool._drain()
-        return pool._total_out[_B_ALLOC][2] - before
-
-
 def _device_bytes(a: Allocation | Movable) -> int:
     """The bytes ``a`` holds on the device, measured the same way for both kinds.
 
@@ -197,7 +173,7 @@ def _device_bytes(a: Allocation | Movable) -> int:
     asked for; the report reads the block of either, so that its figures add up
     to the pool's ``allocated_bytes`` (a spilled buffer holds none).
     """
-    b = a._block
+    b = a.block
     return 0 if b is None else b.size
 
 

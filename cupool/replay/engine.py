@@ -3,19 +3,21 @@
 Replaying through the real ``Pool`` costs a few microseconds of Python per
 event; this engine runs the same placement policy in compiled code, so that
 long traces replay at millions of events per second.  It is not a second
-design: every rule below mirrors a line of ``pool.py``/``heap.py``/``device.py``,
-and ``tests/test_replay.py`` checks on hand-written and hypothesis-generated
-traces that both replays agree on peak reserved and allocated bytes, segment
-counts, OOMs and fragmentation.  Change the pool's policy and those tests tell
-you to change this file too.
+design: every rule below mirrors a line of ``cupool/pool.py``, ``cupool/core/``
+(heap, arena) or ``cupool/device/sim.py``, the size classes are
+``cupool.core.sizes``'s constants, and ``tests/test_replay.py`` checks on
+hand-written and hypothesis-generated traces that both replays agree on peak
+reserved and allocated bytes, segment counts, OOMs and fragmentation.  Change
+the pool's policy and those tests tell you to change this file too.
 
 Mirrored rules (see the pool's docstring for why they are what they are):
 
 * requests round to 512 bytes (0 -> 512); <= 1 MiB goes to the small heap, whose
   segments are 2 MiB; <= 10 MiB to 20 MiB segments; larger ones get their own,
   rounded to 2 MiB; under a limit, first ``min(preferred, room)``, then just the
-  needed size when the device refuses; movable buffers (``exact``) grow by just
-  the needed size (compaction and spilling are not modelled: see ``replay``);
+  needed size when the device refuses; a request larger than the limit on its
+  own is refused before the reclaim ladder runs; movable buffers (``exact``) grow by just
+  the needed size (compaction and spilling are not modelled: see ``cupool.replay``);
 * best fit by ``(size, address)`` among free blocks tagged with the request's
   stream or untagged (-1 here, ``None`` in the heap); split; coalesce with
   address neighbours whose tags are equal or untagged, keeping the stricter tag;
@@ -37,8 +39,7 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-from .device import PAGE
-from .pool import ALIGNMENT, MEDIUM_MAX, MEDIUM_SEGMENT, SMALL_MAX, SMALL_SEGMENT
+from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
 
 # Block fields (rows of B).
 ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
@@ -503,7 +504,7 @@ def _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
     minimum = -(-size // PAGE) * PAGE
     if minimum > room:
         return -1
-    if h == 0:
+    if h == SMALL:
         preferred = SMALL_SEGMENT
     elif size <= MEDIUM_MAX:
         preferred = MEDIUM_SEGMENT
@@ -527,11 +528,15 @@ def _find_or_grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact):
 @njit(cache=True)
 def _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, n, key, exact):
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
-    h = 0 if size <= SMALL_MAX else 1
+    h = SMALL if size <= SMALL_MAX else LARGE
     b = _find(B, IX, st, TG, h, size, key)
     if b < 0 and st[NORD0 + h] > 1:
         _settle(B, FB, IX, st, TG, DT, False)
         b = _find(B, IX, st, TG, h, size, key)
+    if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
+        # Larger than the limit on its own: the pool refuses at once, running no ladder step.
+        st[OOMS] += 1
+        return -1
     if b < 0:
         b = _grow(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, key, exact)
     # The reclaim ladder: wait for all streams, then release cached segments.
@@ -650,7 +655,7 @@ def _place(B, FB, S, IX, st, TG, s, offset, size):
 
 
 @njit(cache=True)
-def seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
+def _seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
     """Start from a recorded live state: segments ``sg`` (rows: address, size, heap, keep, stream)
     and blocks ``bk`` (rows: segment index, offset, size, stream, recorded address).
 
@@ -682,6 +687,24 @@ def seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
             live[bk[4, j]] = b
     if st[RES]:
         fst[F_PEAK] = (st[RES] - st[ALLOC]) / st[RES]
+
+
+def seed_state(state: dict, sg: np.ndarray, bk: np.ndarray) -> None:
+    """Start ``state`` (from ``new_state``) from a recorded live state; see ``_seed`` for ``sg`` and ``bk``.
+
+    Grows the arrays first: the compiled seeding places every block and segment
+    in one go, and only ``run`` grows arrays as it goes.
+    """
+    need = 2 * (bk.shape[1] + sg.shape[1]) + 8
+    for key, grow in (("B", _grown2), ("FB", _grown1), ("IX", _grown3)):
+        if state[key].shape[-1] < need:
+            state[key] = grow(state[key], need)
+    if state["S"].shape[1] < sg.shape[1] + 4:
+        state["S"] = _grown2(state["S"], sg.shape[1] + 4)
+        state["FS"] = _grown1(state["FS"], sg.shape[1] + 4)
+        state["EXT"] = _grown2(state["EXT"], sg.shape[1] + 6)
+    _seed(sg, bk, state["st"], state["fst"], state["cfg"], state["B"], state["FB"], state["S"], state["FS"],
+          state["IX"], state["TG"], state["DT"], state["EXT"], state["live"])
 
 
 @njit(cache=True)

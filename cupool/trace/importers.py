@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .trace import Trace, TraceError
+from .format import Trace, TraceError
 
 log = logging.getLogger("cupool")
 
@@ -46,7 +46,8 @@ _TORCH_ACTIONS = {
 }
 _TORCH_SKIPPED = {"free_requested", "snapshot", "user_defined"}
 _RMM_ACTIONS = {"allocate": "alloc", "free": "free", "deallocate": "free", "allocate failure": "oom"}
-_RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
+#: The header of an RMM log (how ``load_trace`` recognises one).
+RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 _CLOCK = re.compile(r"^(\d+):(\d+):(\d+)[.:](\d+)$")
 _INT64_MAX = (1 << 63) - 1
 _DAY_NS = 86_400 * 10**9
@@ -112,8 +113,8 @@ def load_rmm_log(path: str | Path) -> Trace:
         raise TraceError(p, f"cannot read the RMM log ({e})") from None
     reader = csv.reader(io.StringIO(text))
     header = [h.strip() for h in next(reader, [])]
-    if tuple(header[:6]) != _RMM_COLUMNS:
-        raise TraceError(p, f"not an RMM log: the header must be {','.join(_RMM_COLUMNS)}, got {','.join(header)}")
+    if tuple(header[:6]) != RMM_COLUMNS:
+        raise TraceError(p, f"not an RMM log: the header must be {','.join(RMM_COLUMNS)}, got {','.join(header)}")
     events = []
     for line, row in enumerate(reader, start=2):
         if not row or not "".join(row).strip():

@@ -22,12 +22,24 @@ from __future__ import annotations
 import pickle
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .trace import active_recorder
+from ..trace import active_recorder
 
-if TYPE_CHECKING:
-    from .pool import Pool
+
+class SnapshotSource(Protocol):
+    """What the export reads of a pool: its device's index and ``snapshot()``.
+
+    A protocol rather than ``cupool.Pool`` because the pool imports this module
+    (``Pool.export_snapshot`` forwards here): naming the pool back, even for type
+    checking only, would make an import cycle.
+    """
+
+    @property
+    def device(self) -> Any: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
 
 _FRAME = re.compile(r'^\s*File "(?P<filename>[^"]*)", line (?P<line>\d+), in (?P<name>.*)$')
 _FREE = ("free_requested", "free_completed")
@@ -44,7 +56,7 @@ _ACTIONS = {
 }
 
 
-def to_torch_snapshot(pool: Pool) -> dict[str, Any]:
+def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
     """The pool as a ``torch.cuda.memory._snapshot()``-shaped dict."""
     snap = pool.snapshot()
     device = pool.device.index
@@ -70,7 +82,7 @@ def to_torch_snapshot(pool: Pool) -> dict[str, Any]:
     return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
-def export_snapshot(pool: Pool, path: str | Path) -> None:
+def export_snapshot(pool: SnapshotSource, path: str | Path) -> None:
     """Pickle ``to_torch_snapshot(pool)`` to ``path`` (torch is not needed to write it)."""
     data = to_torch_snapshot(pool)
     with open(path, "wb") as fh:

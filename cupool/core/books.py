@@ -1,0 +1,257 @@
+"""The books: PyTorch's ``Stat {current, peak, allocated, freed}`` for each figure and pool.
+
+Kept apart from placement, as RMM keeps its statistics adaptor apart from its
+resources: the arena changes them under its lock, readers see them through a
+``BooksView``.  The fast path does not account each small hit and free here;
+it appends to ``log`` and the books fold the log in, peaks exactly, before
+anything reads or changes them (Note [Fast path] in docs/design.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sizes import ALIGNMENT, POOL_NAMES, SMALL
+
+#: Rows of the tables, with the names ``stats()`` gives them.
+ALLOCATIONS, SEGMENTS, ALLOCATED, RESERVED, REQUESTED = range(5)
+STAT_NAMES = ("allocation", "segment", "allocated_bytes", "reserved_bytes", "requested_bytes")
+#: Columns: small pool, large pool, all.
+ALL = 2
+COLUMNS = (*POOL_NAMES, "all")
+
+#: The log is folded once it is this long.
+LOG_MAX = 4096
+# Below this many entries a fold is cheaper in plain Python than through numpy.
+_FOLD_NUMPY_MIN = 64
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One figure, as PyTorch's allocator keeps it."""
+
+    current: int
+    peak: int
+    allocated: int  # total ever added
+    freed: int  # total ever removed
+
+
+class PeakWindow:
+    """The highest allocated bytes since the window was last reset.
+
+    For watchers such as ``BatchSizer`` that want the peak of *their* interval
+    without resetting the pool's own peaks, and without subscribing to events
+    (which would switch the fast path off).  Held weakly by the books.
+    """
+
+    __slots__ = ("peak", "__weakref__")
+
+    def __init__(self, start: int) -> None:
+        self.peak = start
+
+
+class Books:
+    """Counters of one pool.  Changed only with the pool's lock held."""
+
+    def __init__(self) -> None:
+        rows = len(STAT_NAMES)
+        self.cur = [[0, 0, 0] for _ in range(rows)]
+        self.peak = [[0, 0, 0] for _ in range(rows)]
+        self.total_in = [[0, 0, 0] for _ in range(rows)]
+        self.total_out = [[0, 0, 0] for _ in range(rows)]
+        # Fast path: +(requested + 1) per hit, -(requested + 1) per free.  Never rebound.
+        self.log: list[int] = []
+        self.hits = 0
+        self.misses = 0
+        self.retries = 0
+        self.ooms = 0
+        self.device_allocs = 0
+        self.device_frees = 0
+        self.compactions = 0
+        self.bytes_moved = 0
+        self.movables = 0
+        self._windows: list[weakref.ref[PeakWindow]] = []
+
+    def account(self, kind: int, row: int, delta: int) -> None:
+        if self.log:
+            self.fold()
+        cur = self.cur[row]
+        cur[kind] += delta
+        cur[ALL] += delta
+        if delta > 0:
+            t = self.total_in[row]
+            t[kind] += delta
+            t[ALL] += delta
+            peak = self.peak[row]
+            if cur[kind] > peak[kind]:
+                peak[kind] = cur[kind]
+            if cur[ALL] > peak[ALL]:
+                peak[ALL] = cur[ALL]
+            if row == ALLOCATED and self._windows:
+                self._raise_windows(cur[ALL])
+        else:
+            t = self.total_out[row]
+            t[kind] -= delta
+            t[ALL] -= delta
+
+    def fold(self) -> None:
+        """Apply the fast path's log to the tables, peaks included, exactly.
+
+        All logged operations are on the small pool, and every other change folds
+        first, so the small and the all column move by the same deltas over the
+        log and each peak is the start value plus the highest prefix sum.
+        """
+        if not self.log:
+            return
+        log = self.log[:]
+        self.log.clear()  # in place: the arena's fast path holds this very list
+        if len(log) >= _FOLD_NUMPY_MIN:
+            v = np.array(log, dtype=np.int64)
+            sign = np.sign(v)
+            n = np.abs(v) - 1
+            size = np.maximum(((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+            hits = int((sign > 0).sum())
+            for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
+                traj = np.cumsum(d)
+                gained = int(d[d > 0].sum())
+                self._fold_row(row, int(traj[-1]), int(traj.max()), gained, gained - int(traj[-1]))
+        else:
+            hits = 0
+            rows = {ALLOCATIONS: [0, 0, 0], ALLOCATED: [0, 0, 0], REQUESTED: [0, 0, 0]}  # net, top, gained
+            for v in log:
+                if v > 0:
+                    n, sign = v - 1, 1
+                    hits += 1
+                else:
+                    n, sign = -v - 1, -1
+                size = ((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT or ALIGNMENT
+                for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
+                    r = rows[row]
+                    r[0] += d
+                    if r[0] > r[1]:
+                        r[1] = r[0]
+                    if d > 0:
+                        r[2] += d
+            for row, (net, top, gained) in rows.items():
+                self._fold_row(row, net, top, gained, gained - net)
+        self.hits += hits
+
+    def _fold_row(self, row: int, net: int, top: int, gained: int, lost: int) -> None:
+        cur, peak = self.cur[row], self.peak[row]
+        if row == ALLOCATED and self._windows:
+            self._raise_windows(cur[ALL] + top)
+        for col in (SMALL, ALL):
+            if cur[col] + top > peak[col]:
+                peak[col] = cur[col] + top
+            cur[col] += net
+        for col in (SMALL, ALL):
+            self.total_in[row][col] += gained
+            self.total_out[row][col] += lost
+
+    def _raise_windows(self, value: int) -> None:
+        alive = False
+        for ref in self._windows:
+            w = ref()
+            if w is not None:
+                alive = True
+                if value > w.peak:
+                    w.peak = value
+        if not alive:
+            self._windows = []
+
+    def peak_window(self) -> PeakWindow:
+        if self.log:
+            self.fold()
+        w = PeakWindow(self.cur[ALLOCATED][ALL])
+        self._windows = [r for r in self._windows if r() is not None] + [weakref.ref(w)]
+        return w
+
+    def reset_peaks(self) -> None:
+        if self.log:
+            self.fold()
+        for row in range(len(STAT_NAMES)):
+            self.peak[row][:] = self.cur[row]
+
+    def stat(self, row: int, col: int = ALL) -> Stat:
+        if self.log:
+            self.fold()
+        return Stat(self.cur[row][col], self.peak[row][col], self.total_in[row][col], self.total_out[row][col])
+
+    def figures(self) -> dict[str, int]:
+        """The tables under ``stats()``'s names (``allocated_bytes.small_pool.peak``, ...)."""
+        if self.log:
+            self.fold()
+        out: dict[str, int] = {}
+        for row, name in enumerate(STAT_NAMES):
+            for col, pname in enumerate(COLUMNS):
+                base = f"{name}.{pname}"
+                out[f"{base}.current"] = self.cur[row][col]
+                out[f"{base}.peak"] = self.peak[row][col]
+                out[f"{base}.allocated"] = self.total_in[row][col]
+                out[f"{base}.freed"] = self.total_out[row][col]
+        # Active memory is memory in use by allocations; cupool never defers a free
+        # behind an event (cross-stream reuse waits instead), so active == allocated.
+        for row, name in ((ALLOCATIONS, "active"), (ALLOCATED, "active_bytes")):
+            for col, pname in enumerate(COLUMNS):
+                out[f"{name}.{pname}.current"] = self.cur[row][col]
+                out[f"{name}.{pname}.peak"] = self.peak[row][col]
+        return out
+
+
+class BooksView:
+    """A read-only view of a pool's books.
+
+    Safe to read inside a subscriber and inside ``with pool.hold():`` (both run
+    with the pool's lock held).  Each read folds the fast path's log first, so
+    small blocks freed a moment ago count as freed.
+    """
+
+    __slots__ = ("_books",)
+
+    def __init__(self, books: Books) -> None:
+        self._books = books
+
+    def stat(self, name: str, pool: str = "all") -> Stat:
+        """``name`` one of ``STAT_NAMES``, ``pool`` one of small_pool, large_pool, all."""
+        if name not in STAT_NAMES:
+            raise ValueError(f"name must be one of {', '.join(STAT_NAMES)}, got {name!r}")
+        if pool not in COLUMNS:
+            raise ValueError(f"pool must be one of {', '.join(COLUMNS)}, got {pool!r}")
+        return self._books.stat(STAT_NAMES.index(name), COLUMNS.index(pool))
+
+    @property
+    def allocated(self) -> int:
+        return self._books.stat(ALLOCATED).current
+
+    @property
+    def reserved(self) -> int:
+        return self._books.stat(RESERVED).current
+
+    @property
+    def requested(self) -> int:
+        return self._books.stat(REQUESTED).current
+
+    @property
+    def segments(self) -> int:
+        return self._books.stat(SEGMENTS).current
+
+    @property
+    def allocations(self) -> int:
+        return self._books.stat(ALLOCATIONS).current
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes of allocations ever freed (``allocated_bytes.all.freed``)."""
+        return self._books.stat(ALLOCATED).freed
+
+    @property
+    def fragmentation(self) -> float:
+        """(reserved - allocated) / reserved: the share of reserved memory not in use."""
+        b = self._books
+        if b.log:
+            b.fold()
+        reserved = b.cur[RESERVED][ALL]
+        return (reserved - b.cur[ALLOCATED][ALL]) / reserved if reserved else 0.0

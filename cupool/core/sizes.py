@@ -1,0 +1,48 @@
+"""Size classes: the one definition that the pool, the replay engine and the exports share.
+
+They follow PyTorch's caching allocator, whose numbers users already know:
+requests round up to 512 bytes; requests up to 1 MiB come from 2 MiB "small"
+segments so that they never split large ones; requests up to 10 MiB come from
+20 MiB segments; larger ones get a segment of their own size rounded up to the
+device's 2 MiB page.  See Note [Size classes] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+#: Every block's size and address are multiples of this.
+ALIGNMENT = 512
+#: The granule of device allocations (cudaMalloc hands out 2 MiB pages).
+PAGE = 2 << 20
+#: Requests up to this size are "small" and live in small segments.
+SMALL_MAX = 1 << 20
+SMALL_SEGMENT = 2 << 20
+#: Large requests up to this size share 20 MiB segments.
+MEDIUM_MAX = 10 << 20
+MEDIUM_SEGMENT = 20 << 20
+
+#: The two pools of blocks (PyTorch's StatType minus AGGREGATE), indices into per-pool tables.
+SMALL, LARGE = 0, 1
+POOL_NAMES = ("small_pool", "large_pool")
+
+
+def round_size(n: int) -> int:
+    """The block size serving a request of ``n`` bytes (0 still takes one unit, for a unique pointer)."""
+    return ((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT or ALIGNMENT
+
+
+def pool_of(size: int) -> int:
+    """SMALL or LARGE for a rounded block size."""
+    return SMALL if size <= SMALL_MAX else LARGE
+
+
+def segment_size(kind: int, size: int) -> int:
+    """The segment a pool prefers to create for a block of ``size`` bytes."""
+    if kind == SMALL:
+        return SMALL_SEGMENT
+    if size <= MEDIUM_MAX:
+        return MEDIUM_SEGMENT
+    return round_page(size)
+
+
+def round_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE

@@ -1,0 +1,89 @@
+"""A read-only view of a pool for observers: figures and layout, no lock taken.
+
+Read it where the pool's lock is already held: inside a subscriber, and inside
+``with pool.hold():``.  Elsewhere use ``pool.stats()`` and ``pool.snapshot()``,
+which take the lock themselves.  The view never changes the pool (reading folds
+the fast path's log, which changes how the books are kept, not what they say).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from .books import BooksView
+from .sizes import SMALL
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    addr: int
+    size: int
+    free: bool
+    requested: int  # bytes asked for (0 when free)
+    movable: bool
+    stream: int  # a movable's stream; a raw block's is its segment's (a raw block does not keep its own)
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    addr: int
+    size: int
+    used: int
+    stream: int
+    small: bool
+    keep: bool  # preallocated: empty_cache leaves it alone
+    blocks: tuple[BlockInfo, ...]
+
+
+class ArenaView:
+    """``pool.view``: figures (``books``, ``limit``, ``fragmentation``) and ``segments()``."""
+
+    __slots__ = ("_arena", "books")
+
+    def __init__(self, arena: Any) -> None:
+        self._arena = weakref.proxy(arena)  # the arena holds its view: no cycle
+        self.books = BooksView(arena.books)
+
+    @property
+    def limit(self) -> int:
+        return self._arena.limit
+
+    @property
+    def fragmentation(self) -> float:
+        return self.books.fragmentation
+
+    @property
+    def largest_free_block(self) -> int:
+        return self._arena.largest_free()
+
+    def segments(self) -> list[SegmentInfo]:
+        """Every segment in address order, with its blocks."""
+        out = []
+        parked = self._arena.parked()  # freed through the fast path: free, whatever the heap says
+        for kind, heap in enumerate(self._arena.heaps):
+            for seg in heap.segments.values():
+                stream = 0 if seg.stream is None else seg.stream
+                blocks = []
+                used = seg.used
+                for b in seg.blocks():
+                    free = b.free or b.addr in parked
+                    if free and not b.free:
+                        used -= b.size
+                    m = b.payload() if isinstance(b.payload, weakref.ReferenceType) and not free else None
+                    if free:
+                        requested = 0
+                    elif isinstance(b.payload, weakref.ReferenceType):
+                        requested = 0 if m is None else m.size
+                    else:
+                        requested = b.payload
+                    s = stream if m is None or m.stream is None else m.stream
+                    blocks.append(BlockInfo(b.addr, b.size, free, requested, m is not None, s))
+                out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))
+        out.sort(key=lambda s: s.addr)
+        return out
+
+    def movables(self) -> list[Any]:
+        """The movable buffers on the device now."""
+        return self._arena.movables()

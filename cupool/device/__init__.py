@@ -1,0 +1,126 @@
+"""Device backends: where segments come from.
+
+The pool never talks to CUDA directly; it asks a ``Device`` for segments, for the
+state of streams, and for views and copies.  The backends:
+
+* ``SimDevice`` (``cupool.device.sim``): a host arena with real addresses, so the
+  very same pool code is tested on machines without a GPU; ``SimPinnedDevice`` is
+  its stand-in for pinned host memory.
+* ``CudaDevice`` (``cupool.device.cuda``): device memory through
+  ``cupy.cuda.runtime``; ``CudaPinnedDevice``: page-locked host memory from
+  ``cudaHostAlloc``.
+
+Callers branch on ``device.capabilities`` (see ``Capabilities``), not on ``kind``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .base import PAGE, Capabilities, Device, HostView
+from .cuda import CudaDevice, CudaPinnedDevice
+from .sim import SimDevice, SimPinnedDevice
+
+__all__ = [
+    "PAGE",
+    "Capabilities",
+    "CudaDevice",
+    "CudaPinnedDevice",
+    "Device",
+    "HostView",
+    "SimDevice",
+    "SimPinnedDevice",
+    "cuda_available",
+    "make_device",
+    "parse_device",
+    "pinned_device_beside",
+    "pinned_device",
+]
+
+log = logging.getLogger("cupool")
+
+_auto_note_given = False
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device: all mean "no usable GPU"
+        return False
+
+
+def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True) -> tuple[str, int]:
+    """Read ``"auto"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"`` as ``("sim", 0)`` or ``("cuda", N)``.
+
+    ``capacity`` only makes sense for the sim flavour, so it is checked here.  With
+    ``note_fallback``, "auto" says once per process that it fell back to the sim device.
+    """
+    global _auto_note_given
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'auto', 'sim', 'cuda', 'cuda:N' or a Device, got {device!r}")
+    spec = device.strip().lower()
+    if spec == "auto":
+        if cuda_available():
+            spec = "cuda"
+        else:
+            if note_fallback and not _auto_note_given:
+                log.warning("cupool: no usable CUDA GPU found; using the simulated device (host memory)")
+                _auto_note_given = True
+            spec = "sim"
+    if spec == "sim":
+        return "sim", 0
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if capacity is not None:
+            raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
+        idx = spec.partition(":")[2] or "0"
+        if not idx.isdigit():
+            raise ValueError(f"device: cannot read a device index from {device!r}")
+        if not cuda_available():
+            raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
+        return "cuda", int(idx)
+    raise ValueError(f"device must be 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
+    """Resolve the ``device=`` argument of ``Pool``."""
+    if isinstance(device, Device):
+        if capacity is not None:
+            raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
+        return device
+    kind, index = parse_device(device, capacity)
+    if kind == "sim":
+        return SimDevice(capacity if capacity is not None else "4GiB")
+    return CudaDevice(index)
+
+
+def pinned_device(device: str | Device, capacity: int | str | None) -> Device:
+    """Read ``PinnedPool``'s ``device=`` as ``make_device`` reads ``Pool``'s, but for pinned memory.
+
+    A device whose memory backs GPU arrays is refused: a "pinned" pool over it
+    would hand device pointers to code that reads them on the host.
+    """
+    if isinstance(device, Device):
+        if device.capabilities.device_memory:
+            raise ValueError(f"device: a PinnedPool needs a pinned host-memory device, got {device!r}")
+        if capacity is not None:
+            raise ValueError("capacity: pass it to the SimPinnedDevice you built, not to the pool")
+        return device
+    kind, index = parse_device(device, capacity, note_fallback=False)
+    if kind == "sim":
+        return SimPinnedDevice(capacity if capacity is not None else "1GiB")
+    return CudaPinnedDevice(index)
+
+
+def pinned_device_beside(device: Device) -> Device:
+    """A pinned host-memory device to pair with ``device`` (the spill tier's, for one).
+
+    Beside a GPU that is ``cudaHostAlloc`` memory allocated in its context.
+    Otherwise "pinned" memory is another host arena, sized like the device: its
+    address space is reserved without being committed, so it costs nothing until
+    written, and spills beyond it go to pageable memory.
+    """
+    if isinstance(device, CudaDevice):
+        return CudaPinnedDevice(device.index)
+    return SimPinnedDevice(capacity=device.total)

@@ -1,0 +1,179 @@
+"""The simulated devices: host arenas with real addresses, for machines without a GPU.
+
+Data written through views really lives in the arena, capacity is enforced like a
+GPU's, and copies really move bytes, so the very same pool code is tested without
+CUDA.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+from sortedcontainers import SortedDict
+
+from .._units import parse_size, round_up
+from ..errors import DeviceOutOfMemory
+from .base import PAGE, Capabilities, Device, HostView
+
+# Python's mmap module does not export MAP_NORESERVE.  The arena reserves address
+# space well beyond its capacity (so that, as on a GPU with virtual memory, freed
+# segments never leave the device itself fragmented); NORESERVE keeps the kernel
+# from counting that address space against overcommit limits.
+_MAP_NORESERVE = {"linux": 0x4000, "darwin": 0x40}.get(sys.platform, 0)
+
+
+class SimDevice(Device):
+    """A simulated GPU: a host arena of ``capacity`` bytes handing out real addresses.
+
+    Address space is reserved at ``headroom`` times the capacity and pages are
+    returned to the OS when a segment is freed, so a 64 GiB sim device costs
+    nothing until it is written to.  ``malloc`` fails, as cudaMalloc does, when the
+    bytes in use plus the request would pass the capacity.
+
+    Streams are plain integers.  Work "in flight" on a stream is modelled with
+    ``enqueue`` and retired with ``synchronize``, so the pool's cross-stream reuse
+    rules can be exercised without a GPU.
+    """
+
+    kind = "sim"
+    capabilities = Capabilities(streams=True, host_accessible=True, device_memory=True, grow_in_place=False)
+
+    def __init__(self, capacity: int | str = "4GiB", headroom: int = 2) -> None:
+        self.capacity = round_up(parse_size(capacity, name="capacity"), PAGE)
+        if self.capacity <= 0:
+            raise ValueError("capacity: a sim device needs at least one byte")
+        self._span = self.capacity * headroom
+        self._mmap = mmap.mmap(
+            -1, self._span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        )
+        self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.base = self.arena.ctypes.data
+        self.used = 0
+        self._extents: SortedDict = SortedDict({self.base: self._span})  # free address ranges
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._enqueued: dict[int, int] = {}
+        self._retired: dict[int, int] = {}
+
+    # -- memory ---------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        size = round_up(max(nbytes, 1), PAGE)
+        with self._lock:
+            if self.used + size > self.capacity:
+                raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {self.capacity - self.used} free")
+            for addr, extent in self._extents.items():
+                if extent >= size:
+                    break
+            else:
+                raise DeviceOutOfMemory(f"sim device: address space exhausted for {size} bytes")
+            del self._extents[addr]
+            if extent > size:
+                self._extents[addr + size] = extent - size
+            self._sizes[addr] = size
+            self.used += size
+        return addr
+
+    def free(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            size = self._sizes.pop(ptr, None)
+            if size is None:
+                raise ValueError(f"sim device: {ptr:#x} is not a segment of this device")
+            self.used -= size
+            self._mmap.madvise(mmap.MADV_DONTNEED, ptr - self.base, size)
+            i = self._extents.bisect_left(ptr)
+            if i < len(self._extents):
+                nxt = self._extents.peekitem(i)
+                if nxt[0] == ptr + size:
+                    size += nxt[1]
+                    del self._extents[nxt[0]]
+            if i > 0:
+                prev_addr, prev_size = self._extents.peekitem(i - 1)
+                if prev_addr + prev_size == ptr:
+                    ptr, size = prev_addr, prev_size + size
+            self._extents[ptr] = size
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.capacity - self.used, self.capacity
+
+    # -- streams --------------------------------------------------------------
+    def stream_key(self, stream: Any) -> int:
+        if stream is None:
+            return 0
+        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0:
+            raise TypeError(f"stream: the sim device names streams by integers >= 0, got {stream!r}")
+        return int(stream)
+
+    def enqueue(self, stream: int, n: int = 1) -> None:
+        """Pretend ``n`` kernels were launched on ``stream`` and are still running."""
+        with self._lock:
+            self._enqueued[stream] = self._enqueued.get(stream, 0) + n
+
+    def record_event(self, key: int) -> tuple[int, int]:
+        return key, self._enqueued.get(key, 0)
+
+    def event_done(self, event: tuple[int, int]) -> bool:
+        key, mark = event
+        return self._retired.get(key, 0) >= mark
+
+    def synchronize(self, stream: int | None = None) -> None:
+        with self._lock:
+            keys = list(self._enqueued) if stream is None else [stream]
+            for k in keys:
+                self._retired[k] = self._enqueued.get(k, 0)
+
+    # -- views ----------------------------------------------------------------
+    def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not (self.base <= ptr and ptr + nbytes <= self.base + self._span):
+            raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) lies outside the arena")
+        return np.asarray(HostView(ptr, shape, dtype, owner))
+
+    def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        from ..kernels.move import move_cpu, word_size  # numba is imported on first use
+
+        src = np.asarray(src, dtype=np.int64) - self.base
+        dst = np.asarray(dst, dtype=np.int64) - self.base
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        if src.size and (min(src.min(), dst.min()) < 0 or max((src + nbytes).max(), (dst + nbytes).max()) > self._span):
+            raise ValueError("sim device: a move reaches outside the arena")
+        ws = word_size(src, dst, nbytes)
+        buf = self.arena.view(np.uint64) if ws == 8 else self.arena
+        move_cpu(buf, src // ws, dst // ws, nbytes // ws)
+
+    def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        return self.bytes_at(ptr, nbytes).copy()
+
+    def from_host(self, ptr: int, data: np.ndarray) -> None:
+        self.bytes_at(ptr, data.nbytes)[:] = data.reshape(-1).view(np.uint8)
+
+    def read_into(self, ptr: int, out: np.ndarray) -> None:
+        np.copyto(out, self.bytes_at(ptr, out.nbytes))
+
+    def bytes_at(self, ptr: int, nbytes: int) -> np.ndarray:
+        """A uint8 view of raw sim memory (tests and checksums use it)."""
+        off = ptr - self.base
+        return self.arena[off : off + nbytes]
+
+    def __repr__(self) -> str:
+        return f"SimDevice(capacity={self.capacity})"
+
+
+class SimPinnedDevice(SimDevice):
+    """Page-aligned host memory standing in for pinned memory on machines without a GPU."""
+
+    kind = "pinned"
+    capabilities = Capabilities(streams=True, host_accessible=True, device_memory=False, grow_in_place=False)
+
+    def __init__(self, capacity: int | str = "1GiB", headroom: int = 2) -> None:
+        super().__init__(capacity, headroom)
+
+    @property
+    def name(self) -> str:
+        return "pinned:sim"
+
+    def __repr__(self) -> str:
+        return f"SimPinnedDevice(capacity={self.capacity})"

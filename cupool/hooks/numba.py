@@ -1,0 +1,214 @@
+"""The Numba EMM plugin: Numba's device and pinned host allocations from cupool pools.
+
+Numba makes one manager per CUDA context (and one with ``context=None`` just to
+read the interface version).  Device memory comes from the pool routing chooses
+for the context's device (``using`` in this thread, else ``install``, else the
+default pool); pinned host memory comes from a ``PinnedPool``.
+
+Unlike plugins that raise ``NotImplementedError`` from ``get_memory_info``
+(which breaks code sizing its batches from it), the figures are real: free is
+what the pool may still grow by (the device's free memory, capped by the pool's
+limit) plus what it holds cached.  That is an upper bound, as cudaMemGetInfo's is:
+fragmentation can still refuse a single request of that size.
+
+Works whether ``numba.cuda`` is Numba's built-in target or the numba-cuda
+package: both export the EMM classes from ``numba.cuda``, which is read at call
+time, so whatever stands in there is what this plugin uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from numba import cuda as _cuda
+
+from ..pool import Allocation, PinnedPool, Pool
+from .routing import current_pool, existing_pool
+
+_EMM_NAMES = (
+    "HostOnlyCUDAMemoryManager", "GetIpcHandleMixin", "MemoryPointer", "MemoryInfo", "PinnedMemory", "MappedMemory"
+)
+if not all(hasattr(_cuda, name) for name in _EMM_NAMES):
+    raise ImportError(
+        "cupool.numba needs Numba's CUDA target; the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "
+        "has no external memory manager interface"
+    )
+
+#: An allocation on its way back, with the pinned pool it came from (None: device memory).
+_Held = tuple[Allocation, PinnedPool | None]
+
+_pinned_pool: PinnedPool | None = None
+_pinned_lock = threading.Lock()
+
+
+def _uses_nv_binding() -> bool:
+    # numba-cuda uses the NVIDIA bindings only; the built-in target chooses by config.
+    from numba.cuda.cudadrv import driver
+
+    return bool(getattr(driver, "USE_NV_BINDING", True))
+
+
+def device_pointer(addr: int) -> Any:
+    """A device pointer of the type this Numba expects (CUdeviceptr or ctypes), for Numba's pointer classes."""
+    if _uses_nv_binding():
+        from numba.cuda.cudadrv.driver import binding
+
+        return binding.CUdeviceptr(addr)
+    from numba.cuda.cudadrv import drvapi
+
+    return drvapi.cu_device_ptr(addr)
+
+
+def _host_pointer(addr: int) -> Any:
+    if _uses_nv_binding():
+        return addr
+    import ctypes
+
+    return ctypes.c_void_p(addr)
+
+
+def default_pinned_pool() -> PinnedPool:
+    """The process's pinned pool (made on first use)."""
+    global _pinned_pool
+    with _pinned_lock:
+        if _pinned_pool is None:
+            _pinned_pool = PinnedPool("auto")
+        return _pinned_pool
+
+
+class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManager):
+    """Numba's device (and pinned host) allocations, from cupool pools.
+
+    ``pool=`` / ``pinned_pool=`` fix the pools (tests, explicit setups); Numba
+    itself passes only ``context``, and then routing decides per allocation.
+    """
+
+    def __init__(self, *args: Any, pool: Pool | None = None, pinned_pool: PinnedPool | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if pool is not None and not isinstance(pool, Pool):
+            raise TypeError(f"pool must be a cupool.Pool, got {type(pool).__name__}")
+        if pinned_pool is not None and not isinstance(pinned_pool, PinnedPool):
+            raise TypeError(f"pinned_pool must be a cupool.PinnedPool, got {type(pinned_pool).__name__}")
+        self._pool = pool
+        self._pinned = pinned_pool
+        self._defer_lock = threading.RLock()  # finalizers may fire while it is held
+        self._defer_depth = 0
+        self._deferred: list[_Held] = []
+
+    # -- which pool ------------------------------------------------------------
+    def _device_index(self) -> int | None:
+        ctx = self.context
+        return None if ctx is None else ctx.device.id
+
+    @property
+    def pool(self) -> Pool:
+        """The device pool allocations go to right now."""
+        return self._pool if self._pool is not None else current_pool(self._device_index())
+
+    @property
+    def pinned_pool(self) -> PinnedPool:
+        return self._pinned if self._pinned is not None else default_pinned_pool()
+
+    # -- the EMM interface -------------------------------------------------------
+    def initialize(self) -> None:
+        # Numba's own manager sizes its pending-deallocation batch from the device total.
+        if not self.deallocations.memory_capacity:
+            self.deallocations.memory_capacity = self.get_memory_info().total
+
+    def memalloc(self, size: int) -> Any:
+        a = self.pool.malloc(size)
+        return _cuda.MemoryPointer(self.context, device_pointer(a.ptr), size, finalizer=self._finalizer(a))
+
+    def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
+        if wc:  # write-combined memory is a different kind of page; Numba's own path allocates it
+            return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
+        pinned = self.pinned_pool
+        a = pinned.malloc(size)
+        if mapped:  # pool segments are allocated mapped and portable
+            # Numba keeps mapped memory in self.allocations; the finalizer must take it
+            # out again, or the pool's next block at this address collides with it.
+            finalizer = self._finalizer(a, pinned, a.ptr)
+            mem = _cuda.MappedMemory(self.context, _host_pointer(a.ptr), size, finalizer=finalizer)
+            self.allocations[a.ptr] = mem
+            return mem.own()
+        return _cuda.PinnedMemory(self.context, _host_pointer(a.ptr), size, finalizer=self._finalizer(a, pinned))
+
+    def get_memory_info(self) -> Any:
+        pool = self.pool
+        free, total = pool.device.mem_info()
+        s = pool.stats()
+        reserved = s["reserved_bytes.all.current"]
+        cached = reserved - s["allocated_bytes.all.current"]
+        # The pool may grow by what the device has free, but no further than its limit.
+        growth = min(free, max(0, pool.limit - reserved))
+        return _cuda.MemoryInfo(free=growth + cached, total=total)
+
+    @contextlib.contextmanager
+    def defer_cleanup(self) -> Iterator[None]:
+        """Hold back frees until the outermost block ends (Numba wraps async work in this)."""
+        with self._defer_lock:
+            self._defer_depth += 1
+        try:
+            with super().defer_cleanup():
+                yield
+        finally:
+            with self._defer_lock:
+                self._defer_depth -= 1
+                release = self._deferred if self._defer_depth == 0 else []
+                if self._defer_depth == 0:
+                    self._deferred = []
+            _let_go(release)
+
+    def reset(self) -> None:
+        """Release what this context's pool holds cached (and Numba's own host allocations)."""
+        super().reset()
+        with self._defer_lock:
+            release, self._deferred = self._deferred, []
+        _let_go(release)
+        # Numba may reset a context that never allocated: empty pools, create none.
+        pool = self._pool if self._pool is not None else existing_pool(self._device_index())
+        if pool is not None:
+            pool.empty_cache()
+        if self._pinned is not None or _pinned_pool is not None:
+            self.pinned_pool.empty_cache()
+
+    @property
+    def interface_version(self) -> int:
+        return 1
+
+    # -- internals --------------------------------------------------------------
+    def _finalizer(self, a: Allocation, pinned: PinnedPool | None = None, mapped_key: int | None = None) -> Any:
+        """What Numba calls when the pointer dies: defer, or let the allocation go.
+
+        Numba runs it from a ``weakref.finalize``, i.e. possibly from the garbage
+        collector in the middle of a pool operation, where ``Pool.free`` would
+        block on the pool's lock; dropping the reference lets the ``Allocation``'s
+        own finalizer free the block, which is safe there.
+        """
+        holder: list[_Held] = [(a, pinned)]
+
+        def finalize() -> None:
+            if mapped_key is not None:
+                self.allocations.pop(mapped_key, None)
+            with self._defer_lock:
+                if self._defer_depth:
+                    self._deferred.append(holder.pop())
+                    return
+            _let_go(holder)
+
+        return finalize
+
+
+def _let_go(held: list[_Held]) -> None:
+    """Drop the last references: each ``Allocation`` then returns its block itself.
+
+    Pinned memory is host memory the CPU may write as soon as it is reused, so,
+    as ``cuMemFreeHost`` does under Numba's own manager, it waits for the device.
+    """
+    for a, pinned in held:
+        if pinned is not None and not a.freed:
+            pinned.device.synchronize()
+    held.clear()

@@ -1,0 +1,44 @@
+"""Replaying traces on the sim device, under the recorded or other pool settings.
+
+* ``driver``: ``replay`` and ``layout``, over either engine (see its docstring
+  for what a replay models and the two engines' differences);
+* ``engine``: the numba-compiled twin of the pool that the fast engine runs;
+* ``report``: ``plot_report``, the three-panel figure drawn from a replay;
+* ``commands``: ``cupool replay`` and ``cupool report``.
+
+Reading traces is ``cupool.trace``.
+"""
+
+from .driver import (
+    CONFIG_KEYS,
+    ENGINES,
+    FRAGMENTATION_NOTE,
+    MOVABLE_KINDS,
+    POOL_KEYS,
+    ReplayResult,
+    check_config,
+    default_engine,
+    layout,
+    parse_config,
+    recorded_config,
+    replay,
+    uses_movables,
+)
+from .report import plot_report
+
+__all__ = [
+    "CONFIG_KEYS",
+    "ENGINES",
+    "FRAGMENTATION_NOTE",
+    "MOVABLE_KINDS",
+    "POOL_KEYS",
+    "ReplayResult",
+    "check_config",
+    "default_engine",
+    "layout",
+    "parse_config",
+    "plot_report",
+    "recorded_config",
+    "replay",
+    "uses_movables",
+]

@@ -1,0 +1,292 @@
+"""Recording a pool's events: an in-memory ring buffer, optionally streamed to an HDF5 trace.
+
+The recorder hangs on ``Pool.subscribe``, so a pool nobody records pays only the
+one truth test its event sites already make.  A recording pool pays one Python
+call per event that stores the event tuple in a ring slot (see
+``benchmarks/bench_recorder.py`` for the measured cost).
+
+All file I/O happens in ``_flush`` (every ``batch`` events, or when an event
+arrives ``flush_interval`` seconds after the last flush), so a process killed at
+any moment leaves a trace with every event up to the last completed flush (the
+file's side of that promise is ``cupool.trace.format``).
+
+A write that fails (disk full, file removed, a kind that does not fit) must not
+hurt the pool whose lock the recorder runs under: the recorder stops writing,
+keeps its ring buffer going, and raises the error, naming the file, at ``stop()``
+(the end of the ``with`` block).
+
+The recorder reaches the pool only through the ``Recordable`` surface below, and
+never imports ``cupool.pool``: the pool imports this module in ``Pool.record()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..pressure.spill import tier_name
+from .format import Hdf5Writer, Trace, TraceError
+
+if TYPE_CHECKING:
+    from ..core.view import ArenaView
+
+#: Frames from files under this folder are the pool's own, left out of recorded stacks.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class Recordable(Protocol):
+    """What a recorder needs of a pool (``cupool.Pool`` is one)."""
+
+    scheduler: Any  # its ``tier`` and ``policy`` are recorded with the configuration
+
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+    def hold(self) -> AbstractContextManager[ArenaView]: ...
+
+    def subscribe(
+        self, callback: Callable[[tuple], Any], kinds: Iterable[str] | None = None, small_blocks: bool = True
+    ) -> Callable[[], None]: ...
+
+
+def _stack() -> str:
+    # Drop the recorder's and the pool's own frames: the user wants their call site.
+    frames = [f for f in traceback.extract_stack()[:-3] if not _in_package(f.filename)]
+    return "".join(traceback.format_list(frames[-8:]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_package(filename: str) -> bool:
+    """Whether a frame's file is part of this installed package (not merely under some "cupool" folder)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
+_active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active_lock = threading.Lock()
+
+
+def active_recorder(pool: Recordable) -> EventRecorder | None:
+    """The most recently started recorder still attached to ``pool``, if any."""
+    with _active_lock:
+        recs = _active.get(pool)
+        return recs[-1] if recs else None
+
+
+class EventRecorder:
+    """A ring buffer of the last ``capacity`` events of a pool, optionally streamed to HDF5.
+
+    Use as a context manager (``with pool.record(): ...``) or call ``start``/``stop``.
+    When started on a pool that already holds memory, the recorder first writes
+    its current segments and live blocks as ``segment_alloc``/``alloc``/``alloc_movable``
+    events, and notes in the trace's configuration (``"seed"``) how many events
+    that is and which segments are small-pool or preallocated ones, so that a
+    replay starts from the same segments and live set.  The live state is read
+    and the recorder subscribed under one hold of the pool's lock, so no event
+    falls between the two.
+
+    If writing the file fails, recording to the file stops (the ring buffer goes
+    on), the pool is unaffected, and ``stop()`` raises the ``TraceError``.
+    """
+
+    def __init__(
+        self,
+        pool: Recordable,
+        path: str | Path | None = None,
+        capacity: int = 1 << 16,
+        stacks: bool = False,
+        batch: int = 4096,
+        flush_interval: float = 1.0,
+    ) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= capacity:
+            raise ValueError(f"batch must be an int in [1, capacity={capacity}], got {batch!r}")
+        if not flush_interval > 0:
+            raise ValueError(f"flush_interval must be > 0 seconds, got {flush_interval!r}")
+        self.pool = pool
+        self.capacity = capacity
+        self.stacks = bool(stacks)
+        self._ring: list[tuple | None] = [None] * capacity
+        self._n = 0
+        self._batch = batch
+        self._interval_ns = int(flush_interval * 1e9)
+        self._deadline = 0
+        self._flushed = 0
+        self._writer = None if path is None else Hdf5Writer(Path(path), self.stacks)
+        self._unsubscribe: Callable[[], None] | None = None
+        self._config: dict[str, Any] = {}
+        self.error: TraceError | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> EventRecorder:
+        if self._unsubscribe is not None:
+            raise RuntimeError("this recorder is already started")
+        pool = self.pool
+        self._config = recording_config(pool)
+        # One hold of the pool's lock for reading the live state and subscribing:
+        # an event between the two would be in neither.  subscribe() does not take
+        # the pool's lock, so it may be called here.
+        with pool.hold() as view:
+            now = time.perf_counter_ns()
+            seed, self._config["seed"] = _live_state(view, now)
+            if self._writer is not None:
+                self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
+            self._deadline = now + self._interval_ns
+            for ev in seed:
+                self._on_event(ev)
+            self._unsubscribe = pool.subscribe(self._on_event)
+        with _active_lock:
+            _active.setdefault(pool, []).append(self)
+        return self
+
+    def stop(self) -> None:
+        """Detach from the pool, flush and close the file; raise the ``TraceError`` of a failed write."""
+        if self._unsubscribe is None:
+            return
+        # Under the pool's lock, so that no event is still being delivered when the ring is flushed below.
+        with self.pool.hold():
+            self._unsubscribe()
+        self._unsubscribe = None
+        with _active_lock:
+            recs = _active.get(self.pool, [])
+            if self in recs:
+                recs.remove(self)
+        if self._writer is not None:
+            if self.error is None:
+                self._flush()
+            try:
+                self._writer.close()
+            except Exception as e:  # noqa: BLE001 - reported below like any write failure
+                if self.error is None:
+                    self._fail(e)
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> EventRecorder:
+        return self.start()
+
+    def __exit__(self, et: type | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if ev is None:
+            self.stop()
+            return
+        # The block already raised: that error stays the one reported, the trace's goes in a note.
+        try:
+            self.stop()
+        except TraceError as e:
+            ev.add_note(f"cupool: also, the trace was not fully written: {e}")
+
+    # -- the hot path -----------------------------------------------------------
+    def _on_event(self, ev: tuple) -> None:
+        # Runs under the pool's lock, so the ring needs no lock of its own.
+        if self.stacks:
+            ev = (*ev, _stack())
+        self._ring[self._n % self.capacity] = ev
+        self._n += 1
+        if self._writer is not None and (self._n - self._flushed >= self._batch or ev[0] >= self._deadline):
+            if self.error is None:
+                self._flush()
+
+    def _flush(self) -> None:
+        lo, hi = self._flushed, self._n
+        if hi > lo:
+            try:
+                self._writer.append([self._ring[i % self.capacity] for i in range(lo, hi)])
+            except Exception as e:  # noqa: BLE001 - see _fail
+                self._fail(e)
+                return
+            self._flushed = hi
+        self._deadline = time.perf_counter_ns() + self._interval_ns
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop writing after a failed write, keeping the error for ``stop()``.
+
+        Any exception is caught, not only OSError: this runs inside a pool
+        operation holding the pool's lock, and an exception escaping here would
+        abandon that operation half done (a block taken but never handed out, a
+        free applied to the heap but not to the caller's handle).
+        """
+        reason = str(e) or type(e).__name__
+        self.error = TraceError(
+            self._writer.path,
+            f"writing the trace failed after {self._flushed} events ({reason}); "
+            "recording to the file stopped there (the pool was not affected)",
+        )
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+    # -- reading ----------------------------------------------------------------
+    @property
+    def n_events(self) -> int:
+        """Events seen since start (including those the ring no longer holds)."""
+        return self._n
+
+    @property
+    def flushed(self) -> int:
+        """Events already in the HDF5 file: what a reader sees if this process dies now."""
+        return self._flushed
+
+    @property
+    def dropped(self) -> int:
+        """Events that fell out of the ring (they are still in the HDF5 file, if any)."""
+        return max(0, self._n - self.capacity)
+
+    def events(self) -> list[tuple]:
+        """The retained events, oldest first, as ``(t_ns, kind, addr, size, stream[, stack])``."""
+        with self.pool.hold() if self._unsubscribe is not None else contextlib.nullcontext():
+            lo = max(0, self._n - self.capacity)
+            return [self._ring[i % self.capacity] for i in range(lo, self._n)]
+
+    def trace(self) -> Trace:
+        evs = self.events()
+        stacks = [e[5] for e in evs] if self.stacks else None
+        config = dict(self._config)
+        if self.dropped:
+            config.pop("seed", None)  # the ring no longer starts with the live state
+        return Trace.from_events(evs, config, source="<memory>", stacks=stacks)
+
+    @property
+    def path(self) -> Path | None:
+        return None if self._writer is None else self._writer.path
+
+
+def recording_config(pool: Recordable) -> dict[str, Any]:
+    """The pool's configuration plus its spill settings, as stored with a trace.
+
+    The spill tier is recorded by name (``"host"``, ``"hdf5"``, or a user tier's
+    ``name``); a replay spills to host memory whatever the name says.
+    """
+    cfg = dict(pool.config)
+    cfg["spill"] = tier_name(pool.scheduler.tier)
+    cfg["spill_policy"] = pool.scheduler.policy
+    return cfg
+
+
+def _live_state(view: ArenaView, now: int) -> tuple[list[tuple], dict[str, Any]]:
+    """The pool's segments and live blocks as events, and what a replay needs to rebuild them.
+
+    ``view`` is read under the pool's lock.  A raw block's stream is not kept on
+    the block, so it is reported as its segment's stream.
+    """
+    events: list[tuple] = []
+    small: list[int] = []
+    kept: list[int] = []
+    for seg in view.segments():
+        events.append((now, "segment_alloc", seg.addr, seg.size, seg.stream))
+        if seg.small:
+            small.append(seg.addr)
+        if seg.keep:
+            kept.append(seg.addr)
+        for b in seg.blocks:
+            if not b.free:
+                events.append((now, "alloc_movable" if b.movable else "alloc", b.addr, b.size, b.stream))
+    return events, {"events": len(events), "small_segments": small, "kept_segments": kept}
