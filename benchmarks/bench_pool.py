@@ -5,6 +5,10 @@ Two loops per size: "pair" allocates and frees at once (the cache's best case);
 keeps splitting and coalescing among N live blocks.  Medians of 5 repeats.
 The target (issue 2): cost flat in N, at most 1.5x from 1k to 100k.
 
+"observed" is the pair again with a ``Monitor`` and a ``BatchSizer`` attached to
+the pool, in the same run: observers must not switch the fast path off (target:
+at most 1.3x the bare pair).
+
     python benchmarks/bench_pool.py [--quick]
 """
 
@@ -19,17 +23,21 @@ import numpy as np
 import cupool
 
 
-def run(live: int, iters: int, repeats: int) -> tuple[float, float]:
+def pair_loop(pool: cupool.Pool, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        pool.malloc(1000).free()
+    return (time.perf_counter() - t0) / iters
+
+
+def run(live: int, iters: int, repeats: int) -> tuple[float, float, float]:
     pool = cupool.Pool("sim", capacity=max(64 << 20, live * 32768), defrag_threshold=None)
     rng = np.random.default_rng(0)
     sizes = rng.choice([256, 512, 1000, 4096, 20_000], size=live)
     blocks = [pool.malloc(int(n)) for n in sizes]
-    pair, churn = [], []
+    pair, churn, observed = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            pool.malloc(1000).free()
-        pair.append((time.perf_counter() - t0) / iters)
+        pair.append(pair_loop(pool, iters))
         victims = rng.integers(0, live, size=iters)
         new_sizes = rng.choice([256, 512, 1000, 4096, 20_000], size=iters)
         t0 = time.perf_counter()
@@ -37,8 +45,14 @@ def run(live: int, iters: int, repeats: int) -> tuple[float, float]:
             blocks[v].free()
             blocks[v] = pool.malloc(n)
         churn.append((time.perf_counter() - t0) / iters)
+    monitor = cupool.Monitor(pool, min_reserved="1TiB")  # no fragmentation alerts from the benchmark
+    sizer = cupool.BatchSizer(pool, 8, 1, 64)
+    for _ in range(repeats):
+        observed.append(pair_loop(pool, iters))
+    sizer.update()
+    monitor.close()
     pool.check()
-    return statistics.median(pair), statistics.median(churn)
+    return statistics.median(pair), statistics.median(churn), statistics.median(observed)
 
 
 def main() -> None:
@@ -47,10 +61,13 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [1_000, 100_000] if args.quick else [1_000, 100_000, 1_000_000]
     results = {}
-    print(f"{'live blocks':>12} {'pair (us)':>10} {'churn (us)':>11}")
+    print(f"{'live blocks':>12} {'pair (us)':>10} {'churn (us)':>11} {'observed (us)':>14}")
     for n in sizes:
         results[n] = run(n, iters=20_000, repeats=5)
-        print(f"{n:>12,} {results[n][0] * 1e6:>10.2f} {results[n][1] * 1e6:>11.2f}")
+        pair, churn, observed = results[n]
+        print(f"{n:>12,} {pair * 1e6:>10.2f} {churn * 1e6:>11.2f} {observed * 1e6:>14.2f}")
+    for n in sizes:
+        print(f"observed/pair at {n:,}: {results[n][2] / results[n][0]:.2f}x (target <= 1.3x)")
     base = results[1_000]
     for n in sizes[1:]:
         print(f"ratio {n:,}/1,000: pair {results[n][0] / base[0]:.2f}x, churn {results[n][1] / base[1]:.2f}x")
