@@ -315,3 +315,54 @@ def test_tiers_copy_from_a_gpu_without_waiting_for_it_again(tmp_path, tier):
     h = t.store(dev, memory.ctypes.data, memory.nbytes)
     assert dev._rt.syncs == 0
     assert (h.load() == memory).all()
+
+
+class _DictTier:
+    """A user's own tier: bytes kept in a dict, as small as the Tier protocol allows."""
+
+    name = "dict"
+
+    def __init__(self):
+        self.store_calls = 0
+        self.held = {}
+
+    def store(self, device, ptr, nbytes):
+        self.store_calls += 1
+        data = np.empty(nbytes, dtype=np.uint8)
+        device.read_into(ptr, data)
+        key = object()
+        self.held[key] = data
+        tier = self
+
+        class Handle:
+            def load(self):
+                return tier.held[key]
+
+            def discard(self):
+                del tier.held[key]
+
+        return Handle()
+
+    def describe(self):
+        return "a dict in this process"
+
+
+def test_a_users_own_tier_serves_the_pool_and_is_recorded_by_name(tmp_path):
+    tier = _DictTier()
+    assert isinstance(tier, cupool.pressure.spill.Tier)
+    p = cupool.Pool("sim", capacity="64MiB", spill=tier)
+    assert p.scheduler.tier is tier
+    m = p.movable(3 * MiB)
+    want = fill(m, 9)
+    with p.record(tmp_path / "t.h5") as rec:
+        assert p.spill() == 3 * MiB
+    assert tier.store_calls == 1 and len(tier.held) == 1 and not m.on_device
+    assert crc(m) == want  # restored from the user's tier
+    assert tier.held == {}  # the copy was discarded once the buffer came back
+    assert rec.trace().config["spill"] == "dict"
+    assert cupool.load_trace(tmp_path / "t.h5").config["spill"] == "dict"
+
+
+def test_a_tier_that_is_not_one_is_refused_by_name():
+    with pytest.raises(TypeError, match="store"):
+        cupool.Pool("sim", capacity="64MiB", spill=object())

@@ -29,6 +29,7 @@ from .handles import Allocation, Lease, Movable, array_nbytes, as_shape
 from .heap import Block, Heap, Segment
 from .events import Observers, log_callback_error
 from .sites import SiteTracker
+from .streams import StreamEpochs
 from .sizes import ALIGNMENT, SMALL, pool_of, round_page, round_size
 from .view import ArenaView
 
@@ -91,11 +92,7 @@ class Arena:
         # parked on exact-size stacks per (size, stream), still allocated in the
         # heap's eyes, and go back to the heap (_unpark) before anything else looks.
         self._stacks: dict[tuple[int, Any], list[Block]] = {}
-        # Note [Streams]: blocks freed on stream s carry epoch _epoch[s]; an event
-        # recorded on s closes the epoch; once it completes they may cross streams.
-        self._epoch: dict[Any, int] = {}
-        self._events: dict[Any, collections.deque] = {}
-        self._dirty: set = set()
+        self.streams = StreamEpochs(device)  # Note [Streams]
         self._movable_seq = 0
         # Whether anything that could let compaction do more (a free, a lease ending)
         # happened since it last ran.
@@ -270,9 +267,8 @@ class Arena:
         books.account(kind, REQUESTED, -a.size)
         if self.observers.active:
             self.observers.emit("free" if raw else "free_movable", block.addr, size, key, raw and kind == SMALL)
-        self._dirty.add(key)
         self.compaction_stale = True
-        merged = self.heaps[kind].give(block, key, self._epoch.get(key, 0))
+        merged = self.heaps[kind].give(block, key, self.streams.freed(key))
         if not self._parking:  # release_threshold set, or closed: give empty segments back now
             seg = merged.segment
             if not seg.used and (
@@ -306,9 +302,8 @@ class Arena:
         moved = 0
         for (size, key), blocks in stacks.items():
             if blocks:
-                self._dirty.add(key)
                 self.compaction_stale = True
-                epoch = self._epoch.get(key, 0)
+                epoch = self.streams.freed(key)
                 for block in blocks:
                     heap.give(block, key, epoch)
                 moved += size * len(blocks)
@@ -362,47 +357,8 @@ class Arena:
 
     # ------------------------------------------------------------------ streams
     def settle_streams(self, wait: bool) -> int:
-        """Let other streams use blocks whose freeing stream is known to be done with them.
-
-        Without ``wait`` this records an event on every stream with new frees and
-        retags blocks covered by events that have completed; with ``wait`` it
-        synchronizes the device first, so every freed block qualifies.  Returns the
-        bytes that became usable by all streams.
-        """
-        if wait:
-            self.device.synchronize()
-        moved = 0
-        for heap in self.heaps:
-            for tag in heap.tags():
-                if tag is None:
-                    continue
-                done = self._done_epoch(tag, wait)
-                if done is None:
-                    continue
-                for b in heap.free_blocks(tag):
-                    # A merge earlier in this loop may have absorbed b: skip stale entries.
-                    if b.free and b.tag == tag and b.epoch <= done and heap.is_indexed(b):
-                        moved += b.size
-                        heap.retag(b, None)
-        return moved
-
-    def _done_epoch(self, tag: Any, wait: bool) -> int | None:
-        """The newest epoch of ``tag`` whose frees are known complete, or None."""
-        epoch = self._epoch.get(tag, 0)
-        if wait:
-            self._events.pop(tag, None)
-            self._dirty.discard(tag)
-            self._epoch[tag] = epoch + 1
-            return epoch
-        q = self._events.setdefault(tag, collections.deque())
-        if tag in self._dirty:
-            q.append((epoch, self.device.record_event(tag)))
-            self._epoch[tag] = epoch + 1
-            self._dirty.discard(tag)
-        done = None
-        while q and self.device.event_done(q[0][1]):
-            done = q.popleft()[0]
-        return done
+        """Make blocks whose stream is done with them usable by every stream (Note [Streams])."""
+        return self.streams.settle(self.heaps, wait)
 
     # ---------------------------------------------------------------- movables
     def movable(self, n: int, key: Any, on_move: Callable[[Movable, int, int | None], None] | None) -> Movable:

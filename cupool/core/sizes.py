@@ -9,10 +9,10 @@ device's 2 MiB page.  See Note [Size classes] in docs/design.md.
 
 from __future__ import annotations
 
+from ..device.base import PAGE  # the granule of device allocations: a device fact
+
 #: Every block's size and address are multiples of this.
 ALIGNMENT = 512
-#: The granule of device allocations (cudaMalloc hands out 2 MiB pages).
-PAGE = 2 << 20
 #: Requests up to this size are "small" and live in small segments.
 SMALL_MAX = 1 << 20
 SMALL_SEGMENT = 2 << 20
@@ -45,4 +45,5 @@ def segment_size(kind: int, size: int) -> int:
 
 
 def round_page(n: int) -> int:
+    """``n`` rounded up to whole device pages."""
     return -(-n // PAGE) * PAGE

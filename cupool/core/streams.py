@@ -1,0 +1,71 @@
+"""Stream epochs: when may a block freed on one stream be used by another (Note [Streams]).
+
+A block freed on stream ``s`` carries ``s``'s current epoch and is reused at once on
+``s``.  An event recorded on ``s`` closes the epoch; once the event has completed,
+every block freed in that epoch or before may cross to any stream.  Events are
+recorded lazily, only for streams with frees since their last event, and only
+when some other stream is short of memory.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from .heap import Heap
+
+
+class StreamEpochs:
+    def __init__(self, device: Any) -> None:
+        self._device = device
+        self._epoch: dict[Any, int] = {}
+        self._events: dict[Any, collections.deque] = {}
+        self._dirty: set = set()
+
+    def freed(self, key: Any) -> int:
+        """Note a free on stream ``key``; returns the epoch the freed block carries."""
+        self._dirty.add(key)
+        return self._epoch.get(key, 0)
+
+    def settle(self, heaps: tuple[Heap, ...], wait: bool) -> int:
+        """Let other streams use blocks whose freeing stream is known to be done with them.
+
+        Without ``wait`` this records an event on every stream with new frees and
+        retags blocks covered by events that have completed; with ``wait`` it
+        synchronizes the device first, so every freed block qualifies.  Returns the
+        bytes that became usable by all streams.
+        """
+        if wait:
+            self._device.synchronize()
+        moved = 0
+        for heap in heaps:
+            for tag in heap.tags():
+                if tag is None:
+                    continue
+                done = self._done_epoch(tag, wait)
+                if done is None:
+                    continue
+                for b in heap.free_blocks(tag):
+                    # A merge earlier in this loop may have absorbed b: skip stale entries.
+                    if b.free and b.tag == tag and b.epoch <= done and heap.is_indexed(b):
+                        moved += b.size
+                        heap.retag(b, None)
+        return moved
+
+    def _done_epoch(self, tag: Any, wait: bool) -> int | None:
+        """The newest epoch of ``tag`` whose frees are known complete, or None."""
+        epoch = self._epoch.get(tag, 0)
+        if wait:
+            self._events.pop(tag, None)
+            self._dirty.discard(tag)
+            self._epoch[tag] = epoch + 1
+            return epoch
+        q = self._events.setdefault(tag, collections.deque())
+        if tag in self._dirty:
+            q.append((epoch, self._device.record_event(tag)))
+            self._epoch[tag] = epoch + 1
+            self._dirty.discard(tag)
+        done = None
+        while q and self._device.event_done(q[0][1]):
+            done = q.popleft()[0]
+        return done
