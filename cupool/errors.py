@@ -89,3 +89,8 @@ class ForeignAllocationError(InvalidFreeError):
 
     def __init__(self, ptr: int, why: str = "it belongs to another pool") -> None:
         super().__init__(ptr, why)
+
+
+class ClosedError(ValueError):
+    """The pool was closed (``Pool.close()``, a ``with`` block, or dropped): it gives memory back
+    but hands out none."""

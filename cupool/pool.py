@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._units import as_nbytes, format_bytes, parse_size
-from .core.arena import Arena, ClosedError
+from .core.arena import Arena
 from .core.books import ALL, ALLOCATED, RESERVED, PeakWindow
 from .core.events import Callback
 from .core.handles import Allocation, Movable, array_nbytes, as_shape
@@ -28,7 +28,7 @@ from .core.sites import Leak, SiteTracker, SiteUsage
 from .core.sizes import LARGE, PAGE, round_page, segment_size
 from .core.view import ArenaView
 from .device import Device, make_device, pinned_device, pinned_device_beside
-from .errors import DeviceOutOfMemory, OutOfMemoryError
+from .errors import ClosedError, DeviceOutOfMemory, OutOfMemoryError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact, should_defrag
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
@@ -64,7 +64,8 @@ class Pool:
         ladder and of spill victims (see ``cupool.pressure.scheduler``).
 
     ``malloc_key(n, key)`` is ``malloc`` for a validated size and a key from
-    ``device.stream_key``: the hooks' hot path.  A pool is closed by ``close()``,
+    ``device.stream_key``: the hooks' hot path.  It is the arena's bound method and
+    does not keep the pool alive: whoever keeps it keeps the pool too.  A pool is closed by ``close()``,
     by leaving a ``with`` block, or by being dropped (Note [Lifetimes]).
     """
 

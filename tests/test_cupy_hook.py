@@ -329,3 +329,17 @@ def test_install_and_uninstall_inside_using_are_refused_clearly(pool):
             cupool.uninstall()
     assert cupool.hooks.installed()
     cupool.uninstall()
+
+
+def test_an_allocator_keeps_its_pool_alive():
+    """``set_allocator(cupy_allocator(Pool(...)))``: nobody else holds the pool, which must not close."""
+    import gc
+
+    alloc = cupool.cupy_allocator(cupool.Pool("sim", capacity="64MiB"))
+    gc.collect()
+    with cupy.cuda.using_allocator(alloc):
+        x = cupy.empty((1000,), dtype=cupy.float32)  # a closed pool would refuse this
+    assert not alloc.pool.closed
+    assert x.data.ptr and alloc.pool.stats()["allocation.all.current"] == 1
+    del x
+    assert alloc.pool.stats()["allocation.all.current"] == 0

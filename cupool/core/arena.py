@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import DoubleFreeError, ForeignAllocationError
+from ..errors import ClosedError, DoubleFreeError, ForeignAllocationError
 from .books import ALL, ALLOCATED, ALLOCATIONS, LOG_MAX, REQUESTED, RESERVED, SEGMENTS, Books
 from .handles import Allocation, Lease, Movable, array_nbytes, as_shape
 from .heap import Block, Heap, Segment
@@ -55,10 +55,6 @@ class Policy(Protocol):
 
     def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block:
         """A free block of at least ``size`` for stream ``key``: grow, or reclaim, or raise OutOfMemoryError."""
-
-
-class ClosedError(ValueError):
-    """The pool was closed: it gives memory back but hands out none."""
 
 
 class Arena:

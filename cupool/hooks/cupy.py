@@ -60,10 +60,15 @@ def cupy_allocator(pool: Pool | None = None) -> Callable[[int], Any]:
             a = malloc(nbytes, get_stream().ptr)
             return pointer(unowned(a.ptr, nbytes, a, index), 0)
 
+        allocate_cuda.pool = pool  # type: ignore[attr-defined]
         return allocate_cuda
 
     def allocate(nbytes: int) -> Any:
         a = malloc(nbytes, 0)
         return pointer(unowned(a.ptr, nbytes, a, index), 0)
 
+    # The allocator keeps its pool alive: ``malloc_key`` alone does not, and a pool
+    # nobody holds is closed (Note [Lifetimes]).  ``set_allocator(cupy_allocator(Pool()))``
+    # is a one-liner users write.
+    allocate.pool = pool  # type: ignore[attr-defined]
     return allocate
