@@ -514,11 +514,16 @@ def test_a_figures_only_subscriber_keeps_the_fast_path_and_still_sees_the_figure
 
 
 def test_a_pool_call_inside_hold_is_refused_rather_than_deadlocking(pool):
+    a = pool.malloc(100)
     with pool.hold() as view:
         with pytest.raises(RuntimeError, match="hold"):
             pool.malloc(10)
-        assert view.books.allocated == 0
-    pool.malloc(10).free()  # the lock was released
+        with pytest.raises(RuntimeError, match="hold"):
+            a.free()
+        assert view.books.allocations == 1
+    a.free()  # the lock was released, and the refused free changed nothing
+    pool.check()
+    assert pool.stats()["allocation.all.current"] == 0
 
 
 def test_a_pool_collected_inside_its_own_arenas_malloc_closes_without_deadlock(monkeypatch):

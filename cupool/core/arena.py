@@ -122,7 +122,10 @@ class Arena:
     def _enter_to_free(self) -> bool:
         """Wait for the lock to free, after a failed try; False when a collection interrupted
         this thread (the caller queues instead)."""
-        if _collecting_thread != threading.get_ident():
+        me = threading.get_ident()
+        if self.holder == me:
+            raise RuntimeError("cupool: free() inside `with pool.hold():` on the same thread would deadlock")
+        if _collecting_thread != me:
             self.lock.acquire()
             return True
         return False
