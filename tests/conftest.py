@@ -17,7 +17,12 @@ settings.register_profile("thorough", max_examples=1000, stateful_step_count=100
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_GPU = cuda_available()
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (none is usable on this machine)")
+_skip_without_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (none is usable on this machine)")
+
+
+def needs_gpu(obj):
+    """Marks ``obj`` ``gpu`` (so ``pytest -m gpu`` selects it) and skips it, saying why, without one."""
+    return pytest.mark.gpu(_skip_without_gpu(obj))
 
 
 @pytest.fixture

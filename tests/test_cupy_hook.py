@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupool
-from conftest import needs_gpu
+from conftest import HAS_GPU, needs_gpu
 from cupool import hooks
 from cupool.config import parse_conf
 from cupool.device import SimDevice
@@ -343,3 +343,192 @@ def test_an_allocator_keeps_its_pool_alive():
     assert x.data.ptr and alloc.pool.stats()["allocation.all.current"] == 1
     del x
     assert alloc.pool.stats()["allocation.all.current"] == 0
+
+
+# -- the function path: CuPy's PythonFunctionAllocator, called here as CuPy calls it --------------
+
+
+def function_path(pool):
+    alloc = cupool.cupy_allocator(pool, path="function")
+    return alloc, alloc.malloc_func, alloc.free_func
+
+
+def test_function_path_is_cupys_python_function_allocator_and_keeps_its_pool():
+    import gc
+
+    alloc, malloc, free = function_path(cupool.Pool("sim", capacity="64MiB"))
+    gc.collect()
+    assert isinstance(alloc, cupy.cuda.memory.PythonFunctionAllocator) and callable(alloc)
+    assert not alloc.pool.closed
+    ptr = malloc(1000, 0)  # a closed pool would refuse this
+    assert alloc.pool.stats()["allocation.all.current"] == 1
+    free(ptr, 0)
+    assert alloc.pool.stats()["allocation.all.current"] == 0
+
+
+def test_function_path_hands_out_disjoint_aligned_blocks_and_exact_stats(pool):
+    _, malloc, free = function_path(pool)
+    sizes = [1, 256, 512, 1000, 300_000, 3 * MiB, 12 * MiB]
+    ptrs = [malloc(n, 0) for n in sizes]
+    lo, hi = pool.device.base, pool.device.base + 2 * pool.device.capacity
+    spans = sorted(zip(ptrs, sizes))
+    assert all(lo <= p < hi and p % 512 == 0 for p, _ in spans)
+    assert all(p0 + n0 <= p1 for (p0, n0), (p1, _) in zip(spans, spans[1:]))
+    s = pool.stats()
+    assert s["allocation.all.current"] == len(sizes)
+    assert s["requested_bytes.all.current"] == sum(sizes)
+    for p in ptrs[::2] + ptrs[1::2]:
+        free(p, 0)
+    s = pool.stats()
+    assert s["allocation.all.current"] == 0 and s["requested_bytes.all.current"] == 0
+    assert s["allocation.all.allocated"] == s["allocation.all.freed"] == len(sizes)
+    pool.check()
+
+
+def test_function_path_out_of_memory_reaches_the_caller_and_changes_nothing():
+    pool = cupool.Pool("sim", capacity="8MiB")
+    _, malloc, free = function_path(pool)
+    keep = malloc(1000, 0)
+    before = pool.stats()
+    with pytest.raises(cupool.OutOfMemoryError, match="16.0 MiB|16 MiB"):
+        malloc(16 * MiB, 0)
+    after = pool.stats()
+    assert after["allocation.all.current"] == before["allocation.all.current"] == 1
+    assert after["num_ooms"] == before["num_ooms"] + 1
+    free(keep, 0)
+    pool.check()
+
+
+def test_function_path_refuses_a_double_free_and_a_foreign_pointer_clearly(pool):
+    _, malloc, free = function_path(pool)
+    ptr = malloc(4096, 0)
+    other = malloc(100, 0)
+    free(ptr, 0)
+    with pytest.raises(cupool.DoubleFreeError, match=f"{ptr:#x}.*already freed"):
+        free(ptr, 0)
+    stranger = cupool.Pool("sim", capacity="8MiB").malloc(100)
+    with pytest.raises(cupool.ForeignAllocationError, match=f"{stranger.ptr:#x}.*none of this pool's segments"):
+        free(stranger.ptr, 0)
+    assert pool.stats()["allocation.all.current"] == 1  # the refusals changed nothing
+    free(other, 0)
+    assert pool.stats()["allocation.all.current"] == 0
+    pool.check()
+
+
+def test_function_path_refuses_another_devices_request(pool):
+    _, malloc, _ = function_path(pool)
+    with pytest.raises(ValueError, match="device 1.*belongs to device 0"):
+        malloc(100, 1)
+    assert pool.stats()["allocation.all.allocated"] == 0
+
+
+def test_function_path_free_inside_the_pools_lock_is_queued_not_deadlocked(pool):
+    """As when CuPy's finalizer runs during a collection that interrupted this pool's malloc."""
+    _, malloc, free = function_path(pool)
+    ptr = malloc(1000, 0)
+    done = threading.Event()
+
+    def free_while_held():
+        with pool.hold():  # this thread holds the lock, as malloc would
+            free(ptr, 0)  # waiting for the lock here would hang forever
+            done.set()
+
+    t = threading.Thread(target=free_while_held, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set()
+    assert pool.stats()["allocation.all.current"] == 0  # applied by the next holder
+    pool.check()
+
+
+def test_function_path_is_thread_safe(pool):
+    """Threads allocate and free through the two functions; no block is handed out twice and the books balance."""
+    _, malloc, free = function_path(pool)
+    errors, per_thread = [], 3000
+
+    def worker(tag):
+        rng = np.random.default_rng(tag)
+        mine = []
+        try:
+            for _ in range(per_thread):
+                if mine and rng.random() < 0.5:
+                    p = mine.pop(int(rng.integers(len(mine))))
+                    if pool.device.bytes_at(p, 1)[0] != tag:
+                        errors.append(f"block {p:#x} was overwritten while thread {tag} held it")
+                    free(p, 0)
+                else:
+                    p = malloc(int(rng.choice([1, 512, 4000, 70_000])), 0)
+                    pool.device.bytes_at(p, 1)[0] = tag
+                    mine.append(p)
+            for p in mine:
+                free(p, 0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(tag,)) for tag in range(1, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = pool.stats()
+    assert s["allocation.all.current"] == 0
+    assert s["allocation.all.allocated"] == s["allocation.all.freed"] > 0
+    pool.check()
+
+
+def test_unknown_path_and_pinned_pool_are_refused():
+    with pytest.raises(ValueError, match="path must be one of 'pointer', 'function'"):
+        cupool.cupy_allocator(cupool.Pool("sim", capacity="8MiB"), path="c")
+    with pytest.raises(ValueError, match="pinned host memory"):
+        cupool.cupy_allocator(cupool.PinnedPool("sim", capacity="4MiB"), path="function")
+
+
+def test_function_path_without_a_pool_uses_the_default_pool(monkeypatch):
+    monkeypatch.setenv("CUPOOL_CONF", "device=sim,capacity=32MiB")
+    alloc = cupool.cupy_allocator(path="function")
+    ptr = alloc.malloc_func(1000, 0)
+    assert alloc.pool is cupool.default_pool()
+    assert cupool.default_pool().stats()["allocation.all.current"] == 1
+    alloc.free_func(ptr, 0)
+    assert cupool.default_pool().stats()["allocation.all.current"] == 0
+
+
+@pytest.mark.skipif(HAS_GPU, reason="on a GPU the function path serves CuPy (tested below)")
+def test_function_path_cannot_serve_cupy_without_a_gpu(pool):
+    """CuPy asks the CUDA runtime for the current device before calling malloc_func."""
+    alloc, _, _ = function_path(pool)
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        with cupy.cuda.using_allocator(alloc):
+            cupy.empty((10,), np.float32)
+    assert pool.stats()["allocation.all.allocated"] == 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("path", cupool.hooks.cupy.PATHS)
+def test_each_path_serves_cupy_on_a_gpu_with_exact_stats(path):
+    pool = cupool.Pool("cuda")
+    with cupy.cuda.using_allocator(cupool.cupy_allocator(pool, path=path)):
+        xs = [cupy.ones((n,), np.float32) for n in (1, 256, 300_000)]
+        with cupy.cuda.Stream(non_blocking=True):
+            y = cupy.arange(1000)
+        assert pool.stats()["allocation.all.current"] == 4
+        assert all(float(x.sum()) == x.size for x in xs) and int(y.sum()) == 499_500
+    del xs, y
+    assert pool.stats()["allocation.all.current"] == 0
+    pool.check()
+
+
+def test_function_path_routed_by_device_on_a_gpu_machine(monkeypatch):
+    """With a GPU, ``cupy_allocator(path="function")`` routes on the device id CuPy passes."""
+    monkeypatch.setattr(cupool.hooks.cupy, "gpu_available", lambda: True)
+    monkeypatch.setenv("CUPOOL_CONF", "device=sim,capacity=32MiB")
+    alloc = cupool.cupy_allocator(path="function")
+    ptr = alloc.malloc_func(1000, 0)
+    assert cupool.default_pool(0).stats()["allocation.all.current"] == 1
+    with pytest.raises(cupool.InvalidFreeError, match="no cupool allocator has served device 3"):
+        alloc.free_func(ptr, 3)
+    alloc.free_func(ptr, 0)
+    assert cupool.default_pool(0).stats()["allocation.all.current"] == 0
+    with pytest.raises(cupool.DoubleFreeError):
+        alloc.free_func(ptr, 0)
