@@ -13,6 +13,7 @@ Target with compaction: 1.00 to 1.05.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -64,6 +65,8 @@ def utilization(steps: int = 200, seed: int = 0) -> dict[str, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args()  # no options: --help describes the run instead of starting it
     bw = bandwidth()
     print(f"numpy copy of the same bytes     {bw['copy'] / 1e9:6.2f} GB/s")
     print(f"compaction, moves only           {bw['move'] / 1e9:6.2f} GB/s  ({bw['move'] / bw['copy']:.2f}x)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 import re
+import reprlib
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -22,6 +24,15 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*|%)\s*$")
+#: The largest byte count cupool takes: what an int64 holds, as traces, the replay engine
+#: and every device API (ssize_t, size_t) store sizes.  Larger counts are refused as
+#: arguments rather than reaching those as an OverflowError or a wrapped-around number.
+MAX_NBYTES = (1 << 63) - 1
+#: No device holds more: 256 TiB is the 48-bit address space of today's CPUs and GPUs.
+#: Traces are held to it (a larger block in a log is damage, not a workload).
+MAX_DEVICE_BYTES = 1 << 48
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlong = _SHOWN.maxstring = 40
 
 
 def as_nbytes(value: object, name: str = "nbytes") -> int:
@@ -39,6 +50,8 @@ def as_nbytes(value: object, name: str = "nbytes") -> int:
         n = operator.index(value)
     if n < 0:
         raise ValueError(f"{name} must be >= 0, got {n}")
+    if n > MAX_NBYTES:
+        raise ValueError(f"{name} must be at most 2**63 - 1 bytes, got {_SHOWN.repr(n)}")
     return n
 
 
@@ -47,32 +60,44 @@ def parse_size(value: object, total: int | None = None, name: str = "size") -> i
 
     KB/MB/GB are decimal and KiB/MiB/GiB (or K/M/G) are binary, as on the labels of
     disks and in ``nvidia-smi`` respectively.  Percentages need ``total``: they are
-    taken of the device's memory.
+    taken of the device's memory.  The number is read exactly (a float would turn
+    a long digit string into infinity, and "0.1GB" into 100000000.00000001).
     """
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m:
-            raise ValueError(f"{name}: cannot parse {value!r} as a size (try 2GB, 512MiB or 50%)")
-        number, unit = float(m.group(1)), m.group(2).lower()
+            raise ValueError(f"{name}: cannot parse {_SHOWN.repr(value)} as a size (try 2GB, 512MiB or 50%)")
+        number, unit = Fraction(m.group(1)), m.group(2).lower()
         if unit == "%":
             if total is None:
                 raise ValueError(f"{name}: {value!r} is a percentage, but there is no total to take it of")
             if number > 100:
-                raise ValueError(f"{name}: {value!r} is more than 100%")
+                raise ValueError(f"{name}: {_SHOWN.repr(value)} is more than 100%")
             return int(total * number / 100)
         if unit not in _UNITS:
             raise ValueError(f"{name}: unknown unit {m.group(2)!r} in {value!r}")
-        return int(number * _UNITS[unit])
+        n = int(number * _UNITS[unit])
+        if n > MAX_NBYTES:
+            raise ValueError(f"{name}: {_SHOWN.repr(value)} is more bytes than a 64-bit size holds")
+        return n
     return as_nbytes(value, name)
 
 
 def format_bytes(n: float) -> str:
-    """Human units, binary, three significant figures: 1536 -> '1.50 KiB'."""
+    """Human units, binary, three significant figures: 1536 -> '1.5 KiB'.
+
+    A value that rounds to 1000 or more of a unit but is under 1024 of it keeps
+    its unit, shown as a whole number ("1000 MiB"), because three significant
+    figures would print it as "1e+03".
+    """
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.3g} {unit}"
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    for unit in units:
+        if round(n) < 1024 or unit == units[-1]:
+            if unit == "B":
+                return f"{sign}{int(n)} B"
+            return f"{sign}{n:.3g} {unit}" if n < 999.5 else f"{sign}{n:.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

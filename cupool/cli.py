@@ -1,18 +1,34 @@
-"""The ``cupool`` command: ``info``, ``demo``, ``replay`` and ``report``."""
+"""The ``cupool`` command: ``info``, ``demo``, ``replay``, ``report`` and ``export``.
+
+Every failure the user can fix (bad input, a missing GPU, an unwritable path)
+is one line on stderr and exit status 2, never a traceback; a reader that
+leaves early (``cupool info | head``) ends the command quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from . import streaming, workloads
 from ._units import format_bytes
-from .device import CudaDevice, SimDevice, cuda_available
+from .device import CudaDevice, SimDevice, cuda_available, parse_device
+from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
+from .trace import load_trace
+
+#: What ``cupool --help`` says above the list of commands.
+DESCRIPTION = ("One GPU device-memory pool for CuPy and Numba.  Show the device and configuration (info), run the "
+               "weight-streaming demo (demo), replay a trace of pool events under other settings (replay), plot it "
+               "(report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says more.")
+#: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
 
 
 def _versions() -> dict[str, str]:
@@ -31,7 +47,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _check_device(args: argparse.Namespace) -> None:
+    """Refuse a device that is not there before any work, as a user error rather than a traceback."""
+    try:
+        parse_device(args.device, args.capacity, note_fallback=False)
+    except RuntimeError as e:  # what Pool raises for "cuda" without a usable GPU
+        raise ValueError(f"--device {args.device}: {e}") from None
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    _check_device(args)
     pool = Pool(args.device, capacity=args.capacity)
     free, total = pool.device.mem_info()
     print(f"device          {pool.device.name} ({pool.device!r})")
@@ -71,6 +96,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # "off": plain arrays, nothing may move.  "on": the layers live in movable buffers
     # and the pool compacts when fragmentation passes its defrag_threshold (0.3).
     modes = {"off": dict(movable=False), "on": dict(movable=True)}
+    _check_device(args)
 
     def make(cap: int | str | None = None) -> Pool:
         return Pool(args.device, capacity=cap if cap is not None else args.capacity)
@@ -117,9 +143,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    if args.index < 0:
+        raise ValueError(f"--index must be a device index >= 0, got {args.index}")
+    out = Path(args.output)
+    if not out.resolve().parent.is_dir():
+        raise OSError(f"cannot write the snapshot {out}: the folder {out.resolve().parent} does not exist")
+    trace = load_trace(args.trace)
+    n = export_trace(trace, out, args.index)
+    if n:
+        print(f"wrote {out}: {n} PyTorch trace entries from {len(trace)} events ({trace.format}) of {args.trace}")
+    else:
+        print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cupool", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(prog="cupool", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def device_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="auto", help="auto (default), sim, cuda or cuda:N")
@@ -134,13 +175,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
     add_replay_commands(sub.add_parser)
+    p = sub.add_parser("export", help="write a trace as a PyTorch memory snapshot, for torch.cuda._memory_viz")
+    p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
+    p.add_argument("-o", "--output", default="snapshot.pickle", help="pickle to write (default snapshot.pickle)")
+    p.add_argument("--index", type=int, default=0, help="the device index the snapshot names (default 0)")
+    p.set_defaults(func=_cmd_export)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
     except (ValueError, TypeError, OSError) as e:
         # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read.
         print(f"cupool: error: {e}", file=sys.stderr)
         return 2
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush finds no closed pipe to complain of."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing will flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

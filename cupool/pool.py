@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._units import as_nbytes, format_bytes, parse_size
+from ._units import MAX_NBYTES, as_nbytes, format_bytes, parse_size
 from .core.arena import Arena
 from .core.books import ALL, ALLOCATED, RESERVED, PeakWindow
 from .core.events import Callback
@@ -149,6 +149,8 @@ class Pool:
         """An uninitialised array (numpy on sim, CuPy on CUDA) whose memory returns to the pool when it dies."""
         shape_t = as_shape(shape)
         dt, nbytes = array_nbytes(shape_t, dtype)
+        if nbytes > MAX_NBYTES:  # refused as an argument, before the pool counts an out-of-memory
+            raise ValueError(f"shape {shape_t} of {dt} needs more than 2**63 - 1 bytes")
         a = self.malloc(nbytes, stream)
         return self.device.as_array(a.ptr, shape_t, dt, a)
 

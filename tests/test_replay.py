@@ -320,3 +320,23 @@ def test_a_spilling_pool_replays_exactly_with_its_recorded_spill_settings(tmp_pa
     # Without spilling the same run cannot fit: the buffers that could not be made are OOMs.
     tight = replay(trace, {"spill": None})
     assert tight.ooms > 0 and tight.unmatched_frees == tight.ooms
+
+
+def test_a_recorded_capacity_no_machine_maps_names_the_trace_and_the_setting():
+    trace = Trace.from_events([(0, "alloc", 1, 4096, 0)], config={"capacity": 1000 << 40}, source="big.h5")
+    for engine in ("numba", "pool"):
+        with pytest.raises(ValueError, match=r"big\.h5: cannot make a sim pool .* capacity: a sim device of 1000 TiB"):
+            replay(trace, engine=engine)
+
+
+@pytest.mark.parametrize("engine", ["numba", "pool"])
+def test_a_malformed_seed_names_the_trace_and_the_field(engine):
+    events = [(0, "segment_alloc", 1 << 21, 2 << 20, 0), (0, "alloc", 1 << 21, 4096, 0), (1, "free", 1 << 21, 4096, 0)]
+    for seed, field in (({"events": 2, "small_segments": 5}, "'small_segments'"),
+                        ({"events": 2, "kept_segments": [True]}, "'kept_segments'"),
+                        ({"events": True}, "'events'")):
+        trace = Trace.from_events(events, config={"seed": seed}, source="seeded.h5")
+        with pytest.raises(ValueError, match=f"seeded.h5: the trace's seed configuration is corrupted: {field}"):
+            replay(trace, {"capacity": "64MiB"}, engine=engine)
+    good = Trace.from_events(events, config={"seed": {"events": 2, "small_segments": [1 << 21]}}, source="ok")
+    assert replay(good, {"capacity": "64MiB"}, engine=engine).unmatched_frees == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.image as mpimg
 import numpy as np
 
@@ -72,3 +74,21 @@ def test_report_of_a_compacting_pool_uses_the_pool_engine(tmp_path):
     assert summary["engine"] == "pool" and not summary["warnings"]
     assert summary["peak_reserved"] == pool.stats()["reserved_bytes.all.peak"]
     assert summary["max_fragmentation"] < 1.0
+
+
+def test_report_says_which_file_it_wrote(tmp_path, capsys, monkeypatch):
+    path, _ = _trace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(path), "-o", "dir"]) == 0  # no extension: matplotlib's .png, and said so
+    assert capsys.readouterr().out.startswith("wrote dir.png: ") and (tmp_path / "dir.png").stat().st_size
+    (tmp_path / "out").mkdir()
+    assert main(["report", str(path), "-o", "out"]) == 0  # a folder: report.png in it
+    assert capsys.readouterr().out.startswith(f"wrote {Path('out') / 'report.png'}: ")
+    assert (tmp_path / "out" / "report.png").stat().st_size > 0
+
+
+def test_report_refuses_a_format_it_cannot_write_before_replaying(tmp_path, capsys):
+    missing = tmp_path / "never-read.h5"  # the format is checked first: the trace is not even opened
+    assert main(["report", str(missing), "-o", str(tmp_path / "r.pgn")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the report" in err and "'.pgn' is not an image format" in err and ".png" in err

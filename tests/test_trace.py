@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import h5py
 import numpy as np
@@ -262,6 +263,8 @@ def test_a_killed_recorder_leaves_a_readable_trace(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _KILLED, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     flushed = int(proc.stdout.split()[-1])
+    with h5py.File(path, "r") as f:  # plain h5py: no swmr=True, no h5clear
+        assert f["count"][()] == flushed
     tr = load_trace(path)
     assert len(tr) == flushed  # everything up to the last flush, nothing half-written
     kinds = [tr.kinds[k] for k in tr.kind]
@@ -270,6 +273,91 @@ def test_a_killed_recorder_leaves_a_readable_trace(tmp_path):
     r = replay(tr)
     signed = np.where(tr.kind == tr.code("alloc"), tr.size, np.where(tr.kind == tr.code("free"), -tr.size, 0))
     assert r.unmatched_frees == 0 and r.peak_allocated == signed.cumsum().max()
+
+
+_OLD_SWMR_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import h5py, numpy as np
+    from cupool.core.events import KINDS
+    # What cupool wrote before its traces were written for crashes: chunked columns, SWMR mode.
+    f = h5py.File(sys.argv[1], "w", libver="latest")
+    f.attrs.update(format="cupool-trace", version=1, config="{}")
+    for name in ("t_ns", "kind", "addr", "size", "stream"):
+        f.create_dataset(name, data=np.arange(3, dtype=np.uint8 if name == "kind" else np.int64), maxshape=(None,))
+    names = np.zeros(64, "S32")
+    names[: len(KINDS)] = [k.encode() for k in KINDS]
+    f["kind_names"] = names
+    f["count"] = np.int64(3)
+    f.swmr_mode = True
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_swmr_trace_from_an_earlier_cupool_still_loads(tmp_path):
+    path = tmp_path / "old.h5"
+    proc = subprocess.run([sys.executable, "-c", _OLD_SWMR_WRITER, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with pytest.raises(OSError, match="already open for write"):
+        h5py.File(path, "r")  # what the SWMR reader in load_trace is there for
+    tr = load_trace(path)
+    assert tr.t_ns.tolist() == [0, 1, 2] and tr.kinds[: len(KINDS)] == KINDS
+
+
+def _timers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "cupool-trace-flush"}
+
+
+def test_the_timer_writes_out_a_quiet_recording(pool, tmp_path):
+    path = tmp_path / "quiet.h5"
+    before = _timers()
+    with pool.record(path, flush_interval=0.05) as rec:
+        live = [pool.malloc(1000) for _ in range(10)]
+        deadline = time.monotonic() + 5
+        while rec.flushed < rec.n_events and time.monotonic() < deadline:
+            time.sleep(0.01)  # no event arrives: only the timer can write them out
+        assert rec.flushed == rec.n_events == 11
+        assert len(load_trace(path)) == 11  # readable while it is being written
+        assert len(_timers() - before) == 1
+    assert _timers() <= before  # stop() ended its timer
+    del live
+
+
+def _pairs(pool, n, seed):
+    for size in np.random.default_rng(seed).integers(1, 64 << 10, n):
+        pool.malloc(int(size), stream=int(size) % 2).free()
+
+
+def test_timer_flushes_do_not_race_the_events(pool, tmp_path):
+    path = tmp_path / "race.h5"
+    with pool.record(path, capacity=1 << 17, batch=1 << 17, flush_interval=0.001) as rec:  # only the timer writes
+        threads = [threading.Thread(target=_pairs, args=(pool, 15_000, seed)) for seed in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    tr, mem = load_trace(path), rec.events()
+    assert len(tr) == len(mem) == rec.n_events and rec.dropped == 0
+    assert [tr.kinds[k] for k in tr.kind] == [e[1] for e in mem]
+    assert tr.t_ns.tolist() == [e[0] for e in mem] and tr.addr.tolist() == [e[2] for e in mem]
+
+
+def test_a_finished_trace_has_no_unused_rows_and_nothing_beside_it(pool, tmp_path):
+    path = tmp_path / "t.h5"
+    with pool.record(path, stacks=True, batch=7):
+        _churn(pool, 40)
+    with h5py.File(path, "r") as f:
+        n = int(f["count"][()])
+        assert {f[c].shape[0] for c in ("t_ns", "kind", "addr", "size", "stream", "stack_end")} == {n}
+        assert f["stack_bytes"].shape[0] == f["stack_end"][-1]
+    assert os.listdir(tmp_path) == ["t.h5"]
+    empty = tmp_path / "empty.h5"
+    with cupool.Pool("sim", capacity="64MiB").record(empty) as rec:
+        pass
+    assert rec.n_events == len(load_trace(empty)) == 0
 
 
 # ------------------------------------------------------------------ bad input
@@ -361,6 +449,11 @@ def test_recorder_rejects_bad_options(pool, tmp_path):
         pool.record(capacity=0)
     with pytest.raises(ValueError, match="batch"):
         pool.record(capacity=4, batch=8)
+    with pytest.raises(ValueError, match="flush_interval"):
+        pool.record(flush_interval=float("inf"))
+    with pool.record(capacity=4) as rec:  # the default batch fits a small ring
+        pool.malloc(100).free()
+    assert len(rec.events()) == 3
     rec = pool.record(tmp_path / "no" / "such" / "dir.h5")
     with pytest.raises(TraceError, match="cannot create"):
         rec.start()

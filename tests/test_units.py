@@ -46,3 +46,42 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(20 << 20) == "20 MiB"
     assert format_bytes(3 << 40) == "3 TiB"
+
+
+@pytest.mark.parametrize(
+    "n,shown",
+    [
+        (999 << 20, "999 MiB"),
+        (int(999.4 * 2**20), "999 MiB"),
+        (int(999.6 * 2**20), "1000 MiB"),
+        (1000 << 20, "1000 MiB"),
+        (1023 << 20, "1023 MiB"),
+        (int(1023.6 * 2**20), "1 GiB"),
+        (1 << 30, "1 GiB"),
+        (1000, "1000 B"),
+        (1 << 50, "1 PiB"),
+        (2**63 - 1, "8 EiB"),
+        (-(1000 << 10), "-1000 KiB"),
+    ],
+)
+def test_format_bytes_between_999_5_and_1024_of_a_unit(n, shown):
+    assert format_bytes(n) == shown
+
+
+def test_format_bytes_never_prints_an_exponent():
+    for exp in range(63):
+        for frac in (0.9755, 0.976, 0.99, 0.999, 0.9999, 1.0):
+            assert "e+" not in format_bytes(int(frac * 2**exp) + 1)
+
+
+def test_parse_size_is_exact_and_bounded():
+    assert parse_size("0.1GB") == 10**8
+    assert parse_size("33.3%", total=1000) == 333
+    assert parse_size(str(2**63 - 1)) == 2**63 - 1
+    with pytest.raises(ValueError, match=r"capacity: '9999.*\.\.\..*' is more bytes than a 64-bit size holds"):
+        parse_size("9" * 400, name="capacity")
+    with pytest.raises(ValueError, match="max_size: .* is more bytes"):
+        parse_size("9000000TiB", name="max_size")
+    with pytest.raises(ValueError, match=r"nbytes must be at most 2\*\*63 - 1 bytes"):
+        as_nbytes(2**63)
+    assert as_nbytes(2**63 - 1) == 2**63 - 1

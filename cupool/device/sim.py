@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedDict
 
-from .._units import parse_size, round_up
+from .._units import format_bytes, parse_size, round_up
 from ..errors import DeviceOutOfMemory
 from .base import PAGE, Capabilities, Device, HostView
 
@@ -24,6 +24,11 @@ from .base import PAGE, Capabilities, Device, HostView
 # segments never leave the device itself fragmented); NORESERVE keeps the kernel
 # from counting that address space against overcommit limits.
 _MAP_NORESERVE = {"linux": 0x4000, "darwin": 0x40}.get(sys.platform, 0)
+#: The address space of a 64-bit process (x86-64 Linux gives 2**47 bytes; others give no
+#: less): the arena's reservation must fit it, so capacities past it are refused up front.
+_ADDRESS_SPACE = 1 << 47
+#: Streams are stored in the int64 columns of a recorded trace.
+_STREAM_MAX = (1 << 63) - 1
 
 
 class SimDevice(Device):
@@ -43,13 +48,26 @@ class SimDevice(Device):
     capabilities = Capabilities(streams=True, host_accessible=True, device_memory=True, grow_in_place=False)
 
     def __init__(self, capacity: int | str = "4GiB", headroom: int = 2) -> None:
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 1:
+            raise ValueError(f"headroom must be an int >= 1, got {headroom!r}")
         self.capacity = round_up(parse_size(capacity, name="capacity"), PAGE)
         if self.capacity <= 0:
             raise ValueError("capacity: a sim device needs at least one byte")
         self._span = self.capacity * headroom
-        self._mmap = mmap.mmap(
-            -1, self._span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        )
+        if self._span > _ADDRESS_SPACE:
+            raise ValueError(
+                f"capacity: a sim device of {format_bytes(self.capacity)} reserves {headroom}x that in address "
+                f"space ({format_bytes(self._span)}), more than the {format_bytes(_ADDRESS_SPACE)} a process has; "
+                f"the largest sim device is {format_bytes(_ADDRESS_SPACE // headroom)}"
+            )
+        try:
+            self._mmap = mmap.mmap(-1, self._span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError as e:
+            raise ValueError(
+                f"capacity: a sim device of {format_bytes(self.capacity)} needs {format_bytes(self._span)} of "
+                f"address space, which this machine refused ({e.strerror or e}; see ulimit -v and "
+                "vm.overcommit_memory)"
+            ) from None
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base = self.arena.ctypes.data
         self.used = 0
@@ -103,8 +121,8 @@ class SimDevice(Device):
     def stream_key(self, stream: Any) -> int:
         if stream is None:
             return 0
-        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0:
-            raise TypeError(f"stream: the sim device names streams by integers >= 0, got {stream!r}")
+        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or not 0 <= stream <= _STREAM_MAX:
+            raise TypeError(f"stream: the sim device names streams by integers from 0 to 2**63 - 1, got {stream!r}")
         return int(stream)
 
     def enqueue(self, stream: int, n: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""Export a pool's state and recent events in PyTorch's memory-snapshot format.
+"""Export a pool's state and recent events, or a recorded trace, in PyTorch's memory-snapshot format.
 
 ``torch.cuda.memory._snapshot()`` pickles a dict with ``segments`` (each with its
 ``blocks``) and ``device_traces`` (one event list per device).  Writing the same
@@ -6,12 +6,21 @@ shape lets PyTorch's own viewers (``torch.cuda._memory_viz`` ``trace_plot``,
 ``segment_plot``, ``segsum``, and https://pytorch.org/memory_viz) show a cupool
 pool without any code of ours in the loop.
 
-The events come from the pool's active recorder (``pool.record()``), if any; a
-pool that nobody records exports its segments with empty traces.  cupool's
-``free`` becomes PyTorch's ``free_requested`` + ``free_completed`` pair (cupool
-never defers a free).  Movable buffers are blocks to PyTorch: ``alloc_movable`` /
-``free_movable`` export as an alloc / free, and a compaction move
-(``move_out`` then ``move_in``) as a free of the old address followed by an
+Two sources:
+
+* a pool (``Pool.export_snapshot``): its segments now, and the events of its
+  active recorder (``pool.record()``).  A pool that nobody records exports its
+  segments with empty traces, and says so with a warning: once a ``with
+  pool.record(...)`` block has ended its events are in the trace file (or
+  ``rec.trace()``), not in the pool;
+* a trace (``export_trace``, ``cupool export TRACE -o snap.pickle``): its events,
+  and the segments and live blocks they leave at the end, at the recorded
+  addresses, which is what the viewers replay backwards from.
+
+cupool's ``free`` becomes PyTorch's ``free_requested`` + ``free_completed`` pair
+(cupool never defers a free).  Movable buffers are blocks to PyTorch:
+``alloc_movable`` / ``free_movable`` export as an alloc / free, and a compaction
+move (``move_out`` then ``move_in``) as a free of the old address followed by an
 alloc of the new one, so PyTorch's viewers track the block to where it went.
 The annotations (``compact``, ``spill``, ``restore``, ``reclaim:*``) have no
 PyTorch counterpart and are left out; their block events carry the memory.
@@ -19,12 +28,15 @@ PyTorch counterpart and are left out; their block events carry the memory.
 
 from __future__ import annotations
 
+import bisect
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..trace import active_recorder
+from ..core.sizes import SMALL_MAX, SMALL_SEGMENT
+from ..trace import Trace, active_recorder
 
 
 class SnapshotSource(Protocol):
@@ -54,39 +66,134 @@ _ACTIONS = {
     "segment_free": ("segment_free",),
     "oom": ("oom",),
 }
+_NOT_RECORDED = ("the pool is not being recorded: export inside its `with pool.record(...)` block, or export "
+                 "the recording afterwards (cupool export TRACE -o snap.pickle, or export_trace(rec.trace(), path))")
 
 
 def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
-    """The pool as a ``torch.cuda.memory._snapshot()``-shaped dict."""
+    """The pool as a ``torch.cuda.memory._snapshot()``-shaped dict (events only while it is recorded)."""
     snap = pool.snapshot()
     device = pool.device.index
-    segments = []
-    for seg in snap["segments"]:
-        blocks = [{**b, "frames": []} for b in seg["blocks"]]
-        segments.append({**seg, "device": device, "segment_pool_id": (0, 0), "is_expandable": False,
-                         "frames": [], "blocks": blocks})
+    segments = [_segment(seg, device, [{**b, "frames": []} for b in seg["blocks"]]) for seg in snap["segments"]]
     rec = active_recorder(pool)
-    entries: list[dict[str, Any]] = []
-    if rec is not None:
-        events = rec.events()
-        t0 = events[0][0] if events else 0
-        for ev in events:
-            frames = _frames(ev[5]) if len(ev) > 5 else []
-            for action in _ACTIONS.get(ev[1], ()):
-                entries.append({
-                    "action": action, "addr": int(ev[2]), "size": int(ev[3]), "stream": int(ev[4] or 0),
-                    "time_us": (ev[0] - t0) // 1000, "frames": frames,
-                })
+    return _snapshot(segments, _entries(rec.events() if rec is not None else []), device)
+
+
+def export_snapshot(pool: SnapshotSource, path: str | Path) -> int:
+    """Pickle ``to_torch_snapshot(pool)`` to ``path`` (torch is not needed to write it); returns the events written.
+
+    A snapshot without events is still written (its segments are the pool's
+    state), with a warning saying why there are none.
+    """
+    data = to_torch_snapshot(pool)
+    n = _write(data, path)
+    if not n:
+        why = _NOT_RECORDED if active_recorder(pool) is None else "the recording has seen no events yet"
+        warnings.warn(f"cupool: {path}: the snapshot has no events: {why}", stacklevel=3)
+    return n
+
+
+def trace_to_torch_snapshot(trace: Trace, device: int = 0) -> dict[str, Any]:
+    """A trace as a ``torch.cuda.memory._snapshot()``-shaped dict: its events, and the state they end in."""
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device must be an int >= 0, got {device!r}")
+    cols = (trace.t_ns.tolist(), [trace.kinds[k] for k in trace.kind.tolist()], trace.addr.tolist(),
+            trace.size.tolist(), trace.stream.tolist())
+    events = list(zip(*cols, trace.stacks)) if trace.stacks is not None else list(zip(*cols))
+    return _snapshot(_final_segments(events, device), _entries(events), device)
+
+
+def export_trace(trace: Trace, path: str | Path, device: int = 0) -> int:
+    """Pickle ``trace_to_torch_snapshot(trace, device)`` to ``path``; returns the events written."""
+    return _write(trace_to_torch_snapshot(trace, device), path)
+
+
+def _write(data: dict[str, Any], path: str | Path) -> int:
+    with open(path, "wb") as fh:
+        pickle.dump(data, fh, protocol=4)
+    return sum(len(t) for t in data["device_traces"])
+
+
+def _snapshot(segments: list[dict[str, Any]], entries: list[dict[str, Any]], device: int) -> dict[str, Any]:
     traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
     traces[device] = entries
     return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
-def export_snapshot(pool: SnapshotSource, path: str | Path) -> None:
-    """Pickle ``to_torch_snapshot(pool)`` to ``path`` (torch is not needed to write it)."""
-    data = to_torch_snapshot(pool)
-    with open(path, "wb") as fh:
-        pickle.dump(data, fh, protocol=4)
+def _segment(seg: dict[str, Any], device: int, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**seg, "device": device, "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+            "blocks": blocks}
+
+
+def _entries(events: list[tuple]) -> list[dict[str, Any]]:
+    """Recorded events ``(t_ns, kind, addr, size, stream[, stack])`` as PyTorch trace entries."""
+    entries: list[dict[str, Any]] = []
+    t0 = events[0][0] if events else 0
+    for ev in events:
+        frames = _frames(ev[5]) if len(ev) > 5 else []
+        for action in _ACTIONS.get(ev[1], ()):
+            entries.append({
+                "action": action, "addr": int(ev[2]), "size": int(ev[3]), "stream": int(ev[4] or 0),
+                "time_us": (ev[0] - t0) // 1000, "frames": frames,
+            })
+    return entries
+
+
+def _final_segments(events: list[tuple], device: int) -> list[dict[str, Any]]:
+    """The segments and live blocks the events leave, at their recorded addresses.
+
+    A block outside every recorded segment (logs of allocators that record no
+    segments, such as RMM's) is shown as a segment of its own, so the viewers
+    find every live block in some segment.
+    """
+    segs: dict[int, tuple[int, int]] = {}  # address -> size, stream
+    live: dict[int, int] = {}  # address -> size
+    moving = None
+    for ev in events:
+        kind, addr, size = ev[1], ev[2], ev[3]
+        if kind == "segment_alloc":
+            segs[addr] = (size, ev[4])
+        elif kind == "segment_free":
+            segs.pop(addr, None)
+        elif kind in ("alloc", "alloc_movable"):
+            live[addr] = size
+        elif kind in ("free", "free_movable"):
+            live.pop(addr, None)
+        elif kind == "move_out":
+            moving = live.pop(addr, None)
+        elif kind == "move_in" and moving is not None:
+            live[addr], moving = moving, None
+    starts = sorted(segs)
+    inside: dict[int, list[tuple[int, int]]] = {a: [] for a in starts}
+    for addr, size in sorted(live.items()):
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr + size <= starts[i] + segs[starts[i]][0]:
+            inside[starts[i]].append((addr, size))
+        else:
+            segs[addr] = (size, 0)
+            inside[addr] = [(addr, size)]
+    out = []
+    for base in sorted(inside):
+        total, stream = segs[base]
+        blocks, at = [], base
+        for addr, size in inside[base]:
+            if addr > at:
+                blocks.append(_block(at, addr - at, False))
+            blocks.append(_block(addr, size, True))
+            at = max(at, addr + size)
+        if at < base + total:
+            blocks.append(_block(at, base + total - at, False))
+        used = sum(size for _, size in inside[base])
+        small = total == SMALL_SEGMENT and all(size <= SMALL_MAX for _, size in inside[base])
+        out.append(_segment({"address": base, "total_size": total, "allocated_size": used, "active_size": used,
+                             "requested_size": used, "stream": stream, "segment_type": "small" if small else "large",
+                             "preallocated": False}, device, blocks))
+    return out
+
+
+def _block(addr: int, size: int, allocated: bool) -> dict[str, Any]:
+    return {"address": addr, "size": size, "requested_size": size if allocated else 0,
+            "state": "active_allocated" if allocated else "inactive", "frames": []}
 
 
 def _frames(stack: str) -> list[dict[str, Any]]:

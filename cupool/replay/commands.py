@@ -97,14 +97,36 @@ def _show_config(cfg: dict[str, Any]) -> str:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    folder = Path(args.output).resolve().parent
+    out = _report_path(args.output)
+    folder = out.resolve().parent
     if not folder.is_dir():  # before the replay, which can take a while
-        raise OSError(f"cannot write the report {args.output}: the folder {folder} does not exist")
+        raise OSError(f"cannot write the report {out}: the folder {folder} does not exist")
     trace = load_trace(args.trace)
-    summary = plot_report(trace, args.output, parse_config(args.config))
+    summary = plot_report(trace, out, parse_config(args.config))
     for w in summary["warnings"]:
         print(f"warning: {w}")
-    print(f"wrote {args.output}: peak reserved {format_bytes(summary['peak_reserved'])}, "
+    print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
     return 0
+
+
+def _report_path(output: str) -> Path:
+    """The file the report goes to, so that the command names the file it writes.
+
+    Given a folder, ``report.png`` in it; given a name without an extension,
+    that name with ``.png`` (which matplotlib would add without a word).  An
+    extension matplotlib cannot write is refused before the replay.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    out = Path(output)
+    if out.is_dir():
+        out = out / "report.png"
+    elif not out.suffix:
+        out = out.with_name(out.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(f"cannot write the report {out}: {out.suffix!r} is not an image format matplotlib "
+                         f"writes ({', '.join('.' + f for f in sorted(formats))})")
+    return out

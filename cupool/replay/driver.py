@@ -54,7 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.sizes import LARGE, SMALL
+from .._units import MAX_DEVICE_BYTES
+from ..core.sizes import LARGE, PAGE, SMALL
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
@@ -222,13 +223,34 @@ def replay(
     return _replay_numba(trace, cfg, n, timeline, progress)[0]
 
 
+def _seed(trace: Trace) -> dict[str, Any]:
+    """The trace's ``seed`` configuration, checked (empty when the recording started on an empty pool).
+
+    It comes from the file, so every field is checked before use: a malformed
+    one is an error naming the trace and the field, not a TypeError deep in a replay.
+    """
+    seed = trace.config.get("seed")
+    if seed is None:
+        return {}
+
+    def corrupted(why: str) -> ValueError:
+        return ValueError(f"{trace.source}: the trace's seed configuration is corrupted: {why}")
+
+    if not isinstance(seed, dict):
+        raise corrupted(f"it must be a mapping, got {seed!r:.100}")
+    count = seed.get("events", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(trace):
+        raise corrupted(f"'events' must be a count of events from 0 to {len(trace)}, got {count!r:.100}")
+    for key in ("small_segments", "kept_segments"):
+        addrs = seed.get(key, [])
+        if not isinstance(addrs, list) or not all(isinstance(a, int) and not isinstance(a, bool) for a in addrs):
+            raise corrupted(f"{key!r} must be a list of segment addresses, got {addrs!r:.100}")
+    return seed
+
+
 def _seed_count(trace: Trace, n: int) -> int:
     """How many leading events describe the live state a recording started from (0 if none)."""
-    seed = trace.config.get("seed")
-    count = seed.get("events", 0) if isinstance(seed, dict) else 0
-    if not isinstance(count, int) or not 0 <= count <= len(trace):
-        raise ValueError(f"{trace.source}: the trace's seed configuration is corrupted ({seed!r})")
-    return min(count, n)
+    return min(_seed(trace).get("events", 0), n)
 
 
 def _spill_marks(trace: Trace, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -375,7 +397,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
     unsubscribe()
     s = pool.stats()
     warnings = []
-    kept = trace.config["seed"].get("kept_segments", ()) if seeded else ()
+    kept = _seed(trace).get("kept_segments", [])
     if seeded > len(kept):
         warnings.append(f"the recording started on a pool already holding memory: the pool engine allocates its "
                         f"{seeded} seed events afresh, so segments can differ from the recording's at first "
@@ -401,6 +423,11 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
         int(trace.stream.max()) + 1 if len(trace) else 1,
         probe.device.capacity, probe.limit, probe.release_threshold, probe.config["initial_size"],
     )
+    sizes = trace.size
+    if len(sizes) and int(sizes.max()) > probe.limit:
+        # A request past the limit is refused whatever its size (the pool does not round
+        # it first); capped, it cannot overflow the engine's int64 rounding either.
+        sizes = np.minimum(sizes, probe.limit + PAGE)
     del probe
     seeded = _seed_count(trace, n)
     if seeded:
@@ -415,7 +442,7 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
     for lo in range(seeded, n, step):
         hi = min(n, lo + step)
         arrays = list(eng.run(
-            trace.kind, trace.addr, trace.size, trace.stream, lo, hi, codes,
+            trace.kind, trace.addr, sizes, trace.stream, lo, hi, codes,
             state["st"], state["fst"], state["cfg"], *arrays[:5], state["TG"], state["DT"], arrays[5],
             state["live"], tl_res, tl_alloc,
         ))
@@ -462,13 +489,15 @@ def _seed_numba(trace: Trace, seeded: int, state: dict) -> None:
     """
     from . import engine as eng
 
-    seed = trace.config["seed"]
-    small, kept = set(seed.get("small_segments", ())), set(seed.get("kept_segments", ()))
+    seed = _seed(trace)
+    small, kept = set(seed.get("small_segments", [])), set(seed.get("kept_segments", []))
     seg_code = trace.code("segment_alloc")
     segs: list[list[int]] = []  # addr, size, heap, keep, stream
     blocks: list[list[int]] = []  # segment index, offset, size, stream, recorded address
     for i in range(seeded):
         k, a, n, strm = int(trace.kind[i]), int(trace.addr[i]), int(trace.size[i]), int(trace.stream[i])
+        if n > MAX_DEVICE_BYTES:
+            raise ValueError(f"{trace.source}: seed event {i} has size {n}, more than any device holds")
         if k == seg_code:
             segs.append([a, n, SMALL if a in small else LARGE, int(a in kept), strm])
             continue

@@ -14,10 +14,16 @@ and stream.
 
 Every number must fit the int64 columns replay uses (sizes and addresses not
 negative): a value that does not is reported with its file and line (or event
-index) rather than wrapped around or left to fail deep in numpy.
+index) rather than wrapped around or left to fail deep in numpy.  A block (an
+allocation, a free, a segment) larger than any device can hold
+(``MAX_DEVICE_BYTES``) is damage, not a workload, and is refused the same way;
+a refused request (``oom``, ``allocate failure``) may be of any size.
 
-Snapshots are pickles, and unpickling can run code; the loader accepts only
-plain containers, numbers and strings, which is all a snapshot holds.
+Snapshots are pickles, and unpickling can run code or, with a forged length
+field, ask for terabytes; the loader accepts only plain containers, numbers and
+strings, which is all a snapshot holds, and walks the opcodes first, refusing
+any length or memo index the file itself cannot back, so nothing is allocated
+for a field's say-so.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 import pickle
+import pickletools
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
+from .._units import MAX_DEVICE_BYTES, format_bytes
 from .format import Trace, TraceError
 
 log = logging.getLogger("cupool")
@@ -51,6 +61,10 @@ RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 _CLOCK = re.compile(r"^(\d+):(\d+):(\d+)[.:](\d+)$")
 _INT64_MAX = (1 << 63) - 1
 _DAY_NS = 86_400 * 10**9
+#: Kinds whose size is a block that some device held (a refused request's is not).
+_BLOCK_KINDS = ("alloc", "free", "segment_alloc", "segment_free")
+#: The largest snapshot read: it is read whole, and unpickled takes several times that.
+MAX_SNAPSHOT_BYTES = 4 << 30
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -58,16 +72,106 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it references the Python object {module}.{name}")
 
 
+# What the opcode walk needs of each opcode: the width of its argument, from
+# pickletools' table (> 0: fixed bytes; UP_TO_NEWLINE; TAKEN_FROM_ARGUMENT*: a
+# length field, then that many bytes); None: not an opcode.  Opcodes that reach
+# for Python objects pass the walk: the unpickler's find_class refuses them, by name.
+_OP_NAME = {ord(op.code): op.name for op in pickletools.opcodes}
+_ARG_WIDTH: list[int | None] = [None] * 256
+for _op in pickletools.opcodes:
+    _ARG_WIDTH[ord(_op.code)] = 0 if _op.arg is None else _op.arg.n
+del _op
+_TWO_LINES = {ord("c"), ord("i")}  # GLOBAL, INST: a module and a name, a line each
+#: Length fields: (bytes, signed) by argument kind.
+_LENGTH = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+           pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
+_PUTS = {ord("p"), ord("q"), ord("r")}  # PUT, BINPUT, LONG_BINPUT: an index into the memo
+_MEMOIZE, _FRAME, _STOP = ord("\x94"), ord("\x95"), ord(".")
+
+
+def _check_pickle(data: bytes) -> str | None:
+    """What makes ``data`` unsafe to unpickle (None: nothing).
+
+    The C unpickler trusts a pickle's length fields and memo indices: it
+    allocates a BINBYTES8's length before reading it, and grows its memo to
+    twice an index (LONG_BINPUT 2**32 - 1 costs 64 GiB).  Every length here must
+    fit in the bytes that follow, and every memo index must be one a pickler
+    could have written (the next free one at most), so what is built is bounded
+    by the file's size.
+    """
+    n, pos, memo = len(data), 0, 0
+    widths, puts = _ARG_WIDTH, _PUTS
+    while pos < n:
+        op = data[pos]
+        width = widths[op]
+        pos += 1
+        if width == 0:
+            if op == _MEMOIZE:
+                memo += 1
+            elif op == _STOP:
+                return None
+        elif width is None:
+            return f"byte {pos - 1} ({op:#04x}) is not a pickle opcode"
+        elif width > 0:
+            if op == _FRAME or op in puts:
+                value = int.from_bytes(data[pos:pos + width], "little")
+                if op == _FRAME and value > n - pos - width:
+                    return f"a FRAME at byte {pos - 1} claims {value} bytes, but {max(n - pos - width, 0)} follow"
+                if op in puts:
+                    if value > memo:
+                        return f"a memo index at byte {pos - 1} is {value}, past the {memo} entries made so far"
+                    memo += 1
+            pos += width
+        elif width == pickletools.UP_TO_NEWLINE:
+            end = data.find(b"\n", pos)
+            if op in _TWO_LINES and end >= 0:
+                end = data.find(b"\n", end + 1)
+            if end < 0:
+                break
+            if op in puts:  # PUT, the text form
+                text = data[pos:end]
+                if not text.isdigit() or len(text) > 19 or int(text) > memo:
+                    return f"a memo index at byte {pos - 1} is {text[:40]!r}, past the {memo} entries made so far"
+                memo += 1
+            pos = end + 1
+        else:
+            size, signed = _LENGTH[width]
+            length = int.from_bytes(data[pos:pos + size], "little", signed=signed)
+            pos += size
+            if not 0 <= length <= n - pos:
+                return (f"a length field of opcode {_OP_NAME[op]} at byte {pos - size - 1} claims {length} bytes, "
+                        f"but {max(n - pos, 0)} follow")
+            pos += length
+    return "the pickle ends before its STOP opcode (truncated?)"
+
+
+def _read_pickle(p: Path) -> Any:
+    """The plain data pickled in ``p``, or a TraceError saying why it cannot be had safely."""
+    try:
+        with open(p, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise TraceError(p, "not a regular file")
+            if st.st_size > MAX_SNAPSHOT_BYTES:
+                raise TraceError(p, f"a snapshot of {format_bytes(st.st_size)} is past the "
+                                    f"{format_bytes(MAX_SNAPSHOT_BYTES)} this reader takes")
+            data = fh.read(st.st_size)
+    except OSError as e:
+        raise TraceError(p, f"cannot read the file ({e.strerror or e})") from None
+    problem = _check_pickle(data)
+    if problem is not None:
+        raise TraceError(p, f"not a readable PyTorch memory snapshot pickle: {problem}")
+    try:
+        # From memory, not the file: a read the walk did not foresee then asks for no more than the file holds.
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+        raise TraceError(p, f"not a readable PyTorch memory snapshot pickle ({e or type(e).__name__})") from None
+
+
 def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     """Events of one device of a PyTorch memory snapshot (the busiest one unless ``device`` is given)."""
     p = Path(path)
-    try:
-        with open(p, "rb") as fh:
-            snap = _PlainUnpickler(fh).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
-        raise TraceError(p, f"not a readable PyTorch memory snapshot pickle ({e or type(e).__name__})") from None
-    except OSError as e:
-        raise TraceError(p, f"cannot read the file ({e.strerror or e})") from None
+    snap = _read_pickle(p)
     if not isinstance(snap, dict) or "device_traces" not in snap:
         raise TraceError(p, "a pickle, but not a PyTorch memory snapshot (no 'device_traces')")
     traces = snap["device_traces"]
@@ -100,42 +204,73 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
                 raise TraceError(p, f"{where} ({action}): {name} must be an integer, got {v!r}")
             values.append(_checked(p, where, name, v * scale, signed=name in ("time_us", "stream")))
         t_ns, addr, size, stream = values
+        if kind in _BLOCK_KINDS:
+            _held(p, where, size)
         events.append((t_ns, kind, addr, size, stream))
     return Trace.from_events(events, config={}, source=str(p), format="torch")
+
+
+def is_rmm_log(head: bytes) -> bool:
+    """Whether a file's first bytes are an RMM log's header (a UTF-8 byte-order mark allowed).
+
+    Five columns, not six: a log whose header lacks Stream still goes to the RMM
+    reader, whose error names the header it expected.
+    """
+    first = head.split(b"\n", 1)[0].decode("utf-8", "replace").lstrip("\ufeff").strip().replace(" ", "")
+    return first.lower().startswith(",".join(RMM_COLUMNS[:5]).lower())
 
 
 def load_rmm_log(path: str | Path) -> Trace:
     """Events of an RMM ``logging_resource_adaptor`` CSV log."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")  # a spreadsheet's export starts with a byte-order mark
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(p, f"cannot read the RMM log ({e})") from None
     reader = csv.reader(io.StringIO(text))
-    header = [h.strip() for h in next(reader, [])]
-    if tuple(header[:6]) != RMM_COLUMNS:
-        raise TraceError(p, f"not an RMM log: the header must be {','.join(RMM_COLUMNS)}, got {','.join(header)}")
-    events = []
-    for line, row in enumerate(reader, start=2):
-        if not row or not "".join(row).strip():
-            continue
-        if len(row) < 6:
-            raise TraceError(p, f"line {line}: expected 6 fields, got {len(row)} (truncated?)")
-        _, when, action, ptr, size, stream = (c.strip() for c in row[:6])
-        kind = _RMM_ACTIONS.get(action.lower())
-        if kind is None:
-            raise TraceError(p, f"line {line}: unknown action {action!r} (expected allocate, free or allocate failure)")
-        try:
-            t_ns, a, n, s = _rmm_time(when), int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0
-        except (ValueError, OverflowError):
-            raise TraceError(p, f"line {line}: cannot parse time {when!r}, pointer {ptr!r}, size {size!r} "
-                                f"or stream {stream!r}") from None
-        where = f"line {line}"
-        if events and t_ns < events[-1][0] - _DAY_NS // 2 and _CLOCK.match(when):
-            t_ns += _DAY_NS * (1 + (events[-1][0] - t_ns) // _DAY_NS)  # the wall clock passed midnight
-        events.append((_checked(p, where, "time", t_ns, signed=True), kind, _checked(p, where, "pointer", a),
-                       _checked(p, where, "size", n), _checked(p, where, "stream", s, signed=True)))
+    try:
+        header = [h.strip() for h in next(reader, [])]
+        if tuple(header[:6]) != RMM_COLUMNS:
+            raise TraceError(p, f"not an RMM log: the header must be {','.join(RMM_COLUMNS)}, "
+                                f"got {','.join(header)[:200]}")
+        events: list[tuple] = []
+        for row in reader:
+            if row and "".join(row).strip():
+                events.append(_rmm_event(p, reader.line_num, row, events[-1][0] if events else None))
+    except csv.Error as e:
+        raise TraceError(p, f"line {reader.line_num}: not CSV that can be read ({e})") from None
     return Trace.from_events(events, config={}, source=str(p), format="rmm")
+
+
+def _rmm_event(p: Path, line: int, row: list[str], previous_ns: int | None) -> tuple:
+    """One row of an RMM log as an event; ``previous_ns``: the time of the row before."""
+    if len(row) < 6:
+        raise TraceError(p, f"line {line}: expected 6 fields, got {len(row)} (truncated?)")
+    _, when, action, ptr, size, stream = (c.strip() for c in row[:6])
+    kind = _RMM_ACTIONS.get(action.lower())
+    if kind is None:
+        raise TraceError(p, f"line {line}: unknown action {action[:100]!r} "
+                            "(expected allocate, free or allocate failure)")
+    try:
+        t_ns, a, n, s = _rmm_time(when), int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0
+    except (ValueError, OverflowError):
+        raise TraceError(p, f"line {line}: cannot parse time {when[:100]!r}, pointer {ptr[:100]!r}, "
+                            f"size {size[:100]!r} or stream {stream[:100]!r}") from None
+    where = f"line {line}"
+    if previous_ns is not None and t_ns < previous_ns - _DAY_NS // 2 and _CLOCK.match(when):
+        t_ns += _DAY_NS * (1 + (previous_ns - t_ns) // _DAY_NS)  # the wall clock passed midnight
+    n = _checked(p, where, "size", n)
+    if kind != "oom":
+        _held(p, where, n)
+    return (_checked(p, where, "time", t_ns, signed=True), kind, _checked(p, where, "pointer", a), n,
+            _checked(p, where, "stream", s, signed=True))
+
+
+def _held(p: Path, where: str, size: int) -> None:
+    """Refuse a block no device could hold: the replay engines' arithmetic assumes real sizes."""
+    if size > MAX_DEVICE_BYTES:
+        raise TraceError(p, f"{where}: size {size} is larger than any device holds "
+                            f"({format_bytes(MAX_DEVICE_BYTES)}, 2**48 bytes)")
 
 
 def _checked(p: Path, where: str, name: str, v: int, signed: bool = False) -> int:

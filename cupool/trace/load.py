@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .format import HDF5_MAGIC, Trace, TraceError, read_hdf5
-from .importers import RMM_COLUMNS, load_rmm_log, load_torch_snapshot
+from .importers import RMM_COLUMNS, is_rmm_log, load_rmm_log, load_torch_snapshot
 
 _PICKLE = b"\x80"  # the PROTO opcode that starts every pickle of protocol 2 or later
 
@@ -31,10 +31,7 @@ def load_trace(path: str | Path) -> Trace:
         return read_hdf5(p)
     if head.startswith(_PICKLE):
         return load_torch_snapshot(p)
-    first = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip().replace(" ", "")
-    # Five columns, not six: a log whose header lacks Stream still goes to the RMM
-    # reader, whose error names the header it expected.
-    if first.lower().startswith(",".join(RMM_COLUMNS[:5]).lower()):
+    if is_rmm_log(head):
         return load_rmm_log(p)
     raise TraceError(
         p,

@@ -5,15 +5,20 @@ one truth test its event sites already make.  A recording pool pays one Python
 call per event that stores the event tuple in a ring slot (see
 ``benchmarks/bench_recorder.py`` for the measured cost).
 
-All file I/O happens in ``_flush`` (every ``batch`` events, or when an event
-arrives ``flush_interval`` seconds after the last flush), so a process killed at
-any moment leaves a trace with every event up to the last completed flush (the
-file's side of that promise is ``cupool.trace.format``).
+All file I/O happens in ``_flush``, under the pool's lock (which is what keeps
+the ring consistent): every ``batch`` events, inside the event that fills the
+batch, and every ``flush_interval`` seconds from a timer thread, which takes the
+lock through ``pool.hold()``.  So a process killed at any moment leaves a trace
+with every event up to the last completed flush, and at most the last
+``flush_interval`` seconds of events are lost even when the program goes quiet
+(the file's side of that promise is ``cupool.trace.format``).
 
-A write that fails (disk full, file removed, a kind that does not fit) must not
-hurt the pool whose lock the recorder runs under: the recorder stops writing,
-keeps its ring buffer going, and raises the error, naming the file, at ``stop()``
-(the end of the ``with`` block).
+A write that fails (disk full, file-size limit, a kind that does not fit) must
+not hurt the pool whose lock the recorder runs under: the recorder stops
+writing, keeps its ring buffer going, and raises the error, naming the file and
+how many events it holds, at ``stop()`` (the end of the ``with`` block).  The
+writer never leaves h5py a file to close after a failed write, which would
+crash the process (see ``Hdf5Writer``).
 
 The recorder reaches the pool only through the ``Recordable`` surface below, and
 never imports ``cupool.pool``: the pool imports this module in ``Pool.record()``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
@@ -94,8 +100,10 @@ class EventRecorder:
     and the recorder subscribed under one hold of the pool's lock, so no event
     falls between the two.
 
-    If writing the file fails, recording to the file stops (the ring buffer goes
-    on), the pool is unaffected, and ``stop()`` raises the ``TraceError``.
+    Events reach the file every ``batch`` events (4096, or ``capacity`` when that
+    is smaller) and every ``flush_interval`` seconds.  If writing the file fails,
+    recording to the file stops (the ring buffer goes on), the pool is unaffected,
+    and ``stop()`` raises the ``TraceError``.
     """
 
     def __init__(
@@ -104,25 +112,31 @@ class EventRecorder:
         path: str | Path | None = None,
         capacity: int = 1 << 16,
         stacks: bool = False,
-        batch: int = 4096,
+        batch: int | None = None,
         flush_interval: float = 1.0,
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if batch is None:  # a small ring still records: its batch is the whole ring
+            batch = min(4096, capacity)
         if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= capacity:
             raise ValueError(f"batch must be an int in [1, capacity={capacity}], got {batch!r}")
-        if not flush_interval > 0:
-            raise ValueError(f"flush_interval must be > 0 seconds, got {flush_interval!r}")
+        if not 0 < flush_interval < math.inf:
+            raise ValueError(f"flush_interval must be a finite number of seconds > 0, got {flush_interval!r}")
         self.pool = pool
         self.capacity = capacity
         self.stacks = bool(stacks)
         self._ring: list[tuple | None] = [None] * capacity
         self._n = 0
         self._batch = batch
-        self._interval_ns = int(flush_interval * 1e9)
-        self._deadline = 0
+        self._interval = flush_interval
         self._flushed = 0
         self._writer = None if path is None else Hdf5Writer(Path(path), self.stacks)
+        # The event count at which the ring is written out: one comparison per event
+        # (infinite with no file to write, or after a failed write).
+        self._flush_at = batch if self._writer is not None else math.inf
+        self._timer: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._unsubscribe: Callable[[], None] | None = None
         self._config: dict[str, Any] = {}
         self.error: TraceError | None = None
@@ -137,16 +151,18 @@ class EventRecorder:
         # an event between the two would be in neither.  subscribe() does not take
         # the pool's lock, so it may be called here.
         with pool.hold() as view:
-            now = time.perf_counter_ns()
-            seed, self._config["seed"] = _live_state(view, now)
+            seed, self._config["seed"] = _live_state(view, time.perf_counter_ns())
             if self._writer is not None:
                 self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
-            self._deadline = now + self._interval_ns
             for ev in seed:
                 self._on_event(ev)
             self._unsubscribe = pool.subscribe(self._on_event)
         with _active_lock:
             _active.setdefault(pool, []).append(self)
+        if self._writer is not None:
+            self._stopping.clear()
+            self._timer = threading.Thread(target=self._flush_on_timer, name="cupool-trace-flush", daemon=True)
+            self._timer.start()
         return self
 
     def stop(self) -> None:
@@ -161,13 +177,17 @@ class EventRecorder:
             recs = _active.get(self.pool, [])
             if self in recs:
                 recs.remove(self)
-        if self._writer is not None:
+        if self._timer is not None:
+            self._stopping.set()
+            self._timer.join()
+            self._timer = None
+        # No event arrives and no timer runs any more: the last flush needs no lock.
+        if self._writer is not None and self.error is None:
+            self._flush()
             if self.error is None:
-                self._flush()
-            try:
-                self._writer.close()
-            except Exception as e:  # noqa: BLE001 - reported below like any write failure
-                if self.error is None:
+                try:
+                    self._writer.close()
+                except Exception as e:  # noqa: BLE001 - reported below like any write failure
                     self._fail(e)
         if self.error is not None:
             raise self.error
@@ -192,9 +212,19 @@ class EventRecorder:
             ev = (*ev, _stack())
         self._ring[self._n % self.capacity] = ev
         self._n += 1
-        if self._writer is not None and (self._n - self._flushed >= self._batch or ev[0] >= self._deadline):
-            if self.error is None:
-                self._flush()
+        if self._n >= self._flush_at:
+            self._flush()
+
+    def _flush_on_timer(self) -> None:
+        """The timer thread: write out what the ring holds every ``flush_interval`` seconds.
+
+        The pool's lock (taken through ``hold()``, as from any thread outside the
+        pool) keeps events from arriving while the ring is read and the file written.
+        """
+        while not self._stopping.wait(self._interval):
+            with self.pool.hold():
+                if self.error is None and self._n > self._flushed:
+                    self._flush()
 
     def _flush(self) -> None:
         lo, hi = self._flushed, self._n
@@ -205,7 +235,7 @@ class EventRecorder:
                 self._fail(e)
                 return
             self._flushed = hi
-        self._deadline = time.perf_counter_ns() + self._interval_ns
+        self._flush_at = hi + self._batch
 
     def _fail(self, e: BaseException) -> None:
         """Stop writing after a failed write, keeping the error for ``stop()``.
@@ -218,11 +248,11 @@ class EventRecorder:
         reason = str(e) or type(e).__name__
         self.error = TraceError(
             self._writer.path,
-            f"writing the trace failed after {self._flushed} events ({reason}); "
-            "recording to the file stopped there (the pool was not affected)",
+            f"writing the trace failed after {self._flushed} events ({reason}); the file holds those "
+            f"{self._flushed} events, and recording to it stopped there (the pool was not affected)",
         )
-        with contextlib.suppress(Exception):
-            self._writer.close()
+        self._flush_at = math.inf
+        self._writer.abandon()
 
     # -- reading ----------------------------------------------------------------
     @property

@@ -1,0 +1,143 @@
+"""The ``cupool`` command's rough edges, the ``export`` command, and the benchmark scripts' ``--help``."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import cupool
+from cupool.cli import main
+from cupool.observe.snapshot import export_snapshot
+from cupool.replay import replay
+from cupool.trace import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("info", "demo", "replay", "report", "export")
+#: What a shell reports for a command killed by SIGPIPE, and what cupool returns when its reader leaves.
+EXIT_BROKEN_PIPE = 141
+
+
+def _cupool(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cupool", *args], cwd=ROOT, stderr=subprocess.PIPE, **kw)
+
+
+def test_help_describes_every_command_in_plain_words(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    description = " ".join(out.split("positional arguments:")[0].split())
+    assert "``" not in out and "GPU device-memory pool" in description
+    for cmd in COMMANDS:
+        assert f"({cmd})" in description and f"    {cmd} " in out
+
+
+@pytest.mark.parametrize("cmd", ["info", "demo"])
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(monkeypatch, capsys, cmd):
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    assert main([cmd, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cupool: error: --device cuda:") and "no usable CUDA GPU" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    proc = _cupool("info", "--device", "sim", "--capacity", "64MiB", stdout=subprocess.PIPE)
+    proc.stdout.close()  # as `cupool info | head -0` does, before cupool writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE
+    assert err == "", err
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py")))
+def test_benchmark_scripts_answer_help_without_running(script):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage: ") and "options:" in r.stdout, r.stdout[:500]
+
+
+# ------------------------------------------------------------------ export
+def _recorded_with_moves(tmp_path):
+    pool = cupool.Pool("sim", capacity="512MiB", initial_size="36MiB", defrag_threshold=None)
+    path = tmp_path / "moved.h5"
+    with pool.record(path):
+        bufs = [pool.movable(3 << 20) for _ in range(12)]  # all in the preallocated segment
+        raw = pool.malloc(5 << 20)
+        for m in bufs[::2]:
+            m.free()
+        assert pool.compact().moves > 0
+    return pool, path, (bufs, raw)
+
+
+def _live(segments):
+    return {b["address"]: b["size"] for s in segments for b in s["blocks"] if b["state"] != "inactive"}
+
+
+def test_export_a_trace_file_ends_where_the_pool_did(tmp_path, capsys):
+    pool, path, keep = _recorded_with_moves(tmp_path)
+    out = tmp_path / "snap.pickle"
+    assert main(["export", str(path), "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {out}: ") and "PyTorch trace entries" in said
+    data = pickle.loads(out.read_bytes())
+    segments = pool.snapshot()["segments"]
+    assert [s["address"] for s in data["segments"]] == [s["address"] for s in segments]
+    assert _live(data["segments"]) == _live(segments) and len(_live(segments)) == 7
+    for seg in data["segments"]:  # blocks tile their segment
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+    # Following the exported frees and allocs ends in the exported state, and it replays.
+    live = {}
+    for e in data["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            assert live.pop(e["addr"]) == e["size"]
+    assert live == _live(segments)
+    r = replay(load_trace(out), {"capacity": "512MiB"})
+    assert r.unmatched_frees == 0 and r.peak_allocated == 12 * (3 << 20) + (5 << 20)
+    del keep
+
+
+def test_export_of_a_log_without_segments_gives_each_live_block_one(tmp_path, capsys):
+    log = tmp_path / "rmm.csv"
+    log.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1000,512,0x0\n"
+                   "1,1.5,allocate,0x9000,4096,0x0\n1,2.0,free,0x1000,512,0x0\n")
+    out = tmp_path / "rmm.pickle"
+    assert main(["export", str(log), "-o", str(out)]) == 0
+    data = pickle.loads(out.read_bytes())
+    assert [(s["address"], s["total_size"]) for s in data["segments"]] == [(0x9000, 4096)]
+    assert [e["action"] for e in data["device_traces"][0]] == ["alloc", "alloc", "free_requested", "free_completed"]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("Thread,Time,Action,Pointer,Size,Stream\n")
+    assert main(["export", str(empty), "-o", str(out)]) == 0
+    assert "with no events" in capsys.readouterr().out
+
+
+def test_export_bad_input_exits_2(tmp_path, capsys):
+    _, path, _ = _recorded_with_moves(tmp_path)
+    assert main(["export", str(path), "-o", str(tmp_path / "missing" / "s.pickle")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nope.h5")]) == 2
+    assert "nope.h5: cannot read" in capsys.readouterr().err
+    assert main(["export", str(path), "-o", str(tmp_path / "s.pickle"), "--index", "-1"]) == 2
+    assert "--index must be a device index >= 0" in capsys.readouterr().err
+
+
+def test_exporting_a_pool_nobody_records_says_so(tmp_path):
+    pool, _, keep = _recorded_with_moves(tmp_path)
+    out = tmp_path / "after.pickle"
+    with pytest.warns(UserWarning, match="no events: the pool is not being recorded.*cupool export"):
+        pool.export_snapshot(out)
+    data = pickle.loads(out.read_bytes())
+    assert data["device_traces"] == [[]] and _live(data["segments"]) == _live(pool.snapshot()["segments"])
+    with pool.record(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # recorded: events, and no warning
+        pool.malloc(1000)
+        assert export_snapshot(pool, out) > 0
+    del keep
