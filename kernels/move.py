@@ -24,10 +24,11 @@ to what the device keeps resident at once.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import cuda
 from sortedcontainers import SortedDict
+
+from .caching import njit  # numba.njit; cache=True caches outside the package
 
 
 def word_size(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> int:
@@ -37,7 +38,7 @@ def word_size(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> int:
     return 8 if not (np.bitwise_or.reduce(src | dst | n) & 7) else 1
 
 
-@numba.njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True)
 def move_cpu(buf, src, dst, n):  # pragma: no cover - compiled
     """The sim device's twin of ``move_cuda``: same order, same chunking, same result.
 

@@ -36,10 +36,11 @@ chunks (for a progress bar) without leaving compiled code per event.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.typed import Dict
 
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
+from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 
 # Block fields (rows of B).
 ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)

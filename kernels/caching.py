@@ -1,0 +1,76 @@
+"""``njit`` for cupool's compiled code: with ``cache=True`` the cache stays out of the package.
+
+Why.  Numba's default cache sits beside the source, in ``__pycache__``.  For an
+installed cupool that is ``site-packages/cupool/kernels/__pycache__`` and
+``site-packages/cupool/replay/__pycache__``: files pip did not install, so
+``pip uninstall`` (which ``pip install -e .`` runs first) leaves them, and with
+them a ``site-packages/cupool`` folder without ``__init__.py``.  That folder is a
+namespace package that shadows the editable install: ``import cupool`` outside
+the checkout then gives a module without ``Pool``.
+
+What.  Numba's own search for a cache folder, minus the in-tree one:
+``NUMBA_CACHE_DIR`` when the user set it, else Numba's user-wide folder
+(``$XDG_CACHE_HOME/numba`` or ``~/.cache/numba``, where Numba already caches
+packages installed read-only), one subfolder per source folder, so that two
+environments never share entries.  Where no folder is writable the function is
+compiled in each process, as with ``cache=False``.
+
+Why cache at all.  The replay engine takes ~14 s to compile and loads from the
+cache in well under a second; the move kernel ~2 s against 0.1 s (2-core machine).
+
+Private Numba API.  Numba has no per-function cache location: only the
+process-wide ``NUMBA_CACHE_DIR`` and (in recent versions)
+``NUMBA_CACHE_LOCATOR_CLASSES``, which are the user's to set and win here too.
+So this subclasses ``numba.core.caching``'s ``FunctionCache`` and
+``CompileResultCacheImpl`` (its ``_locator_classes`` list), and sets the
+dispatcher's ``_cache`` exactly as ``Dispatcher.enable_caching`` does.  These are
+the same from Numba 0.59 to 0.68.  Should they go, the function falls back to
+Numba's plain ``cache=True``; ``tests/test_install.py`` fails then, because it
+checks that every cached function's cache folder lies outside the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numba
+
+try:
+    from numba.core.caching import CompileResultCacheImpl, FunctionCache
+
+    class _OutOfTreeCacheImpl(CompileResultCacheImpl):
+        _locator_classes = tuple(c for c in CompileResultCacheImpl._locator_classes if "InTree" not in c.__name__)
+
+    class _OutOfTreeFunctionCache(FunctionCache):
+        _impl_class = _OutOfTreeCacheImpl
+
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - a Numba laid out otherwise
+    _OutOfTreeFunctionCache = None
+
+
+def njit(**options: Any) -> Callable[[Callable], Any]:
+    """``numba.njit(**options)``; ``cache=True`` caches outside the package (see the module's doc)."""
+    cache = options.pop("cache", False)
+
+    def decorate(fn: Callable) -> Any:
+        dispatcher = numba.njit(**options)(fn)
+        if cache:
+            _enable_caching(dispatcher)
+        return dispatcher
+
+    return decorate
+
+
+def _enable_caching(dispatcher: Any) -> None:
+    if _OutOfTreeFunctionCache is None:  # pragma: no cover - see the module's doc
+        dispatcher.enable_caching()
+        return
+    try:
+        cache = _OutOfTreeFunctionCache(dispatcher.py_func)
+    except RuntimeError:  # Numba's "no locator available": no writable folder, so no cache
+        return
+    except (AttributeError, TypeError):  # pragma: no cover - a Numba laid out otherwise
+        dispatcher.enable_caching()
+        return
+    dispatcher._cache = cache
