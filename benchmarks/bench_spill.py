@@ -3,6 +3,8 @@
 Every figure is a median over ``--repeat`` runs, beside a baseline measured in the
 same run on the same bytes: a plain host copy (numpy, into preallocated memory)
 for the host tier, an h5py chunked write / read of one dataset for the HDF5 tier.
+The cost of the CRC-32 every spill stores and every restore checks is measured by
+running each tier again with the checksum switched off (this script only).
 
     python benchmarks/bench_spill.py [--device sim|cuda] [--mib 256] [--buffers 16] [--repeat 5]
 """
@@ -10,9 +12,12 @@ for the host tier, an h5py chunked write / read of one dataset for the HDF5 tier
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -20,6 +25,7 @@ import numpy as np
 
 import cupool
 from cupool import streaming, workloads
+from cupool.pressure import spill
 
 MiB = 1 << 20
 
@@ -50,6 +56,24 @@ def bench_tier(device: str, spill: str, total: int, nbuf: int, repeat: int) -> t
         pool.device.synchronize()
         restore_t.append(time.perf_counter() - t0)
     return statistics.median(spill_t), statistics.median(restore_t)
+
+
+@contextlib.contextmanager
+def checksums_off() -> Iterator[None]:
+    """The tiers as they would be without verification: the checksum they store and check is a constant."""
+    real = spill.checksum
+    spill.checksum = lambda data: 0
+    try:
+        yield
+    finally:
+        spill.checksum = real
+
+
+def bench_crc32(total: int, nbuf: int, repeat: int) -> float:
+    """Seconds for zlib.crc32 over ``total`` bytes in ``nbuf`` buffers: the checksum's floor per spill or restore."""
+    data = np.ones(total, np.uint8)
+    size = total // nbuf
+    return _median_time(lambda: [zlib.crc32(data[k * size : (k + 1) * size]) for k in range(nbuf)], repeat)
 
 
 def bench_device_write(device: str, total: int, nbuf: int, repeat: int) -> float:
@@ -160,9 +184,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         copy_out, copy_in, h5w, h5r = bench_baselines(total, args.buffers, args.repeat, tmp)
+        with checksums_off():
+            bare = {
+                "host": bench_tier(args.device, "host", total, args.buffers, args.repeat),
+                "hdf5": bench_tier(args.device, str(tmp / "bare.h5"), total, args.buffers, args.repeat),
+            }
         host_s, host_r = bench_tier(args.device, "host", total, args.buffers, args.repeat)
         h5_s, h5_r = bench_tier(args.device, str(tmp / "spill.h5"), total, args.buffers, args.repeat)
         dev_w = bench_device_write(args.device, total, args.buffers, args.repeat)
+        crc = bench_crc32(total, args.buffers, args.repeat)
         print(f"spill/restore of {args.mib} MiB in {args.buffers} buffers on {args.device}, median of {args.repeat}")
         print(f"{'':<22}{'GB/s':>8}{'baseline GB/s':>15}{'ratio':>8}")
         for name, t, base in (
@@ -171,6 +201,11 @@ def main() -> None:
         ):
             print(f"{name:<22}{gb / t:>8.2f}{gb / base:>15.2f}{base / t:>8.2f}")
         print(f"{'device write':<22}{gb / dev_w:>8.2f}   (host -> fresh device segments: every restore's floor)")
+        print(f"\nCRC-32 checksums (zlib.crc32 alone: {gb / crc:.2f} GB/s), seconds without / with, and the ratio:")
+        for name, (s, r) in (("host", (host_s, host_r)), ("hdf5", (h5_s, h5_r))):
+            bs, br = bare[name]
+            print(f"  {name + ' spill':<20}{bs:>8.4f} / {s:.4f}  {s / bs:.2f}x")
+            print(f"  {name + ' restore':<20}{br:>8.4f} / {r:.4f}  {r / br:.2f}x")
         steps = bench_streaming(args.device, tmp, args.repeat, args.layers)
         print(f"\nlayer cache, {args.layers} layers, 2 cached, a matmul per layer (median per-step time):")
         print(f"  no prefetch        {steps[0] * 1e3:8.3f} ms")

@@ -18,7 +18,7 @@ from .core.handles import Allocation
 from .pool import CompactionReport, PinnedPool, Pool
 from .replay import ReplayResult
 from .pressure.scheduler import Decision
-from .pressure.spill import HDF5Tier, HostTier, SpillError
+from .pressure.spill import CorruptSpillError, HDF5Tier, HostTier, SpillError
 from .trace import EventRecorder, Trace, TraceError, load_trace
 
 try:
@@ -31,6 +31,7 @@ __all__ = [
     "Allocation",
     "BatchSizer",
     "CompactionReport",
+    "CorruptSpillError",
     "CudaDevice",
     "Decision",
     "Device",

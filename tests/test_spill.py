@@ -2,7 +2,10 @@
 
 import contextlib
 import ctypes
+import errno
 import gc
+import os
+import re
 import zlib
 
 import h5py
@@ -68,7 +71,7 @@ def test_freeing_a_spilled_buffer_discards_its_copy(tmp_path):
     p = cupool.Pool("sim", capacity="64MiB", spill=str(tmp_path / "s.h5"))
     m = p.movable(MiB)
     p.spill()
-    f = p.scheduler.tier._file
+    f = p.scheduler.tier._file.h5
     assert len(f) == 1
     m.free()
     assert len(f) == 0 and not m.on_device
@@ -104,12 +107,14 @@ def test_hdf5_tier_writes_chunked_datasets_with_the_configured_cache(tmp_path):
     ptr = device.malloc(4 * MiB)
     device.bytes_at(ptr, 3 * MiB)[:] = np.arange(3 * MiB) % 251
     h = tier.store(device, ptr, 3 * MiB)
-    ds = tier._file[h._name]
+    f = tier._file.h5
+    ds = f[h._name]
     assert ds.chunks == (MiB,) and ds.dtype == np.uint8 and ds.shape == (3 * MiB,)
-    assert tier._file.id.get_access_plist().get_cache()[2] == 8 * MiB
+    assert (ds[:] == np.arange(3 * MiB) % 251).all()  # a plain HDF5 dataset, readable by h5py
+    assert f.id.get_access_plist().get_cache()[2] == 8 * MiB
     assert (h.load() == np.arange(3 * MiB) % 251).all()
     h.discard()
-    assert len(tier._file) == 0
+    assert len(f) == 0
 
 
 def test_hdf5_file_space_is_reused_and_the_file_removed_with_the_pool(tmp_path):
@@ -120,6 +125,7 @@ def test_hdf5_file_space_is_reused_and_the_file_removed_with_the_pool(tmp_path):
     for m in ms:
         m.array()
     size1 = path.stat().st_size
+    assert path.stat().st_mode & 0o777 == 0o600  # device memory is nobody else's to read
     for _ in range(3):
         p.spill()
         for m in ms:
@@ -130,33 +136,74 @@ def test_hdf5_file_space_is_reused_and_the_file_removed_with_the_pool(tmp_path):
     assert not path.exists()
 
 
-def test_hdf5_tier_refuses_to_overwrite_someone_elses_file(tmp_path):
+def test_hdf5_tier_never_opens_an_existing_file(tmp_path):
     path = tmp_path / "data.h5"
     with h5py.File(path, "w") as f:
         f["precious"] = np.arange(10)
+    before = path.read_bytes()
     p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
     m = p.movable(MiB)
     want = fill(m, 3)
-    with pytest.raises(cupool.SpillError, match="not a cupool spill file"):
+    refused = f"cannot create the spill file {re.escape(str(path))}: it already exists"
+    with pytest.raises(cupool.SpillError, match=refused):
         p.spill()
     assert m.on_device and crc(m) == want
-    with h5py.File(path, "r") as f:
-        assert list(f["precious"][:]) == list(range(10))
+    del p, m
+    gc.collect()
+    assert path.read_bytes() == before  # neither written nor removed
 
 
-def test_a_full_disk_loses_nothing(tmp_path, monkeypatch):
-    p = cupool.Pool("sim", capacity="64MiB", spill=str(tmp_path / "s.h5"))
+def test_a_second_pool_on_a_live_spill_path_is_refused_and_the_first_keeps_its_bytes(tmp_path):
+    path = tmp_path / "s.h5"
+    first = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    ms = [first.movable(MiB) for _ in range(3)]
+    want = [fill(m, i) for i, m in enumerate(ms)]
+    first.spill()
+    second = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    other = second.movable(MiB)
+    with pytest.raises(cupool.SpillError, match="already exists.*give each process its own path"):
+        second.spill()
+    assert other.on_device
+    assert [crc(m) for m in ms] == want
+
+
+def test_a_full_disk_loses_nothing_and_the_next_spill_starts_a_fresh_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.h5"
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
+    early, late = p.movable(MiB), p.movable(MiB)
+    want = fill(early, 5), fill(late, 6)
+    assert p.spill(1) == MiB and not early.on_device  # least recently used first
+
+    def no_space(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", no_space)  # every write the spill file makes now fails
+    with pytest.raises(cupool.SpillError, match="No space left on device"):
+        p.spill()
+    assert late.on_device and not early.on_device
+    assert not path.exists()  # the retired file's name is gone; its descriptor still holds early's bytes
+    p.check()
+    assert (crc(early), crc(late)) == want
+    monkeypatch.undo()
+    assert p.spill() == 2 * MiB and path.exists()  # a fresh file at the same path
+    assert (crc(early), crc(late)) == want
+    p.check()
+
+
+def test_a_failure_inside_hdf5_retires_the_file_and_loses_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "s.h5"
+    p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
     m = p.movable(MiB)
     want = fill(m, 5)
 
-    def no_space(self, *a, **k):
-        raise OSError(28, "No space left on device")
+    def broken(self, *a, **k):
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(h5py.Dataset, "write_direct", no_space)
-    with pytest.raises(cupool.SpillError, match="No space left on device"):
+    monkeypatch.setattr(h5py.Dataset, "write_direct", broken)
+    with pytest.raises(cupool.SpillError, match="Input/output error"):
         p.spill()
     assert m.on_device and crc(m) == want
-    assert len(p.scheduler.tier._file) == 0  # the half-written dataset is gone
+    assert p.scheduler.tier._file is None and not path.exists()
     p.check()
 
 
@@ -194,9 +241,10 @@ def test_a_configured_hdf5_tier_is_given_to_the_pool(tmp_path):
     m = p.movable(3 * MiB)
     want = fill(m, 11)
     p.spill()
-    (name,) = list(tier._file)
-    assert tier._file[name].chunks == (MiB,)
-    _, nslots, nbytes, _ = tier._file.id.get_access_plist().get_cache()
+    f = tier._file.h5
+    (name,) = list(f)
+    assert f[name].chunks == (MiB,)
+    _, nslots, nbytes, _ = f.id.get_access_plist().get_cache()
     assert (nslots, nbytes) == (521, 8 * MiB)
     assert crc(m) == want
     with pytest.raises(ValueError, match="already serves another live pool"):
@@ -246,17 +294,17 @@ def test_dropping_the_pool_closes_and_removes_its_spill_file_at_once(tmp_path):
         gc.enable()
 
 
-def test_a_failed_marker_write_leaves_no_file_behind(tmp_path, monkeypatch):
+def test_a_failed_file_creation_leaves_no_file_behind(tmp_path, monkeypatch):
     path = tmp_path / "s.h5"
     p = cupool.Pool("sim", capacity="64MiB", spill=str(path))
     m = p.movable(MiB)
     want = fill(m, 2)
 
-    def refuse(self, name, value):
-        raise OSError(5, "Input/output error")
+    def refuse(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(h5py.AttributeManager, "__setitem__", refuse)
-    with pytest.raises(cupool.SpillError, match="cannot mark the spill file"):
+    monkeypatch.setattr(h5py, "File", refuse)
+    with pytest.raises(cupool.SpillError, match="cannot create the spill file"):
         p.spill()
     assert not path.exists()
     assert p.scheduler.tier._file is None
