@@ -179,3 +179,32 @@ def test_a_trace_whose_count_is_a_group_is_refused(tmp_path, capsys):
         del f["count"]
         f.create_group("count")
     _refused(capsys, path, "'count'")
+
+
+def test_a_trace_never_chooses_where_a_replay_writes(tmp_path, monkeypatch):
+    """A crafted trace whose recorded configuration spills to a path: the replay spills to host memory."""
+    import json
+
+    import h5py
+
+    from cupool.cli import main
+    from cupool.replay import recorded_config
+
+    p = cupool.Pool("sim", capacity="64MiB", spill="host")
+    trace = tmp_path / "t.h5"
+    with p.record(trace):
+        ms = [p.movable(8 << 20) for _ in range(6)]  # 48 MiB: no pressure, no recorded spill
+        del ms
+    target = tmp_path / "elsewhere" / "planted.h5"
+    target.parent.mkdir()
+    with h5py.File(trace, "r+") as f:
+        config = json.loads(f.attrs["config"])
+        config["spill"] = str(target)
+        f.attrs["config"] = json.dumps(config)
+    loaded = cupool.load_trace(trace)
+    assert loaded.config["spill"] == str(target)
+    assert recorded_config(loaded, "pool")["spill"] == "host"  # what a pool-engine replay is built with
+    monkeypatch.chdir(tmp_path)
+    # A smaller device than the recording's: the replay has to spill on its own.
+    assert main(["replay", str(trace), "--engine", "pool", "--compare", "capacity=24MiB"]) == 0
+    assert not target.exists() and list(target.parent.iterdir()) == []
