@@ -7,18 +7,22 @@ Kept out of the driver and the report so that those stay plain library code;
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._units import format_bytes
-from ..trace import load_trace
+from ..trace import Trace, load_trace
+from ..trace.importers import recorded_peak_allocated
 from .driver import (
     CONFIG_KEYS,
     ENGINES,
     FRAGMENTATION_NOTE,
+    ReplayResult,
     check_config,
     default_engine,
+    layout,
     parse_config,
     recorded_config,
     replay,
@@ -39,6 +43,8 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                         "and spilling); default: pool for traces with movable buffers, else numba")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on for long traces on a terminal)")
+    p.add_argument("--json", action="store_true",
+                   help="print each configuration's results as one JSON object per line, and nothing else")
     p.set_defaults(func=_cmd_replay)
     p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
@@ -56,38 +62,90 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
     for c in configs:  # reject a bad key before spending time on any replay
         check_config({**recorded_config(trace, engine), **c}, engine)
+    recorded_peak = recorded_peak_allocated(trace)
+    results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
+    if args.json:
+        for spec, c, r in zip(specs, configs, results):
+            print(json.dumps(_json_row(args.trace, spec or "recorded", r, _capacity_source(trace, engine, c),
+                                       recorded_peak), default=str))
+        return 0
     counts = trace.counts()
     print(f"{args.trace}: {len(trace)} events ({trace.format}; "
           + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
-    results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
     for w in dict.fromkeys(w for r in results for w in r.warnings):
         print(f"warning: {w}")
+    if not results[0].history:
+        print(f"no history to replay: this snapshot records no events, only the {results[0].seeded_blocks} "
+              "blocks alive when it was taken; what follows is that still picture, allocated on a fresh pool")
     if args.compare is None:
         r = results[0]
         print(f"configuration      {_show_config(r.config)}")
-        for label, value in (
+        rows = [
+            ("capacity", f"{format_bytes(r.capacity)} ({_capacity_source(trace, engine, configs[0])})"),
             ("peak reserved", format_bytes(r.peak_reserved)),
-            ("peak allocated", format_bytes(r.peak_allocated)),
+            ("peak allocated", format_bytes(r.peak_allocated)
+             + ("" if recorded_peak is None else f" (recorded: {format_bytes(recorded_peak)})")),
             ("max fragmentation", f"{r.max_fragmentation:.3f} ({FRAGMENTATION_NOTE})"),
             ("mean fragmentation", f"{r.mean_fragmentation:.3f} (same samples)"),
             ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
             ("OOMs", str(r.ooms)),
             ("peak segments", str(r.peak_segments)),
+            ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started)"),
             ("unmatched frees", str(r.unmatched_frees)),
             ("time", f"{r.seconds:.3f} s ({r.events_per_second / 1e6:.2f} M events/s, {r.engine})"),
-        ):
+        ]
+        if not r.history:
+            rows[3:6] = [("layout", _still_layout(trace, configs[0], engine)),
+                         ("fragmentation", f"{r.fragmentation_at_peak:.3f} ((reserved - allocated) / reserved)")]
+        for label, value in rows:
             print(f"{label:<19}{value}")
         return 0
-    head = (f"{'configuration':<34} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} "
-            f"{'frag@peak':>9} {'OOMs':>5} {'time':>8}")
-    print(head)
-    for spec, r in zip(specs, results):
-        name = spec or "recorded"
-        print(f"{name[:34]:<34} {format_bytes(r.peak_reserved):>13} {format_bytes(r.peak_allocated):>11} "
+    names = [spec or "recorded" for spec in specs]
+    width = max(13, *map(len, names))
+    print(f"{'configuration':<{width}} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} "
+          f"{'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}")
+    for name, r in zip(names, results):
+        print(f"{name:<{width}} {format_bytes(r.peak_reserved):>13} {format_bytes(r.peak_allocated):>11} "
               f"{r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} {r.fragmentation_at_peak:>9.3f} "
-              f"{r.ooms:>5} {r.seconds:>7.3f}s")
-    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked ({engine} engine)")
+              f"{r.ooms:>5} {r.seeded_blocks:>7} {r.unmatched_frees:>9} {r.seconds:>7.3f}s")
+    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; seeded: blocks alive "
+          f"before the recording started; unmatched: frees of blocks the replay never held ({engine} engine)")
+    if recorded_peak is not None:
+        print(f"recorded allocated peak: {format_bytes(recorded_peak)}")
     return 0
+
+
+def _capacity_source(trace: Trace, engine: str, config: dict[str, Any]) -> str:
+    """Where the simulated device's size came from, as the output says it."""
+    if "capacity" in config:
+        return "from --config"
+    if "capacity" in recorded_config(trace, engine):
+        return "recorded"
+    return "the sim device's default"
+
+
+def _still_layout(trace: Trace, config: dict[str, Any], engine: str) -> str:
+    """Segments, live blocks and free space of a still picture, in one line."""
+    segments = layout(trace, config, engine=engine)
+    holes = [size for seg in segments for _, size, allocated in seg["blocks"] if not allocated]
+    live = sum(allocated for seg in segments for *_, allocated in seg["blocks"])
+    return (f"{len(segments)} segments, {live} live blocks, {len(holes)} free blocks "
+            f"({format_bytes(sum(holes))}, the largest {format_bytes(max(holes, default=0))})")
+
+
+def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
+              recorded_peak: int | None) -> dict[str, Any]:
+    """One configuration's results for ``--json``: plain numbers, for scripts and CI."""
+    return {
+        "trace": path, "configuration": label, "settings": r.config, "engine": r.engine, "events": r.events,
+        "history": r.history, "peak_reserved": r.peak_reserved, "peak_allocated": r.peak_allocated,
+        "recorded_peak_allocated": recorded_peak, "max_fragmentation": r.max_fragmentation,
+        "mean_fragmentation": r.mean_fragmentation, "fragmentation_at_peak": r.fragmentation_at_peak,
+        "ooms": r.ooms, "peak_segments": r.peak_segments, "segment_allocs": r.segment_allocs,
+        "segment_frees": r.segment_frees, "seeded_blocks": r.seeded_blocks, "unmatched_frees": r.unmatched_frees,
+        "capacity": r.capacity, "capacity_source": capacity_source, "seconds": r.seconds,
+        "events_per_second": r.events_per_second if r.seconds > 0 else None, "warnings": r.warnings,
+    }
 
 
 def _show_config(cfg: dict[str, Any]) -> str:

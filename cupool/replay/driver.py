@@ -16,10 +16,12 @@ The pool decides its own segments, so the trace's ``segment_*`` events are
 what a replay is compared against, not inputs; the exception is a recording
 that started on a pool already holding memory, whose first events (counted in
 the trace's ``seed`` configuration) describe the segments and live blocks the
-replay starts from.  Frees of addresses the replay does not hold (a trace that
-starts mid-run, an allocation the replay could not serve) are skipped and
-counted; an ``alloc`` at an address still held frees the old block first (the
-trace missed that free).
+replay starts from.  A PyTorch snapshot whose recording window started mid-run
+gets such a seed from its importer (the blocks older than the window), and one
+with no history is its seed alone: a still picture (``ReplayResult.history``).
+Frees of addresses the replay does not hold (an allocation the replay could not
+serve, a foreign trace with no seed) are skipped and counted; an ``alloc`` at an
+address still held frees the old block first (the trace missed that free).
 
 Two engines:
 
@@ -83,8 +85,11 @@ class ReplayResult:
     fragmentation 1.0 by that formula, which says nothing about placement and
     would make every run's maximum 1.0 at its teardown.
     ``fragmentation_at_peak`` is taken after the event that set peak reserved,
-    where fragmentation costs the most.  ``warnings`` says what the engine could
-    not model for this trace.
+    where fragmentation costs the most.  ``seeded_blocks`` counts the blocks
+    alive before the recording started, which the replay began from (see
+    ``cupool.trace.load_torch_snapshot``); ``history`` is False for a still
+    picture, a snapshot with no events to replay.  ``warnings`` says what the
+    engine could not model for this trace.
     """
 
     config: dict[str, Any]
@@ -100,6 +105,9 @@ class ReplayResult:
     segment_allocs: int
     segment_frees: int
     unmatched_frees: int
+    seeded_blocks: int
+    history: bool
+    capacity: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
     timeline: dict[str, np.ndarray] | None = field(default=None, repr=False)
@@ -251,6 +259,20 @@ def _seed(trace: Trace) -> dict[str, Any]:
 def _seed_count(trace: Trace, n: int) -> int:
     """How many leading events describe the live state a recording started from (0 if none)."""
     return min(_seed(trace).get("events", 0), n)
+
+
+def _seeded_blocks(trace: Trace, seeded: int) -> int:
+    """Blocks among the first ``seeded`` events: those alive when the recording started."""
+    codes = [c for c in (trace.code("alloc"), trace.code("alloc_movable")) if c >= 0]
+    return int(np.isin(trace.kind[:seeded], codes).sum())
+
+
+def _history(trace: Trace) -> bool:
+    """Whether the trace has events beyond its seed (a snapshot without history has none)."""
+    snapshot = trace.config.get("snapshot")
+    if isinstance(snapshot, dict) and "history" in snapshot:
+        return bool(snapshot["history"])
+    return len(trace) > _seed(trace).get("events", 0)
 
 
 def _spill_marks(trace: Trace, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -409,7 +431,8 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
         fragmentation_at_peak=frag_peak,
         ooms=int(s["num_ooms"]), peak_segments=int(s["segment.all.peak"]),
         segment_allocs=int(s["num_device_alloc"]), segment_frees=int(s["num_device_free"]),
-        unmatched_frees=unmatched, seconds=seconds, warnings=warnings,
+        unmatched_frees=unmatched, seeded_blocks=_seeded_blocks(trace, seeded), history=_history(trace),
+        capacity=pool.device.capacity, seconds=seconds, warnings=warnings,
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
     return result, pool
@@ -428,6 +451,7 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
         # A request past the limit is refused whatever its size (the pool does not round
         # it first); capped, it cannot overflow the engine's int64 rounding either.
         sizes = np.minimum(sizes, probe.limit + PAGE)
+    capacity = probe.device.capacity
     del probe
     seeded = _seed_count(trace, n)
     if seeded:
@@ -472,7 +496,8 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
         fragmentation_at_peak=float(fst[2]),
         ooms=int(st[eng.OOMS]), peak_segments=int(st[eng.PEAK_SEG]),
         segment_allocs=int(st[eng.DEV_ALLOCS]), segment_frees=int(st[eng.DEV_FREES]),
-        unmatched_frees=int(st[eng.UNMATCHED]), seconds=seconds, warnings=warnings,
+        unmatched_frees=int(st[eng.UNMATCHED]), seeded_blocks=_seeded_blocks(trace, seeded),
+        history=_history(trace), capacity=capacity, seconds=seconds, warnings=warnings,
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
     return result, arrays[0], arrays[2], st

@@ -8,7 +8,9 @@ and stream.
   ``device_traces`` holds one list of events per device.  A block becomes reusable
   at ``free_completed`` (``free_requested`` only marks the user's intent while
   streams may still use it), so that is the free replay sees.  Expandable
-  segments' ``segment_map``/``segment_unmap`` count as segment events.
+  segments' ``segment_map``/``segment_unmap`` count as segment events.  Blocks
+  older than the recording window, and the old list form without history, become
+  the trace's seed (``load_torch_snapshot`` says how).
 * RMM (``logging_resource_adaptor``): a CSV with ``Thread,Time,Action,Pointer,Size,Stream``
   rows; ``allocate``, ``free`` (or ``deallocate``) and ``allocate failure``.
 
@@ -28,6 +30,7 @@ for a field's say-so.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
 import logging
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .._units import MAX_DEVICE_BYTES, format_bytes
+from ..core.sizes import SMALL_SEGMENT, round_page, round_size
 from .format import Trace, TraceError
 
 log = logging.getLogger("cupool")
@@ -169,19 +173,66 @@ def _read_pickle(p: Path) -> Any:
 
 
 def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
-    """Events of one device of a PyTorch memory snapshot (the busiest one unless ``device`` is given)."""
+    """Events of one device of a PyTorch memory snapshot (the busiest one unless ``device`` is given).
+
+    A recording window rarely covers the whole run: ``_record_memory_history()``
+    keeps only what came after it was switched on, and at most ``max_entries``.
+    Blocks allocated before (weights, optimizer state) show up only as frees of
+    unknown addresses or as active blocks in the final ``segments``; replayed as
+    they stand, the live set would be too small.  So they, and the segments
+    holding them, become the trace's seed (``config["seed"]``, as a cupool
+    recording started on a busy pool has), and ``config["snapshot"]`` says how
+    many blocks that is, whether there was any history, and the recorded
+    allocated peak (``recorded_peak_allocated``).  The old list form of
+    ``torch.cuda.memory_snapshot()`` and a snapshot without history are read the
+    same way: a seed and nothing after it, a still picture of the live blocks.
+    """
     p = Path(path)
     snap = _read_pickle(p)
-    if not isinstance(snap, dict) or "device_traces" not in snap:
-        raise TraceError(p, "a pickle, but not a PyTorch memory snapshot (no 'device_traces')")
-    traces = snap["device_traces"]
+    if isinstance(snap, list):  # torch.cuda.memory_snapshot() before 2.1: the segments alone
+        snap = {"segments": snap}
+    if not isinstance(snap, dict) or ("device_traces" not in snap and "segments" not in snap):
+        raise TraceError(p, "a pickle, but not a PyTorch memory snapshot (no 'device_traces' or 'segments')")
+    traces = snap.get("device_traces", [])
+    segments = snap.get("segments", [])
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceError(p, "'device_traces' must be a list of per-device lists of events")
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        raise TraceError(p, "'segments' must be a list of segment dicts")
+    devices = {s.get("device", 0) for s in segments} | set(range(len(traces)))
     if device is None:
-        device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
-    if not 0 <= device < max(len(traces), 1):
-        raise TraceError(p, f"the snapshot has no device {device} ({len(traces)} device(s))")
-    entries = traces[device] if traces else []
+        busiest = max(range(len(traces)), key=lambda d: len(traces[d]), default=None)
+        if busiest is None or not traces[busiest]:
+            busiest = max(devices, key=lambda d: sum(s.get("device", 0) == d for s in segments), default=0)
+        device = busiest
+    if device not in devices and (traces or segments):
+        raise TraceError(p, f"the snapshot has no device {device} ({len(devices)} device(s))")
+    events = _torch_events(p, device, traces[device] if device < len(traces) else [])
+    held = _torch_segments(p, [s for s in segments if s.get("device", 0) == device])
+    seed, config = _torch_seed(events, held)
+    history = any(kind in _BLOCK_KINDS for _, kind, *_ in events)
+    t0 = events[0][0] if events else 0
+    seed_events = [(t0, *ev) for ev in seed]
+    config["snapshot"] = {"history": history, "seeded_blocks": sum(ev[0] == "alloc" for ev in seed),
+                          "peak_allocated": _peak_allocated(seed_events + events, len(seed_events))}
+    return Trace.from_events(seed_events + events, config=config, source=str(p), format="torch")
+
+
+def recorded_peak_allocated(trace: Trace) -> int | None:
+    """The recorded program's allocated peak, for a PyTorch snapshot (None: not one, or no record of it).
+
+    Allocated bytes are the sum of live blocks, each request rounded up to 512
+    bytes as PyTorch's allocator (and cupool) rounds it, counting the blocks
+    already alive when recording started; the peak is their maximum over the
+    recorded window.  PyTorch's own statistic can be higher by the unsplit tails
+    of blocks, which the trace does not record.
+    """
+    peak = trace.config.get("snapshot", {}).get("peak_allocated")
+    return peak if isinstance(peak, int) else None
+
+
+def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:
+    """The replayable events of one device's trace, every number checked."""
     events = []
     skipped: dict[str, int] = {}
     for i, e in enumerate(entries):
@@ -199,15 +250,119 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
             continue
         values = []
         for name, default, scale in (("time_us", i, 1000), ("addr", 0, 1), ("size", 0, 1), ("stream", 0, 1)):
-            v = e.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TraceError(p, f"{where} ({action}): {name} must be an integer, got {v!r}")
-            values.append(_checked(p, where, name, v * scale, signed=name in ("time_us", "stream")))
+            values.append(_field(p, where, e, name, default, scale, signed=name in ("time_us", "stream")))
         t_ns, addr, size, stream = values
         if kind in _BLOCK_KINDS:
             _held(p, where, size)
         events.append((t_ns, kind, addr, size, stream))
-    return Trace.from_events(events, config={}, source=str(p), format="torch")
+    return events
+
+
+def _field(p: Path, where: str, d: dict, name: str, default: int, scale: int = 1, signed: bool = False) -> int:
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(p, f"{where} ({d.get('action', 'segment')}): {name} must be an integer, got {v!r}")
+    return _checked(p, where, name, v * scale, signed=signed)
+
+
+def _torch_segments(p: Path, segments: list[dict]) -> list[tuple[int, int, bool, int, list[tuple[int, int]]]]:
+    """The snapshot's final segments: (address, size, small, stream, [(address, size) of active blocks]).
+
+    A block's size is its request (``requested_size``), as trace events give it.
+    Snapshots before PyTorch 2.1 give blocks no address: they lie end to end
+    from their segment's start.
+    """
+    out = []
+    for j, seg in enumerate(segments):
+        where = f"segments[{j}]"
+        base = _field(p, where, seg, "address", 0)
+        total = _field(p, where, seg, "total_size", 0)
+        _held(p, where, total)
+        if not isinstance(seg.get("blocks", []), list):
+            raise TraceError(p, f"{where}: 'blocks' must be a list of block dicts")
+        blocks, at = [], base
+        for k, b in enumerate(seg.get("blocks", [])):
+            if not isinstance(b, dict):
+                raise TraceError(p, f"{where}.blocks[{k}] is not a block dict")
+            size = _field(p, f"{where}.blocks[{k}]", b, "size", 0)
+            at = _field(p, f"{where}.blocks[{k}]", b, "address", at)
+            if str(b.get("state", "")).startswith("active"):
+                blocks.append((at, _field(p, f"{where}.blocks[{k}]", b, "requested_size", size)))
+            at += size
+        out.append((base, total, seg.get("segment_type") == "small", _field(p, where, seg, "stream", 0, signed=True),
+                    blocks))
+    return out
+
+
+def _torch_seed(events: list[tuple], held: list[tuple]) -> tuple[list[tuple], dict[str, Any]]:
+    """What was alive before the window: seed events (kind, address, size, stream) and their configuration.
+
+    A block is older than the window if the window frees it without having
+    allocated it, or if it is active at the end and the window never allocated
+    it; a segment, likewise.  Each older block is seeded inside the older
+    segment holding it; one whose segment is unknown gets a segment of its own.
+    """
+    live: dict[int, int] = {}
+    segs_live: set[int] = set()
+    sizes: dict[int, int] = {}  # segment address -> size, as the window mapped it
+    old_blocks: dict[int, tuple[int, int]] = {}  # address -> size, stream
+    old_segs: dict[int, tuple[int, bool, int]] = {}  # address -> size, small, stream
+    for _, kind, addr, size, stream in events:
+        if kind == "alloc":
+            live[addr] = size
+        elif kind == "free" and live.pop(addr, None) is None:
+            old_blocks.setdefault(addr, (size, stream))
+        elif kind == "segment_alloc":
+            segs_live.add(addr)
+            sizes[addr] = size
+        elif kind == "segment_free":
+            if addr in segs_live:
+                segs_live.discard(addr)
+            else:
+                old_segs.setdefault(addr, (size, size == SMALL_SEGMENT, stream))
+    mapped = sorted(segs_live)
+    for base, total, small, stream, blocks in held:
+        if base not in segs_live:
+            # An expandable segment may have grown in the window: only its older start was there before.
+            lo, hi = bisect.bisect_left(mapped, base), bisect.bisect_left(mapped, base + total)
+            grown = sum(sizes[a] for a in mapped[lo:hi])
+            if total > grown:
+                old_segs.setdefault(base, (total - grown, small, stream))
+        for addr, size in blocks:
+            if addr not in live:
+                old_blocks.setdefault(addr, (size, stream))
+    starts = sorted(old_segs)
+    inside: dict[int, list[int]] = {a: [] for a in starts}
+    for addr in sorted(old_blocks):
+        k = bisect.bisect_right(starts, addr) - 1
+        if k >= 0 and addr + round_size(old_blocks[addr][0]) <= starts[k] + old_segs[starts[k]][0]:
+            inside[starts[k]].append(addr)
+        else:
+            size, stream = old_blocks[addr]
+            old_segs[addr] = (round_page(round_size(size)), False, stream)
+            inside[addr] = [addr]
+    seed: list[tuple] = []
+    for base in sorted(old_segs):
+        size, _, stream = old_segs[base]
+        seed.append(("segment_alloc", base, size, stream))
+        seed.extend(("alloc", a, round_size(old_blocks[a][0]), old_blocks[a][1]) for a in inside[base])
+    small = [a for a in sorted(old_segs) if old_segs[a][1]]
+    return seed, {"seed": {"events": len(seed), "small_segments": small, "kept_segments": []}}
+
+
+def _peak_allocated(events: list[tuple], seeded: int) -> int:
+    """Allocated bytes at their highest, each block counted at its rounded size (see ``recorded_peak_allocated``)."""
+    live: dict[int, int] = {}
+    now = peak = 0
+    for i, (_, kind, addr, size, _) in enumerate(events):
+        if kind == "alloc":
+            now += round_size(size) - live.pop(addr, 0)
+            live[addr] = round_size(size)
+        elif kind == "free":
+            now -= live.pop(addr, 0)
+        if i + 1 >= seeded:
+            peak = max(peak, now)
+    return peak
 
 
 def is_rmm_log(head: bytes) -> bool:
