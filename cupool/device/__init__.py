@@ -19,22 +19,33 @@ import logging
 
 from .base import PAGE, Capabilities, Device, HostView
 from .cuda import CudaDevice, CudaPinnedDevice
+from .cuda_vmm import CudaVirtualMemory
 from .sim import SimDevice, SimPinnedDevice
+from .sim_vmm import SimVirtualMemory
+from .vmm import GRANULE, Chunk, Mapping, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 
 __all__ = [
-    "PAGE",
     "Capabilities",
+    "Chunk",
+    "cuda_available",
     "CudaDevice",
     "CudaPinnedDevice",
+    "CudaVirtualMemory",
     "Device",
+    "GRANULE",
     "HostView",
+    "make_device",
+    "Mapping",
+    "PAGE",
+    "parse_device",
+    "pinned_device",
+    "pinned_device_beside",
     "SimDevice",
     "SimPinnedDevice",
-    "cuda_available",
-    "make_device",
-    "parse_device",
-    "pinned_device_beside",
-    "pinned_device",
+    "SimVirtualMemory",
+    "VirtualMemory",
+    "VirtualMemoryError",
+    "VirtualMemoryUnsupported",
 ]
 
 log = logging.getLogger("cupool")

@@ -1,0 +1,111 @@
+"""Virtual memory on a CUDA GPU through NVIDIA's driver bindings (``cuda.bindings.driver``).
+
+The bindings are an optional dependency (the ``vmm`` extra), imported when a
+``CudaVirtualMemory`` is built, so ``import cupool`` never needs them.  Every call
+returns ``(CUresult, value...)``; ``_call`` turns a failure into a Python error.
+Calls run in the device's primary context, the one CuPy and Numba use, pushed
+around each call so the caller's current context is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import DeviceOutOfMemory
+from .vmm import VirtualMemory, VirtualMemoryUnsupported
+
+
+class CudaVirtualMemory(VirtualMemory):
+    """``cuMemAddressReserve``/``cuMemCreate``/``cuMemMap`` and friends on ``cuda:index``.
+
+    ``capacity`` defaults to the device's total memory; the driver refuses past what
+    is really free, and either refusal is ``DeviceOutOfMemory``.  ``driver`` is for
+    tests: a module standing in for ``cuda.bindings.driver``.
+    """
+
+    def __init__(self, index: int = 0, capacity: int | None = None, driver: Any = None) -> None:
+        if driver is None:
+            try:
+                from cuda.bindings import driver
+            except ImportError:
+                raise VirtualMemoryUnsupported(
+                    "CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cupool[vmm]' "
+                    "(cuda-bindings>=12)"
+                ) from None
+        self._drv = drv = driver
+        self.index = index
+        self._call(drv.cuInit, 0)
+        self._dev = self._call(drv.cuDeviceGet, index)
+        supported = self._call(
+            drv.cuDeviceGetAttribute,
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            self._dev,
+        )
+        if not supported:
+            raise VirtualMemoryUnsupported(f"cuda:{index} does not support virtual memory management")
+        self._ctx = self._call(drv.cuDevicePrimaryCtxRetain, self._dev)
+        self._prop = prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = index
+        self._access = desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = index
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        granularity = int(
+            self._call(
+                drv.cuMemGetAllocationGranularity,
+                prop,
+                drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        )
+        if capacity is None:
+            capacity = int(self._call(drv.cuDeviceTotalMem, self._dev))
+        super().__init__(capacity, granularity)
+
+    def _call(self, fn: Callable[..., tuple], *args: Any) -> Any:
+        """Run a driver call; return its value (None, one value, or a tuple); raise on failure."""
+        err, *out = fn(*args)
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            _, name = self._drv.cuGetErrorName(err)
+            msg = f"cuda:{self.index}: {fn.__name__} failed: {name.decode() if isinstance(name, bytes) else name}"
+            if err == self._drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                raise DeviceOutOfMemory(msg)
+            raise RuntimeError(msg)
+        return out[0] if len(out) == 1 else (tuple(out) or None)
+
+    def _in_ctx(self, fn: Callable[..., tuple], *args: Any) -> Any:
+        self._call(self._drv.cuCtxPushCurrent, self._ctx)
+        try:
+            return self._call(fn, *args)
+        finally:
+            self._call(self._drv.cuCtxPopCurrent)
+
+    # -- hooks ------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> int:
+        return int(self._in_ctx(self._drv.cuMemAddressReserve, nbytes, self.granularity, 0, 0))
+
+    def _free_range(self, addr: int, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemAddressFree, addr, nbytes)
+
+    def _create(self, nbytes: int) -> Any:
+        return self._in_ctx(self._drv.cuMemCreate, nbytes, self._prop, 0)
+
+    def _release(self, handle: Any, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemRelease, handle)
+
+    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemMap, addr, nbytes, offset, handle, 0)
+
+    def _set_access(self, addr: int, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemSetAccess, addr, nbytes, [self._access], 1)
+
+    def _unmap(self, addr: int, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemUnmap, addr, nbytes)
+
+    def _close(self) -> None:
+        self._call(self._drv.cuDevicePrimaryCtxRelease, self._dev)
+
+    def __repr__(self) -> str:
+        return f"CudaVirtualMemory({self.index}, capacity={self.capacity}, granularity={self.granularity})"

@@ -1,0 +1,175 @@
+"""Virtual memory without a GPU: physical granules are pages of a memfd, mapped into reserved address space.
+
+Linux models CUDA's VMM API faithfully, which is what lets expandable segments and
+stitching be tested here: a chunk is a range of a memfd, a reserved range is
+``PROT_NONE`` anonymous memory, and mapping a chunk is ``mmap(MAP_FIXED |
+MAP_SHARED)`` of the file over the range, so two mappings of one chunk really
+share bytes and unmapping really takes them away (touching them faults).
+
+Python's ``mmap`` module cannot map at a chosen address, so ``mmap``, ``munmap``,
+``mprotect`` and ``fallocate`` are called through ctypes on libc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import weakref
+from typing import Any
+
+import numpy as np
+from sortedcontainers import SortedDict
+
+from .._units import format_bytes, parse_size
+from .vmm import GRANULE, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
+
+_PROT_NONE, _PROT_RW = 0x0, 0x1 | 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int]) -> None:
+    """Give back address space and the memfd; unmapping a range takes its mappings with it."""
+    for addr, nbytes in reserved.items():
+        libc.munmap(addr, nbytes)
+    reserved.clear()
+    os.close(fd)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+class SimVirtualMemory(VirtualMemory):
+    """CUDA-style virtual memory over a memfd: ``capacity`` bytes of physical granules, addresses unlimited.
+
+    The memfd is sparse and grows as chunks are created; released chunks have
+    their pages punched out, so memory is charged only while a chunk is live and
+    has been written.  Chunks take contiguous ranges of the file (one ``mmap`` per
+    mapping) from a first-fit free list; the file may grow past ``capacity``
+    when that list is fragmented, which costs address space in the file only.
+    """
+
+    def __init__(self, capacity: int | str = "4GiB", granularity: int = GRANULE) -> None:
+        if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+            raise VirtualMemoryUnsupported(
+                f"sim virtual memory needs Linux's memfd_create; this is {sys.platform}"
+            )
+        page = os.sysconf("SC_PAGE_SIZE")
+        if isinstance(granularity, int) and not isinstance(granularity, bool) and granularity % page:
+            raise ValueError(f"granularity must be a multiple of the page size ({page}), got {granularity}")
+        super().__init__(parse_size(capacity, name="capacity"), granularity)
+        self._libc = _libc()
+        self._fd = os.memfd_create("cupool-vmm", os.MFD_CLOEXEC)
+        self._file_end = 0
+        self._holes: SortedDict = SortedDict()  # free file offset -> nbytes
+        self._punch = True
+        self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
+        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
+
+    # -- host access (tests and the sim pool read and write through this) --------
+    def bytes_at(self, addr: int, nbytes: int) -> np.ndarray:
+        """A uint8 view of mapped, accessible memory; refused (not a segfault) anywhere else.
+
+        Like a device pointer, the view is good only while the memory stays mapped:
+        touching it after ``unmap`` faults, as a kernel would on a GPU.
+        """
+        if nbytes <= 0:
+            raise VirtualMemoryError(f"bytes_at: nbytes must be positive, got {nbytes}")
+        pos = addr
+        while pos < addr + nbytes:
+            m = self.mapping_at(pos)
+            if m is None:
+                raise VirtualMemoryError(f"bytes_at: {pos:#x} is not mapped")
+            if not m.accessible:
+                raise VirtualMemoryError(f"bytes_at: [{m.addr:#x}, +{format_bytes(m.nbytes)}) has no access set")
+            pos = m.end
+        return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+
+    # -- hooks ------------------------------------------------------------------
+    def _mmap(self, addr: int, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+        p = self._libc.mmap(addr or None, nbytes, prot, flags, fd, offset)
+        if p is None or p == _MAP_FAILED:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap of {format_bytes(nbytes)}: {os.strerror(e)}")
+        return p
+
+    def _reserve(self, nbytes: int) -> int:
+        # mmap aligns to pages only: over-reserve by a granule and trim both ends.
+        g = self.granularity
+        raw = self._mmap(0, nbytes + g, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        addr = -(-raw // g) * g
+        if addr > raw:
+            _check(self._libc.munmap(raw, addr - raw), "munmap")
+        _check(self._libc.munmap(addr + nbytes, raw + g - addr), "munmap")
+        self._reserved[addr] = nbytes
+        return addr
+
+    def _free_range(self, addr: int, nbytes: int) -> None:
+        _check(self._libc.munmap(addr, nbytes), "munmap")
+        del self._reserved[addr]
+
+    def _create(self, nbytes: int) -> int:
+        for off, size in self._holes.items():
+            if size >= nbytes:
+                del self._holes[off]
+                if size > nbytes:
+                    self._holes[off + nbytes] = size - nbytes
+                return off
+        # No hole fits: take the tail of the file, merging a free hole that ends there.
+        off = self._file_end
+        if self._holes:
+            last, size = self._holes.peekitem(-1)
+            if last + size == self._file_end:
+                del self._holes[last]
+                off = last
+        os.ftruncate(self._fd, off + nbytes)
+        self._file_end = off + nbytes
+        return off
+
+    def _release(self, handle: int, nbytes: int) -> None:
+        if self._punch:
+            rc = self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle, nbytes)
+            self._punch = rc == 0  # a kernel without hole punching keeps the pages until close
+        off, size = handle, nbytes
+        i = self._holes.bisect_left(off)
+        if i < len(self._holes):
+            nxt, nsize = self._holes.peekitem(i)
+            if nxt == off + size:
+                size += nsize
+                del self._holes[nxt]
+        if i > 0:
+            prev, psize = self._holes.peekitem(i - 1)
+            if prev + psize == off:
+                off, size = prev, psize + size
+        self._holes[off] = size
+
+    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None:
+        self._mmap(addr, nbytes, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, self._fd, handle + offset)
+
+    def _set_access(self, addr: int, nbytes: int) -> None:
+        _check(self._libc.mprotect(addr, nbytes, _PROT_RW), "mprotect")
+
+    def _unmap(self, addr: int, nbytes: int) -> None:
+        # Keep the addresses reserved: map inaccessible anonymous memory back over them.
+        self._mmap(addr, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"SimVirtualMemory(capacity={self.capacity}, granularity={self.granularity})"

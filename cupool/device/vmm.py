@@ -1,0 +1,336 @@
+"""Virtual memory: the few operations of CUDA's VMM API, checked and booked once for every backend.
+
+Expandable segments and stitching need to separate addresses from physical memory:
+reserve a range of addresses, create physical chunks, and map (parts of) chunks
+into ranges, remapping them at will.  ``VirtualMemory`` is that protocol.  Its
+public methods validate every argument and keep the books (ranges, chunks,
+mappings, physical bytes in use) before they call a backend hook, so that
+
+* bad input raises a clear error and leaves the state exactly as it was, on
+  every backend alike (the CUDA driver would often say only ``INVALID_VALUE``,
+  or worse, accept it);
+* the pool can read the state (``ranges()``, ``chunks()``, ``mappings()``)
+  without asking the driver.
+
+The rules are CUDA's, made strict where CUDA is loose or undefined:
+
+* sizes, addresses and chunk offsets are multiples of ``granularity``;
+* capacity counts physical bytes (live chunks), never addresses: reserving a
+  terabyte of addresses costs nothing;
+* a mapping lies inside one reserved range and overlaps no other mapping;
+* ``unmap`` and ``set_access`` take whole mappings (one or several contiguous
+  ones), as ``cuMemUnmap`` does;
+* a mapping is not accessible until ``set_access`` (``cuMemMap`` grants none);
+* a chunk still mapped cannot be released and a range still mapped cannot be
+  freed (CUDA defers the first and leaves the second undefined).
+
+Backends: ``SimVirtualMemory`` (``cupool.device.sim_vmm``, a memfd on Linux) and
+``CudaVirtualMemory`` (``cupool.device.cuda_vmm``, ``cuda.bindings.driver``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from sortedcontainers import SortedDict
+
+from .._units import format_bytes
+from ..errors import DeviceOutOfMemory
+
+#: What ``cuMemGetAllocationGranularity`` reports on every current NVIDIA GPU.
+GRANULE = 2 << 20
+
+
+class VirtualMemoryUnsupported(RuntimeError):
+    """The device (or this machine, or this installation) offers no virtual memory management."""
+
+
+class VirtualMemoryError(ValueError):
+    """An operation that breaks the rules of virtual memory; nothing was changed."""
+
+
+_chunk_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Physical memory from ``create``: ``nbytes`` of granules, mapped wherever the caller likes.
+
+    ``handle`` is the backend's (a memfd offset, a ``CUmemGenericAllocationHandle``).
+    Identity is the chunk: two chunks are never equal, whatever their sizes.
+    """
+
+    nbytes: int
+    handle: Any = field(repr=False)
+    id: int = field(default_factory=lambda: next(_chunk_ids))
+    live: bool = True
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """``nbytes`` of ``chunk``, from ``offset`` into it, seen at ``addr``."""
+
+    addr: int
+    nbytes: int
+    chunk: Chunk
+    offset: int
+    accessible: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+
+class VirtualMemory(ABC):
+    """Reserve, create, map, set access, unmap, release, free: checked, booked, thread-safe.
+
+    Subclasses implement the underscore hooks, which may assume valid arguments;
+    a hook that raises leaves the books as they were for that step.
+    """
+
+    def __init__(self, capacity: int, granularity: int) -> None:
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
+            raise ValueError(f"granularity must be a positive int, got {granularity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"capacity must be an int, got {capacity!r}")
+        self.granularity = granularity
+        self.capacity = capacity - capacity % granularity
+        if self.capacity <= 0:
+            raise ValueError(f"capacity: {capacity!r} holds not one granule of {format_bytes(granularity)}")
+        self._lock = threading.RLock()
+        self._ranges: SortedDict = SortedDict()  # addr -> nbytes
+        self._maps: SortedDict = SortedDict()  # addr -> Mapping
+        self._chunks: dict[int, Chunk] = {}  # id -> live chunk
+        self._mapped_of: dict[int, int] = {}  # chunk id -> number of mappings
+        self._in_use = 0
+        self._closed = False
+
+    # -- reading the state ------------------------------------------------------
+    @property
+    def in_use(self) -> int:
+        """Physical bytes held by live chunks: what capacity is charged."""
+        return self._in_use
+
+    def ranges(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._ranges.items())
+
+    def chunks(self) -> list[Chunk]:
+        with self._lock:
+            return list(self._chunks.values())
+
+    def mappings(self) -> list[Mapping]:
+        with self._lock:
+            return list(self._maps.values())
+
+    def mapping_at(self, addr: int) -> Mapping | None:
+        """The mapping holding byte ``addr`` (any alignment), found by bisection, or None."""
+        with self._lock:
+            i = self._maps.bisect_right(addr) - 1
+            if i >= 0:
+                m = self._maps.peekitem(i)[1]
+                if addr < m.end:
+                    return m
+            return None
+
+    # -- the operations ---------------------------------------------------------
+    def reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` of addresses (no memory), granule-aligned; return the base address."""
+        with self._lock:
+            self._check_open()
+            self._check_size(nbytes, "nbytes")
+            addr = self._reserve(nbytes)
+            self._ranges[addr] = nbytes
+            return addr
+
+    def free_range(self, addr: int) -> None:
+        """Give back a reserved range; refused while anything is mapped in it."""
+        with self._lock:
+            nbytes = self._ranges.get(addr)
+            if nbytes is None:
+                raise VirtualMemoryError(f"free_range: {addr:#x} is not the base of a reserved range")
+            if self._mappings_within(addr, addr + nbytes):
+                raise VirtualMemoryError(f"free_range: [{addr:#x}, +{format_bytes(nbytes)}) still has mappings")
+            self._free_range(addr, nbytes)
+            del self._ranges[addr]
+
+    def create(self, nbytes: int) -> Chunk:
+        """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""
+        with self._lock:
+            self._check_open()
+            self._check_size(nbytes, "nbytes")
+            if self._in_use + nbytes > self.capacity:
+                raise DeviceOutOfMemory(
+                    f"virtual memory: a chunk of {format_bytes(nbytes)} requested, "
+                    f"{format_bytes(self.capacity - self._in_use)} of {format_bytes(self.capacity)} free"
+                )
+            chunk = Chunk(nbytes, self._create(nbytes))
+            self._chunks[chunk.id] = chunk
+            self._mapped_of[chunk.id] = 0
+            self._in_use += nbytes
+            return chunk
+
+    def release(self, chunk: Chunk) -> None:
+        """Return a chunk's physical memory; refused while it is mapped anywhere."""
+        with self._lock:
+            self._check_chunk(chunk)
+            if self._mapped_of[chunk.id]:
+                raise VirtualMemoryError(f"release: chunk {chunk.id} is still mapped {self._mapped_of[chunk.id]} time(s)")
+            self._release(chunk.handle, chunk.nbytes)
+            chunk.live = False
+            del self._chunks[chunk.id], self._mapped_of[chunk.id]
+            self._in_use -= chunk.nbytes
+
+    def map(self, addr: int, chunk: Chunk, offset: int = 0, nbytes: int | None = None) -> Mapping:
+        """Map ``chunk[offset : offset + nbytes]`` (all of it by default) at ``addr``, not yet accessible."""
+        with self._lock:
+            self._check_chunk(chunk)
+            self._check_size(offset, "offset", zero=True)
+            if nbytes is None:
+                nbytes = chunk.nbytes - offset
+            self._check_size(nbytes, "nbytes")
+            if offset + nbytes > chunk.nbytes:
+                raise VirtualMemoryError(
+                    f"map: offset {format_bytes(offset)} + {format_bytes(nbytes)} passes the end of chunk "
+                    f"{chunk.id} ({format_bytes(chunk.nbytes)})"
+                )
+            self._check_addr(addr, "map")
+            base, size = self._range_of(addr)
+            if addr + nbytes > base + size:
+                raise VirtualMemoryError(
+                    f"map: [{addr:#x}, +{format_bytes(nbytes)}) passes the end of its reserved range "
+                    f"[{base:#x}, +{format_bytes(size)})"
+                )
+            if self._mappings_within(addr, addr + nbytes):
+                raise VirtualMemoryError(f"map: [{addr:#x}, +{format_bytes(nbytes)}) overlaps a mapping")
+            self._map(addr, chunk.handle, offset, nbytes)
+            m = self._maps[addr] = Mapping(addr, nbytes, chunk, offset)
+            self._mapped_of[chunk.id] += 1
+            return m
+
+    def set_access(self, addr: int, nbytes: int) -> None:
+        """Make whole mappings covering ``[addr, addr + nbytes)`` readable and writable by the device."""
+        with self._lock:
+            for m in self._span(addr, nbytes, "set_access"):
+                self._set_access(m.addr, m.nbytes)
+                self._maps[m.addr] = Mapping(m.addr, m.nbytes, m.chunk, m.offset, accessible=True)
+
+    def unmap(self, addr: int, nbytes: int) -> None:
+        """Unmap whole mappings covering ``[addr, addr + nbytes)``; their chunks stay alive."""
+        with self._lock:
+            for m in self._span(addr, nbytes, "unmap"):
+                self._unmap(m.addr, m.nbytes)
+                del self._maps[m.addr]
+                self._mapped_of[m.chunk.id] -= 1
+
+    def close(self) -> None:
+        """Unmap, release and free everything, then give up the backend; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for m in list(self._maps.values()):
+                self.unmap(m.addr, m.nbytes)
+            for c in list(self._chunks.values()):
+                self.release(c)
+            for a in list(self._ranges):
+                self.free_range(a)
+            self._close()
+            self._closed = True
+
+    def __enter__(self) -> VirtualMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checks -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VirtualMemoryError("virtual memory: closed")
+
+    def _check_size(self, n: object, name: str, zero: bool = False) -> None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, got {n!r}")
+        if n < 0 or (n == 0 and not zero) or n % self.granularity:
+            raise VirtualMemoryError(
+                f"{name}: {n} is not a {'non-negative' if zero else 'positive'} multiple of the granularity "
+                f"({format_bytes(self.granularity)})"
+            )
+
+    def _check_addr(self, addr: object, op: str) -> None:
+        if isinstance(addr, bool) or not isinstance(addr, int):
+            raise TypeError(f"{op}: addr must be an int, got {addr!r}")
+        if addr % self.granularity:
+            raise VirtualMemoryError(f"{op}: {addr:#x} is not aligned to the granularity ({format_bytes(self.granularity)})")
+
+    def _check_chunk(self, chunk: object) -> None:
+        if not isinstance(chunk, Chunk):
+            raise TypeError(f"expected a Chunk from create(), got {chunk!r}")
+        if self._chunks.get(chunk.id) is not chunk:
+            raise VirtualMemoryError(f"chunk {chunk.id} is {'released' if not chunk.live else 'not of this device'}")
+
+    def _range_of(self, addr: int) -> tuple[int, int]:
+        i = self._ranges.bisect_right(addr) - 1
+        if i >= 0:
+            base, size = self._ranges.peekitem(i)
+            if addr < base + size:
+                return base, size
+        raise VirtualMemoryError(f"{addr:#x} lies in no reserved range")
+
+    def _mappings_within(self, lo: int, hi: int) -> list[Mapping]:
+        """Mappings that overlap [lo, hi)."""
+        i = max(self._maps.bisect_right(lo) - 1, 0)
+        out = []
+        for a in self._maps.islice(i):
+            if a >= hi:
+                break
+            m = self._maps[a]
+            if m.end > lo:
+                out.append(m)
+        return out
+
+    def _span(self, addr: int, nbytes: int, op: str) -> list[Mapping]:
+        """The mappings that exactly tile [addr, addr + nbytes), or a VirtualMemoryError."""
+        self._check_addr(addr, op)
+        self._check_size(nbytes, "nbytes")
+        ms = self._mappings_within(addr, addr + nbytes)
+        pos = addr
+        for m in ms:
+            if m.addr != pos:
+                break
+            pos = m.end
+        else:
+            if pos == addr + nbytes:
+                return ms
+        raise VirtualMemoryError(
+            f"{op}: [{addr:#x}, +{format_bytes(nbytes)}) is not covered exactly by whole mappings"
+        )
+
+    # -- backend hooks (arguments already valid) -----------------------------------
+    @abstractmethod
+    def _reserve(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def _free_range(self, addr: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _create(self, nbytes: int) -> Any: ...
+
+    @abstractmethod
+    def _release(self, handle: Any, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _set_access(self, addr: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _unmap(self, addr: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...

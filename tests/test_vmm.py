@@ -1,0 +1,502 @@
+"""The virtual-memory device layer: the memfd sim is faithful, the rules hold, bad input changes nothing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cupool.device.cuda_vmm import CudaVirtualMemory
+from cupool.device.sim_vmm import SimVirtualMemory
+from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported
+from cupool.errors import DeviceOutOfMemory
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def vm():
+    with SimVirtualMemory("16MiB") as v:
+        yield v
+
+
+def mapped(vm, addr, chunk, offset=0, nbytes=None):
+    m = vm.map(addr, chunk, offset, nbytes)
+    vm.set_access(m.addr, m.nbytes)
+    return vm.bytes_at(m.addr, m.nbytes)
+
+
+def state(vm):
+    return vm.ranges(), [(c.id, c.nbytes) for c in vm.chunks()], vm.mappings(), vm.in_use
+
+
+def test_granularity_is_cudas_two_mebibytes(vm):
+    assert vm.granularity == GRANULE == 2 * MiB
+
+
+def test_bytes_written_through_one_mapping_are_read_through_another(vm):
+    chunk = vm.create(2 * GRANULE)
+    a, b = vm.reserve(2 * GRANULE), vm.reserve(8 * GRANULE)
+    va, vb = mapped(vm, a, chunk), mapped(vm, b + 3 * GRANULE, chunk)
+    pattern = np.random.default_rng(0).integers(0, 256, chunk.nbytes, dtype=np.uint8)
+    va[:] = pattern
+    assert np.array_equal(vb, pattern)
+    vb[:GRANULE] = 0xAB  # and back the other way
+    assert (va[:GRANULE] == 0xAB).all()
+
+
+def test_a_mapping_can_start_at_an_offset_into_its_chunk(vm):
+    chunk = vm.create(3 * GRANULE)
+    whole = mapped(vm, vm.reserve(3 * GRANULE), chunk)
+    whole[:] = np.repeat(np.arange(3, dtype=np.uint8), GRANULE)
+    tail = mapped(vm, vm.reserve(GRANULE), chunk, offset=2 * GRANULE, nbytes=GRANULE)
+    assert (tail == 2).all()
+
+
+def test_capacity_counts_physical_granules_not_addresses(vm):
+    huge = vm.reserve(1 << 40)  # a terabyte of addresses costs nothing
+    chunks = [vm.create(GRANULE) for _ in range(8)]
+    assert vm.in_use == vm.capacity == 16 * MiB
+    before = state(vm)
+    with pytest.raises(DeviceOutOfMemory, match="free"):
+        vm.create(GRANULE)
+    assert state(vm) == before
+    for i, c in enumerate(chunks):  # scatter them across the terabyte
+        mapped(vm, huge + i * (1 << 36), c)[:] = i
+    vm.unmap(huge, GRANULE)
+    vm.release(chunks[0])
+    vm.create(GRANULE)  # released granules are free again
+
+
+def test_remapping_a_chunk_at_a_new_address_keeps_its_bytes(vm):
+    chunk = vm.create(2 * GRANULE)
+    old = vm.reserve(2 * GRANULE)
+    mapped(vm, old, chunk)[:] = np.arange(2 * GRANULE, dtype=np.uint64).view(np.uint8)[: 2 * GRANULE]
+    expect = vm.bytes_at(old, chunk.nbytes).copy()
+    vm.unmap(old, chunk.nbytes)
+    vm.free_range(old)
+    new = vm.reserve(4 * GRANULE)
+    assert np.array_equal(mapped(vm, new + 2 * GRANULE, chunk), expect)
+
+
+def test_released_granules_are_reused_and_come_back_zeroed(vm):
+    c = vm.create(GRANULE)
+    a = vm.reserve(GRANULE)
+    mapped(vm, a, c)[:] = 0xFF
+    vm.unmap(a, GRANULE)
+    vm.release(c)
+    c2 = vm.create(GRANULE)
+    assert c2.handle == c.handle  # the same range of the memfd
+    assert (mapped(vm, a, c2) == 0).all()  # its pages were punched out
+
+
+@pytest.mark.parametrize(
+    "op, error",
+    [
+        (lambda vm, r, c: vm.reserve(GRANULE + 4096), VirtualMemoryError),
+        (lambda vm, r, c: vm.reserve(0), VirtualMemoryError),
+        (lambda vm, r, c: vm.create(GRANULE // 2), VirtualMemoryError),
+        (lambda vm, r, c: vm.create(2.0 * GRANULE), TypeError),
+        (lambda vm, r, c: vm.map(r + 4096, c), VirtualMemoryError),  # misaligned address
+        (lambda vm, r, c: vm.map(r, c, offset=4096, nbytes=GRANULE), VirtualMemoryError),
+        (lambda vm, r, c: vm.map(r, c, offset=2 * GRANULE, nbytes=GRANULE), VirtualMemoryError),  # past the chunk
+        (lambda vm, r, c: vm.map(r, c), VirtualMemoryError),  # over the mapping already there
+        (lambda vm, r, c: vm.map(r + 3 * GRANULE, c), VirtualMemoryError),  # past the range's end
+        (lambda vm, r, c: vm.map(r + 64 * GRANULE, c), VirtualMemoryError),  # in no range
+        (lambda vm, r, c: vm.unmap(r + 2 * GRANULE, GRANULE), VirtualMemoryError),  # not mapped
+        (lambda vm, r, c: vm.unmap(r, GRANULE), VirtualMemoryError),  # half a mapping
+        (lambda vm, r, c: vm.set_access(r, 3 * GRANULE), VirtualMemoryError),
+        (lambda vm, r, c: vm.release(c), VirtualMemoryError),  # still mapped
+        (lambda vm, r, c: vm.free_range(r), VirtualMemoryError),  # still has mappings
+        (lambda vm, r, c: vm.free_range(r + GRANULE), VirtualMemoryError),  # not a range's base
+        (lambda vm, r, c: vm.create(16 * MiB), DeviceOutOfMemory),
+        (lambda vm, r, c: vm.map(r, "chunk"), TypeError),
+        (lambda vm, r, c: vm.bytes_at(r + 2 * GRANULE, 1), VirtualMemoryError),  # unmapped: refused, no segfault
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(vm, op, error):
+    r = vm.reserve(4 * GRANULE)
+    c = vm.create(2 * GRANULE)
+    mapped(vm, r, c)[:] = 5
+    before = state(vm)
+    with pytest.raises(error):
+        op(vm, r, c)
+    assert state(vm) == before
+    assert (vm.bytes_at(r, c.nbytes) == 5).all()
+
+
+def test_a_chunk_of_another_device_or_released_is_refused(vm):
+    with SimVirtualMemory("4MiB") as other:
+        foreign = other.create(GRANULE)
+        with pytest.raises(VirtualMemoryError, match="not of this device"):
+            vm.map(vm.reserve(GRANULE), foreign)
+    c = vm.create(GRANULE)
+    vm.release(c)
+    with pytest.raises(VirtualMemoryError, match="released"):
+        vm.release(c)
+
+
+def test_a_mapping_is_inaccessible_until_set_access(vm):
+    r = vm.reserve(GRANULE)
+    vm.map(r, vm.create(GRANULE))
+    with pytest.raises(VirtualMemoryError, match="no access"):
+        vm.bytes_at(r, 1)
+
+
+def test_unmap_takes_several_contiguous_mappings_at_once(vm):
+    r = vm.reserve(4 * GRANULE)
+    for i in range(3):
+        mapped(vm, r + i * GRANULE, vm.create(GRANULE))
+    vm.unmap(r, 3 * GRANULE)
+    assert vm.mappings() == []
+
+
+def test_close_gives_everything_back_and_refuses_more():
+    vm = SimVirtualMemory("8MiB")
+    mapped(vm, vm.reserve(GRANULE), vm.create(GRANULE))
+    vm.close()
+    assert state(vm) == ([], [], [], 0)
+    vm.close()
+    with pytest.raises(VirtualMemoryError, match="closed"):
+        vm.reserve(GRANULE)
+
+
+def test_touching_unmapped_memory_faults_as_on_a_gpu():
+    """Run apart: the access must kill the process with SIGSEGV, like an illegal address on a GPU."""
+    code = textwrap.dedent(
+        """
+        import ctypes
+        from cupool.device.sim_vmm import SimVirtualMemory
+        vm = SimVirtualMemory("4MiB")
+        r = vm.reserve(2 << 20)
+        m = vm.map(r, vm.create(2 << 20))
+        vm.set_access(r, m.nbytes)
+        ctypes.c_uint8.from_address(r).value = 1
+        vm.unmap(r, m.nbytes)
+        print("unmapped", flush=True)
+        ctypes.c_uint8.from_address(r).value = 2
+        print("survived", flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONFAULTHANDLER": ""}
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=60)
+    assert "unmapped" in p.stdout and "survived" not in p.stdout
+    assert p.returncode < 0  # killed by a signal
+
+
+def test_a_dropped_instance_gives_back_its_file_and_addresses():
+    fds = len(os.listdir("/proc/self/fd"))
+    vm = SimVirtualMemory("8MiB")
+    r = vm.reserve(GRANULE)
+    mapped(vm, r, vm.create(GRANULE))[:] = 1
+    del vm
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with open("/proc/self/maps") as f:
+        assert f"{r:x}-" not in f.read()
+
+
+def test_no_memfd_means_no_virtual_memory(monkeypatch):
+    monkeypatch.delattr(os, "memfd_create")
+    with pytest.raises(VirtualMemoryUnsupported, match="memfd"):
+        SimVirtualMemory("4MiB")
+
+
+# -- the CUDA backend, against a fake driver module ------------------------------
+
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def fake_driver(vmm_supported=1, free=8 * GRANULE):
+    """Enough of ``cuda.bindings.driver`` to check the calls and their arguments."""
+    calls = []
+    enum = lambda **kw: types.SimpleNamespace(**kw)
+    res = enum(CUDA_SUCCESS=0, CUDA_ERROR_OUT_OF_MEMORY=2, CUDA_ERROR_INVALID_VALUE=1)
+    state = {"next": 1 << 40, "free": free, "handles": 0, "ctx": []}
+
+    def call(name, fn):
+        def wrapped(*args):
+            calls.append((name, args))
+            return fn(*args)
+
+        wrapped.__name__ = name
+        return wrapped
+
+    def create(size, prop, flags):
+        if size > state["free"]:
+            return (res.CUDA_ERROR_OUT_OF_MEMORY, None)
+        state["free"] -= size
+        state["handles"] += 1
+        return (res.CUDA_SUCCESS, ("handle", state["handles"]))
+
+    def reserve(size, align, addr, flags):
+        a = state["next"]
+        state["next"] += size
+        return (res.CUDA_SUCCESS, a)
+
+    def push(ctx):
+        state["ctx"].append(ctx)
+        return (res.CUDA_SUCCESS,)
+
+    def pop():
+        return (res.CUDA_SUCCESS, state["ctx"].pop())
+
+    ok = lambda *a: (res.CUDA_SUCCESS,)
+    drv = types.SimpleNamespace(
+        CUresult=res,
+        CUdevice_attribute=enum(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102),
+        CUmemAllocationType=enum(CU_MEM_ALLOCATION_TYPE_PINNED=1),
+        CUmemLocationType=enum(CU_MEM_LOCATION_TYPE_DEVICE=1),
+        CUmemAccess_flags=enum(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3),
+        CUmemAllocationGranularity_flags=enum(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0),
+        CUmemAllocationProp=lambda: _Obj(type=0, location=_Obj(type=0, id=-1)),
+        CUmemAccessDesc=lambda: _Obj(flags=0, location=_Obj(type=0, id=-1)),
+        cuGetErrorName=lambda err: (res.CUDA_SUCCESS, b"CUDA_ERROR_%d" % err),
+        cuInit=call("cuInit", ok),
+        cuDeviceGet=call("cuDeviceGet", lambda i: (res.CUDA_SUCCESS, f"dev{i}")),
+        cuDeviceGetAttribute=call("cuDeviceGetAttribute", lambda a, d: (res.CUDA_SUCCESS, vmm_supported)),
+        cuDevicePrimaryCtxRetain=call("cuDevicePrimaryCtxRetain", lambda d: (res.CUDA_SUCCESS, f"ctx:{d}")),
+        cuDevicePrimaryCtxRelease=call("cuDevicePrimaryCtxRelease", ok),
+        cuDeviceTotalMem=call("cuDeviceTotalMem", lambda d: (res.CUDA_SUCCESS, 64 * GRANULE)),
+        cuCtxPushCurrent=call("cuCtxPushCurrent", push),
+        cuCtxPopCurrent=call("cuCtxPopCurrent", pop),
+        cuMemGetAllocationGranularity=call("cuMemGetAllocationGranularity", lambda p, f: (res.CUDA_SUCCESS, GRANULE)),
+        cuMemAddressReserve=call("cuMemAddressReserve", reserve),
+        cuMemAddressFree=call("cuMemAddressFree", ok),
+        cuMemCreate=call("cuMemCreate", create),
+        cuMemRelease=call("cuMemRelease", ok),
+        cuMemMap=call("cuMemMap", ok),
+        cuMemSetAccess=call("cuMemSetAccess", ok),
+        cuMemUnmap=call("cuMemUnmap", ok),
+    )
+    return drv, calls, state
+
+
+def test_cuda_backend_calls_the_driver_as_documented():
+    drv, calls, st_ = fake_driver()
+    vm = CudaVirtualMemory(1, driver=drv)
+    assert (vm.granularity, vm.capacity) == (GRANULE, 64 * GRANULE)
+    prop = next(a[0] for n, a in calls if n == "cuMemGetAllocationGranularity")
+    assert (prop.type, prop.location.type, prop.location.id) == (1, 1, 1)
+    calls.clear()
+    r = vm.reserve(4 * GRANULE)
+    c = vm.create(2 * GRANULE)
+    vm.map(r + GRANULE, c, offset=GRANULE, nbytes=GRANULE)
+    vm.set_access(r + GRANULE, GRANULE)
+    vm.unmap(r + GRANULE, GRANULE)
+    vm.release(c)
+    vm.free_range(r)
+    vm.close()
+    driver_calls = [(n, a) for n, a in calls if not n.startswith("cuCtx")]
+    assert [n for n, _ in driver_calls] == [
+        "cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
+        "cuMemAddressFree", "cuDevicePrimaryCtxRelease",
+    ]
+    args = dict(driver_calls)
+    assert args["cuMemAddressReserve"] == (4 * GRANULE, GRANULE, 0, 0)
+    assert args["cuMemCreate"][0] == 2 * GRANULE and args["cuMemCreate"][2] == 0
+    assert args["cuMemMap"] == (r + GRANULE, GRANULE, GRANULE, ("handle", 1), 0)
+    (desc,), count = args["cuMemSetAccess"][2:]
+    assert count == 1 and (desc.flags, desc.location.type, desc.location.id) == (3, 1, 1)
+    assert args["cuMemUnmap"] == (r + GRANULE, GRANULE)
+    assert args["cuMemRelease"] == (("handle", 1),)
+    assert args["cuMemAddressFree"] == (r, 4 * GRANULE)
+    # every memory call ran inside the primary context, and the caller's was restored
+    assert sum(n == "cuCtxPushCurrent" for n, _ in calls) == 7 and st_["ctx"] == []
+
+
+def test_cuda_backend_maps_driver_out_of_memory_and_keeps_its_books():
+    drv, _, _ = fake_driver(free=2 * GRANULE)
+    vm = CudaVirtualMemory(0, capacity=16 * GRANULE, driver=drv)
+    vm.create(GRANULE)
+    with pytest.raises(DeviceOutOfMemory, match="cuMemCreate failed: CUDA_ERROR_2"):
+        vm.create(2 * GRANULE)  # within capacity, but the driver has no more
+    assert vm.in_use == GRANULE and len(vm.chunks()) == 1
+    with pytest.raises(DeviceOutOfMemory):
+        vm.create(16 * GRANULE)  # past capacity: refused before the driver is asked
+
+
+def test_a_gpu_without_virtual_memory_is_refused():
+    drv, _, _ = fake_driver(vmm_supported=0)
+    with pytest.raises(VirtualMemoryUnsupported, match="cuda:0 does not support"):
+        CudaVirtualMemory(0, driver=drv)
+
+
+def test_missing_driver_bindings_say_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(VirtualMemoryUnsupported, match=r"cupool\[vmm\]"):
+        CudaVirtualMemory(0)
+
+
+# -- the state machine ---------------------------------------------------------------
+
+G = 64 << 10  # a small granule keeps the machine fast; the rules do not depend on its size
+CAPACITY = 12 * G
+
+
+class VirtualMemoryMachine(RuleBasedStateMachine):
+    """Random reserve/create/map/unmap/release/free against a model; bytes must survive everything."""
+
+    def __init__(self):
+        super().__init__()
+        self.vm = SimVirtualMemory(CAPACITY, granularity=G)
+        self.ranges: dict[int, int] = {}  # addr -> nbytes
+        self.chunks = []  # live chunks
+        self.content: dict[int, list[int]] = {}  # chunk id -> the byte each granule holds
+        self.maps: dict[int, tuple] = {}  # addr -> (nbytes, chunk, offset)
+        self.fill = 0
+
+    def teardown(self):
+        self.vm.close()
+
+    def expect_refusal(self, op, error=VirtualMemoryError):
+        before = state(self.vm)
+        with pytest.raises(error):
+            op()
+        assert state(self.vm) == before
+
+    @initialize()
+    def start_with_a_range_and_chunks(self):
+        self.reserve(8, False)
+        self.create(2)
+        self.create(1)
+
+    @rule(granules=st.integers(1, 6), misaligned=st.sampled_from([False, False, False, True]))
+    def reserve(self, granules, misaligned):
+        if misaligned:
+            self.expect_refusal(lambda: self.vm.reserve(granules * G + 4096))
+        else:
+            addr = self.vm.reserve(granules * G)
+            self.ranges[addr] = granules * G
+
+    @precondition(lambda self: self.ranges)
+    @rule(data=st.data())
+    def free_range(self, data):
+        addr = data.draw(st.sampled_from(sorted(self.ranges)))
+        if any(addr <= a < addr + self.ranges[addr] for a in self.maps):
+            self.expect_refusal(lambda: self.vm.free_range(addr))
+        else:
+            self.vm.free_range(addr)
+            del self.ranges[addr]
+
+    @rule(granules=st.integers(1, 3))
+    def create(self, granules):
+        if sum(c.nbytes for c in self.chunks) + granules * G > CAPACITY:
+            self.expect_refusal(lambda: self.vm.create(granules * G), DeviceOutOfMemory)
+        else:
+            c = self.vm.create(granules * G)
+            self.chunks.append(c)
+            self.content[c.id] = [0] * granules
+
+    @precondition(lambda self: self.chunks)
+    @rule(data=st.data())
+    def release(self, data):
+        c = data.draw(st.sampled_from(self.chunks))
+        if any(ch is c for _, ch, _ in self.maps.values()):
+            self.expect_refusal(lambda: self.vm.release(c))
+        else:
+            self.vm.release(c)
+            self.chunks.remove(c)
+            del self.content[c.id]
+
+    def free_granules(self, base):
+        return [base + i * G for i in range(self.ranges[base] // G)
+                if not any(a <= base + i * G < a + n for a, (n, _, _) in self.maps.items())]
+
+    @precondition(lambda self: self.ranges and self.chunks)
+    @rule(data=st.data())
+    def map(self, data):
+        base = data.draw(st.sampled_from(sorted(self.ranges)))
+        c = data.draw(st.sampled_from(self.chunks))
+        free = self.free_granules(base)
+        first = data.draw(st.integers(0, c.nbytes // G - 1))
+        most = c.nbytes // G - first
+        if free and data.draw(st.integers(0, 3)):  # mostly into free granules, sometimes anywhere
+            at = data.draw(st.sampled_from(free))
+            run = next((i for i in range(most) if at + i * G not in free), most)
+            count = data.draw(st.integers(1, run))
+        else:
+            at = base + data.draw(st.integers(0, self.ranges[base] // G - 1)) * G
+            count = data.draw(st.integers(1, most))
+        nbytes = count * G
+        fits = at + nbytes <= base + self.ranges[base]
+        overlaps = any(a < at + nbytes and at < a + n for a, (n, _, _) in self.maps.items())
+        if not fits or overlaps:
+            self.expect_refusal(lambda: self.vm.map(at, c, first * G, nbytes))
+            return
+        self.vm.map(at, c, first * G, nbytes)
+        self.vm.set_access(at, nbytes)
+        self.maps[at] = (nbytes, c, first * G)
+        view = self.vm.bytes_at(at, nbytes)
+        for g in range(count):  # a fresh pattern, which every other mapping of c must now show too
+            self.fill = self.fill % 255 + 1
+            view[g * G : (g + 1) * G] = self.fill
+            self.content[c.id][first + g] = self.fill
+
+    @precondition(lambda self: self.maps)
+    @rule(data=st.data())
+    def unmap(self, data):
+        addr = data.draw(st.sampled_from(sorted(self.maps)))
+        nbytes = self.maps[addr][0]
+        if data.draw(st.booleans()) and nbytes > G:
+            self.expect_refusal(lambda: self.vm.unmap(addr, nbytes - G))  # part of a mapping
+        else:
+            self.vm.unmap(addr, nbytes)
+            del self.maps[addr]
+
+    @precondition(lambda self: self.ranges)
+    @rule(data=st.data())
+    def bad_map(self, data):
+        base = data.draw(st.sampled_from(sorted(self.ranges)))
+        target = data.draw(st.sampled_from(["misaligned", "unmapped-unmap", "released"]))
+        if target == "misaligned" and self.chunks:
+            self.expect_refusal(lambda: self.vm.map(base + 4096, self.chunks[0]))
+        elif target == "unmapped-unmap":
+            free = self.free_granules(base)
+            if free:
+                self.expect_refusal(lambda: self.vm.unmap(free[0], G))
+        else:
+            gone = SimVirtualMemory(G, granularity=G)
+            c = gone.create(G)
+            gone.close()
+            self.expect_refusal(lambda: self.vm.map(base, c))
+
+    @invariant()
+    def books_match_the_model(self):
+        assert dict(self.vm.ranges()) == self.ranges
+        assert {c.id for c in self.vm.chunks()} == {c.id for c in self.chunks}
+        assert self.vm.in_use == sum(c.nbytes for c in self.chunks) <= CAPACITY
+        ms = self.vm.mappings()
+        assert {m.addr: (m.nbytes, m.chunk, m.offset) for m in ms} == self.maps
+        live = {c.id for c in self.vm.chunks()}
+        for prev, m in itertools.pairwise(ms):
+            assert prev.end <= m.addr  # every mapped granule is one mapping's ...
+        assert all(m.chunk.id in live and m.chunk.live for m in ms)  # ... of exactly one live chunk
+
+    @invariant()
+    def every_mapping_shows_its_chunks_bytes(self):
+        for addr, (nbytes, c, offset) in self.maps.items():
+            view = self.vm.bytes_at(addr, nbytes)
+            for g in range(nbytes // G):
+                want = self.content[c.id][offset // G + g]
+                assert view[g * G] == want and view[(g + 1) * G - 1] == want
+                assert (view[g * G : (g + 1) * G] == want).all()
+
+
+TestVirtualMemoryMachine = VirtualMemoryMachine.TestCase
