@@ -13,15 +13,19 @@ from pathlib import Path
 
 import pytest
 
+import cupool
 from cupool.cli import main
 from cupool.replay import layout, replay
 from cupool.trace import load_trace
-from cupool.trace.importers import recorded_peak_allocated
+from cupool.trace.importers import recorded_peak_allocated, recorded_peak_reserved
 
 MiB = 1 << 20
 A = 1 << 32  # a large segment that was there before recording started
 B = 1 << 33  # a small one, freed during the window
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+GiB = 1 << 30
+#: The capacity source of the mid-run snapshot, whose segments A and B reserve 22 MiB.
+_SIZED_22 = "1.25 x the recorded peak reserved 22 MiB; the snapshot does not record the device's total"
 _SAME = ("peak_allocated", "ooms", "unmatched_frees", "seeded_blocks", "history")
 
 
@@ -162,10 +166,106 @@ def test_json_prints_one_object_per_configuration(tmp_path, capsys):
     assert first["peak_allocated"] == first["recorded_peak_allocated"] == 15 * MiB + 512
     assert (first["seeded_blocks"], first["unmatched_frees"], first["ooms"]) == (3, 0, 0)
     assert (first["capacity"], first["capacity_source"]) == (1 << 30, "from --config")
-    assert rows[1]["capacity_source"] == "the sim device's default"
+    assert (rows[1]["capacity"], rows[1]["capacity_source"]) == (28 * MiB, _SIZED_22)
     for key in ("peak_reserved", "max_fragmentation", "mean_fragmentation", "fragmentation_at_peak",
                 "peak_segments", "events_per_second", "history"):
         assert key in first
+
+
+@pytest.mark.parametrize("engine", ["numba", "pool"])
+def test_the_device_is_sized_from_the_recorded_peak_reserved(tmp_path, engine):
+    """A 6 GiB program on the 4 GiB default device ran out of memory at every step; sized from
+    its trace (a 6 GiB segment, then a 1 GiB one while it is still held), it runs."""
+    events = [_event("segment_alloc", A, 6 * GiB, 1), _event("alloc", A, 6 * GiB, 2),
+              _event("segment_alloc", B, GiB, 3), _event("alloc", B, GiB, 4),
+              _event("free_completed", A, 6 * GiB, 5), _event("segment_free", A, 6 * GiB, 6)]
+    path = tmp_path / "big.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    trace = load_trace(path)
+    assert recorded_peak_reserved(trace) == 7 * GiB
+    r = replay(trace, engine=engine)
+    assert (r.capacity, r.ooms, r.peak_reserved, r.peak_allocated) == (8960 * MiB, 0, 7 * GiB, 7 * GiB)
+    old = replay(trace, {"capacity": "4GiB"}, engine=engine)  # the old default device
+    assert (old.ooms, old.peak_allocated) == (1, GiB)
+
+
+def test_sized_capacity_rounds_up_to_a_page_and_is_said(tmp_path, capsys):
+    _mid_run(tmp_path / "mid.pickle")
+    path = str(tmp_path / "mid.pickle")
+    trace = load_trace(path)
+    assert recorded_peak_reserved(trace) == 22 * MiB  # seeded A (20 MiB) and B (2 MiB)
+    assert replay(trace).capacity == 28 * MiB  # 27.5 MiB, rounded up to 2 MiB
+    assert main(["replay", path]) == 0
+    assert f"capacity           28 MiB ({_SIZED_22})" in capsys.readouterr().out
+    assert main(["replay", path, "--capacity", "1GiB"]) == 0
+    assert "capacity           1 GiB (from --capacity)" in capsys.readouterr().out
+    assert main(["replay", path, "--json", "--capacity", "64MiB", "--compare", "recorded", "release_threshold=0"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["capacity"], r["capacity_source"]) for r in rows} == {(64 * MiB, "from --capacity")}
+    assert main(["replay", path, "--capacity", "1GiB", "--config", "capacity=2GiB"]) == 2
+    assert "give the capacity once" in capsys.readouterr().err
+
+
+def test_report_says_the_capacity_and_the_ooms(tmp_path, capsys):
+    _mid_run(tmp_path / "mid.pickle")
+    path, out = str(tmp_path / "mid.pickle"), str(tmp_path / "r.png")
+    assert main(["report", path, "-o", out]) == 0
+    assert f"capacity 28 MiB ({_SIZED_22}); 0 OOMs" in capsys.readouterr().out
+    assert main(["report", path, "-o", out, "--capacity", "16MiB"]) == 0
+    said = capsys.readouterr().out
+    assert "capacity 16 MiB (from --capacity); " in said and "; 0 OOMs" not in said
+
+
+def test_a_snapshot_without_segments_keeps_the_default_device(tmp_path):
+    path = tmp_path / "bare.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_event("alloc", A, MiB, 1)]]}))
+    trace = load_trace(path)
+    assert recorded_peak_reserved(trace) is None
+    assert replay(trace).capacity == 4 * GiB
+
+
+def _phases(path: Path, between: str) -> None:
+    """Three 30 MiB blocks, each in its own segment, freed; then ``between``; then a 50 MiB block.
+
+    "empty_cache": the program gave the three segments back (a burst of segment frees);
+    "retry": PyTorch freed one to retry a device allocation that failed, then mapped the new
+    segment (the replay's own ladder decides that); "nothing": the cache was kept.
+    """
+    events = []
+    for j in range(3):
+        events += [_event("segment_alloc", A + j * 30 * MiB, 30 * MiB, 10 * j),
+                   _event("alloc", A + j * 30 * MiB, 30 * MiB, 10 * j + 1)]
+    events += [_event("free_completed", A + j * 30 * MiB, 30 * MiB, 40 + j) for j in range(3)]
+    if between == "empty_cache":
+        events += [_event("segment_free", A + j * 30 * MiB, 30 * MiB, 50 + j) for j in range(3)]
+    elif between == "retry":
+        events += [_event("segment_free", A, 30 * MiB, 50), _event("segment_alloc", B, 50 * MiB, 51)]
+    events.append(_event("alloc", B, 50 * MiB, 60))
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+
+
+@pytest.mark.parametrize(("between", "peak", "segment_frees"),
+                         [("empty_cache", 90 * MiB, 3), ("retry", 140 * MiB, 0), ("nothing", 140 * MiB, 0)])
+def test_the_programs_own_empty_cache_is_followed(tmp_path, between, peak, segment_frees):
+    _phases(tmp_path / "phases.pickle", between)
+    trace = load_trace(tmp_path / "phases.pickle")
+    fast, exact = (replay(trace, {"capacity": "1GiB"}, engine=e) for e in ("numba", "pool"))
+    for r in (fast, exact):
+        assert (r.peak_reserved, r.segment_frees, r.peak_allocated, r.ooms) == (peak, segment_frees, 90 * MiB, 0)
+    assert fast.fragmentation_at_peak == exact.fragmentation_at_peak
+    timeline = replay(trace, {"capacity": "1GiB"}, timeline=True).timeline
+    assert timeline is not None and int(timeline["reserved"][-1]) == (50 if between == "empty_cache" else 140) * MiB
+
+
+def test_a_cupool_trace_is_not_given_extra_empty_caches(tmp_path):
+    """cupool's recorded settings reproduce its own segment frees: a replay adds none."""
+    pool = cupool.Pool("sim", capacity="256MiB", release_threshold=0)
+    with pool.record(tmp_path / "t.h5"):
+        for _ in range(3):
+            pool.malloc(30 * MiB).free()
+    trace = load_trace(tmp_path / "t.h5")
+    for engine in ("numba", "pool"):
+        assert replay(trace, engine=engine).segment_frees == pool.stats()["num_device_free"] == 3
 
 
 def _shared(name: str) -> Path:
@@ -179,6 +279,9 @@ def test_real_snapshot_with_history_replays_at_its_recorded_peak():
     r = replay(trace, {"capacity": "8GiB"})
     assert r.peak_allocated == recorded_peak_allocated(trace) == 1_783_665_152
     assert (r.history, r.seeded_blocks, r.unmatched_frees, r.ooms) == (True, 0, 0, 0)
+    sized = replay(trace)  # 61 segments, 1,897,922,560 bytes, all allocated in the window and kept
+    assert recorded_peak_reserved(trace) == 1_897_922_560
+    assert (sized.capacity, sized.ooms, sized.peak_reserved) == (2_373_976_064, 0, 1_897_922_560)
 
 
 def test_real_snapshot_without_history_is_a_still_picture():
@@ -187,3 +290,6 @@ def test_real_snapshot_without_history_is_a_still_picture():
     # The snapshot's own marker event carries the allocated total: 11,840,159,744 bytes.
     assert r.peak_allocated == recorded_peak_allocated(trace) == 11_840_159_744
     assert (r.history, r.seeded_blocks, r.unmatched_frees, r.ooms, r.peak_segments) == (False, 460, 0, 0, 176)
+    sized = replay(trace)  # its 176 segments hold 11,844,714,496 bytes: 11 GiB, past the 4 GiB default
+    assert recorded_peak_reserved(trace) == 11_844_714_496
+    assert (sized.capacity, sized.ooms, sized.peak_allocated) == (14_805_893_120, 0, 11_840_159_744)

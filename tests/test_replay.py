@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -114,6 +116,10 @@ TestRecordedPool.settings = settings(max_examples=25, stateful_step_count=30, de
 
 def _synthetic(ops):
     """A trace from (is_alloc, size, stream, which) tuples, with made-up addresses."""
+    return Trace.from_events(_synthetic_events(ops))
+
+
+def _synthetic_events(ops):
     events, live, nxt = [], [], 0
     for t, (is_alloc, size, stream, which) in enumerate(ops):
         if is_alloc or not live:
@@ -123,7 +129,7 @@ def _synthetic(ops):
         else:
             a, s, strm = live.pop(which % len(live))
             events.append((t, "free", a, s, strm))
-    return Trace.from_events(events)
+    return events
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
@@ -132,6 +138,20 @@ def _synthetic(ops):
                         {"capacity": "128MiB", "max_size": "50MiB", "initial_size": "6MiB"}]))
 def test_engines_agree_on_generated_traces(ops, config):
     _agree(_synthetic(ops), config)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
+                max_size=120),
+       st.sets(st.integers(0, 119), max_size=6),
+       st.sampled_from([{"capacity": "64MiB"}, {"capacity": "128MiB", "initial_size": "6MiB"}]))
+def test_engines_agree_on_a_programs_own_empty_cache(ops, empties, config):
+    """A PyTorch program's empty_cache() (a burst of segment frees) is replayed alike by both engines."""
+    events = []
+    for t, ev in enumerate(_synthetic_events(ops)):
+        events.append(ev)
+        if t in empties:
+            events.append((ev[0], "segment_free", 1 << 40, 2 << 20, 0))
+    _agree(Trace.from_events(events, format="torch"), config)
 
 
 def test_foreign_quirks_unmatched_frees_and_reused_addresses():
@@ -340,3 +360,55 @@ def test_a_malformed_seed_names_the_trace_and_the_field(engine):
             replay(trace, {"capacity": "64MiB"}, engine=engine)
     good = Trace.from_events(events, config={"seed": {"events": 2, "small_segments": [1 << 21]}}, source="ok")
     assert replay(good, {"capacity": "64MiB"}, engine=engine).unmatched_frees == 0
+
+
+def test_a_cupool_trace_keeps_its_recorded_capacity():
+    from cupool.replay.driver import trace_capacity
+
+    trace = Trace.from_events([(0, "alloc", 1, 4096, 0)], config={"capacity": 64 << 20})
+    assert trace_capacity(trace) == (64 << 20, "recorded")
+    assert replay(trace).capacity == 64 << 20
+    assert trace_capacity(Trace.from_events([(0, "alloc", 1, 4096, 0)])) is None
+
+
+def test_the_replay_time_leaves_out_compiling_the_engine(monkeypatch):
+    """The engine's first call in a process compiles it or loads it from the cache: a stand-in
+    that takes 0.5 s on its first call only must not show in the replay's time."""
+    from cupool.replay import engine as eng
+
+    run, calls = eng.run, []
+
+    def slow_first(*args):
+        if not calls:
+            time.sleep(0.5)
+        calls.append(args[5:7])
+        return run(*args)
+
+    monkeypatch.setattr(eng, "run", slow_first)
+    r = replay(Trace.from_events([(i, "alloc" if i % 2 == 0 else "free", 1, 4096, 0) for i in range(100)]))
+    assert calls[0] == (0, 0) and calls[1:] == [(0, 100)]
+    assert r.seconds < 0.25 and r.ooms == 0
+
+
+def test_compiling_is_announced_once_and_only_for_the_engine(capsys):
+    import numba
+
+    from cupool.replay import engine as eng
+
+    def double(x):
+        return 2 * x
+
+    def triple(x):
+        return 3 * x
+
+    double.__module__ = eng.__name__  # compiled afresh, as the engine's own functions are on a cold cache
+    with eng.compile_notice() as quiet:
+        assert numba.njit(triple)(2) == 6  # someone else's function: not the replay engine
+    assert not quiet.compiled and capsys.readouterr().err == ""
+    with eng.compile_notice() as notice:
+        compiled = numba.njit(double)
+        assert (compiled(2), compiled(2.5)) == (4, 5.0)  # two signatures, two compilations
+    assert notice.compiled and capsys.readouterr().err == eng.COMPILE_NOTICE + "\n"
+    with eng.compile_notice() as again:
+        assert compiled(3) == 6  # compiled already
+    assert not again.compiled and capsys.readouterr().err == ""

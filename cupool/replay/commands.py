@@ -14,7 +14,7 @@ from typing import Any
 
 from .._units import format_bytes
 from ..trace import Trace, load_trace
-from ..trace.importers import recorded_peak_allocated
+from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
 from .driver import (
     CONFIG_KEYS,
     ENGINES,
@@ -26,6 +26,7 @@ from .driver import (
     parse_config,
     recorded_config,
     replay,
+    trace_capacity,
 )
 from .report import plot_report
 
@@ -36,6 +37,7 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
+    _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,...; 'recorded' for the recorded settings)")
     p.add_argument("--engine", choices=ENGINES, default=None,
@@ -51,13 +53,30 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
+    _add_capacity(p)
     p.set_defaults(func=_cmd_report)
+
+
+def _add_capacity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", default=None, metavar="SIZE",
+                   help="the sim device's size (--config capacity=SIZE); default: the recorded one, else "
+                        f"{float(CAPACITY_HEADROOM):g}x the trace's recorded peak reserved, else 4 GiB")
+
+
+def _base_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--config`` with ``--capacity`` folded in; saying the size twice is refused rather than guessed."""
+    base = parse_config(args.config)
+    if args.capacity is not None:
+        if "capacity" in base:
+            raise ValueError("give the capacity once: --capacity or --config capacity=..., not both")
+        base["capacity"] = args.capacity
+    return base
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     engine = args.engine or default_engine(trace)
-    base = parse_config(args.config)
+    base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
     for c in configs:  # reject a bad key before spending time on any replay
@@ -66,7 +85,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
     if args.json:
         for spec, c, r in zip(specs, configs, results):
-            print(json.dumps(_json_row(args.trace, spec or "recorded", r, _capacity_source(trace, engine, c),
+            print(json.dumps(_json_row(args.trace, spec or "recorded", r, _capacity_source(trace, c, args),
                                        recorded_peak), default=str))
         return 0
     counts = trace.counts()
@@ -81,7 +100,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         r = results[0]
         print(f"configuration      {_show_config(r.config)}")
         rows = [
-            ("capacity", f"{format_bytes(r.capacity)} ({_capacity_source(trace, engine, configs[0])})"),
+            ("capacity", f"{format_bytes(r.capacity)} ({_capacity_source(trace, configs[0], args)})"),
             ("peak reserved", format_bytes(r.peak_reserved)),
             ("peak allocated", format_bytes(r.peak_allocated)
              + ("" if recorded_peak is None else f" (recorded: {format_bytes(recorded_peak)})")),
@@ -115,13 +134,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity_source(trace: Trace, engine: str, config: dict[str, Any]) -> str:
+def _capacity_source(trace: Trace, config: dict[str, Any], args: argparse.Namespace) -> str:
     """Where the simulated device's size came from, as the output says it."""
     if "capacity" in config:
-        return "from --config"
-    if "capacity" in recorded_config(trace, engine):
-        return "recorded"
-    return "the sim device's default"
+        return "from --capacity" if config["capacity"] == args.capacity else "from --config"
+    sized = trace_capacity(trace)
+    return "the sim device's default" if sized is None else sized[1]
 
 
 def _still_layout(trace: Trace, config: dict[str, Any], engine: str) -> str:
@@ -160,12 +178,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not folder.is_dir():  # before the replay, which can take a while
         raise OSError(f"cannot write the report {out}: the folder {folder} does not exist")
     trace = load_trace(args.trace)
-    summary = plot_report(trace, out, parse_config(args.config))
+    config = _base_config(args)
+    summary = plot_report(trace, out, config)
     for w in summary["warnings"]:
         print(f"warning: {w}")
     print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
+    print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
+          f"{summary['ooms']} OOMs")
     return 0
 
 

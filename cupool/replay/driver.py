@@ -19,9 +19,12 @@ the trace's ``seed`` configuration) describe the segments and live blocks the
 replay starts from.  A PyTorch snapshot whose recording window started mid-run
 gets such a seed from its importer (the blocks older than the window), and one
 with no history is its seed alone: a still picture (``ReplayResult.history``).
-Frees of addresses the replay does not hold (an allocation the replay could not
-serve, a foreign trace with no seed) are skipped and counted; an ``alloc`` at an
-address still held frees the old block first (the trace missed that free).
+A PyTorch program's own ``torch.cuda.empty_cache()`` calls, read from the
+trace by ``cupool.trace.importers.empty_cache_marks``, are made at the same
+points (the numba engine does what ``Pool.empty_cache`` does).  Frees of
+addresses the replay does not hold (an allocation the replay could not serve, a
+foreign trace with no seed) are skipped and counted; an ``alloc`` at an address
+still held frees the old block first (the trace missed that free).
 
 Two engines:
 
@@ -61,6 +64,7 @@ from ..core.sizes import LARGE, PAGE, SMALL
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
+from ..trace.importers import empty_cache_marks, sized_capacity
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
@@ -173,6 +177,10 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
         cfg["capacity"] = rec["limit"]
         cfg.pop("max_size", None)
         cfg.pop("memory_fraction", None)
+    if "capacity" not in cfg:
+        sized = trace_capacity(trace)
+        if sized is not None:
+            cfg["capacity"] = sized[0]
     if engine == "pool":
         cfg.update({k: rec[k] for k in POOL_KEYS if k in rec})
         if cfg.get("spill") is not None:
@@ -180,6 +188,22 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
             # memory: a trace file must never choose where a replay writes.
             cfg["spill"] = "host"
     return cfg
+
+
+def trace_capacity(trace: Trace) -> tuple[int | str, str] | None:
+    """The sim device a trace calls for, in bytes, and where that came from (None: the trace says nothing).
+
+    cupool's own traces record their device (or, on a GPU, the pool's limit).
+    A PyTorch snapshot does not, so its device is sized from its recorded peak
+    reserved (``sized_capacity``): the sim device's fixed default (4 GiB) would
+    run a 51 GiB program out of memory thousands of times and report its own
+    size as the program's peak.
+    """
+    rec = trace.config
+    recorded = rec.get("capacity") if rec.get("capacity") is not None else rec.get("limit")
+    if recorded:
+        return recorded, "recorded"
+    return sized_capacity(trace)
 
 
 def check_config(config: dict[str, Any], engine: str) -> None:
@@ -331,6 +355,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
                                 trace.size[:n].tolist(), trace.stream[:n].tolist())
     spills, restores = _spill_marks(trace, n)
     seeded = _seed_count(trace, n)
+    empties = empty_cache_marks(trace, n, seeded).tolist()
     live: dict[int, Any] = {}  # recorded address -> Allocation or Movable
     spilled: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
     moving = None
@@ -398,6 +423,8 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
             except OutOfMemoryError:
                 pass
         else:
+            if empties[i]:
+                pool.empty_cache()
             if timeline:
                 tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
@@ -442,31 +469,38 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
     from . import engine as eng
 
     probe = _sim_pool(cfg, trace)  # validates the settings exactly as Pool does and resolves them to bytes
-    state = eng.new_state(
-        int(trace.stream.max()) + 1 if len(trace) else 1,
-        probe.device.capacity, probe.limit, probe.release_threshold, probe.config["initial_size"],
-    )
     sizes = trace.size
     if len(sizes) and int(sizes.max()) > probe.limit:
         # A request past the limit is refused whatever its size (the pool does not round
         # it first); capped, it cannot overflow the engine's int64 rounding either.
         sizes = np.minimum(sizes, probe.limit + PAGE)
     capacity = probe.device.capacity
-    del probe
     seeded = _seed_count(trace, n)
-    if seeded:
-        _seed_numba(trace, seeded, state)
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
     codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
-    arrays = [state[k] for k in ("B", "FB", "S", "FS", "IX", "EXT")]
+    empties = empty_cache_marks(trace, n, seeded)
+    with eng.compile_notice():
+        state = eng.new_state(
+            int(trace.stream.max()) + 1 if len(trace) else 1,
+            probe.device.capacity, probe.limit, probe.release_threshold, probe.config["initial_size"],
+        )
+        del probe
+        if seeded:
+            _seed_numba(trace, seeded, state)
+        arrays = [state[k] for k in ("B", "FB", "S", "FS", "IX", "EXT")]
+        # An empty range with the real arguments: compiles (or loads) the very signature the
+        # replay uses, so that the time below is the replay's alone.
+        eng.run(trace.kind, trace.addr, sizes, trace.stream, empties, seeded, seeded, codes, state["st"],
+                state["fst"], state["cfg"], *arrays[:5], state["TG"], state["DT"], arrays[5], state["live"],
+                tl_res, tl_alloc)
     bar = _bar(n, progress, "replay")
     t0 = time.perf_counter()
     step = _CHUNK if bar is not None else max(n - seeded, 1)
     for lo in range(seeded, n, step):
         hi = min(n, lo + step)
         arrays = list(eng.run(
-            trace.kind, trace.addr, sizes, trace.stream, lo, hi, codes,
+            trace.kind, trace.addr, sizes, trace.stream, empties, lo, hi, codes,
             state["st"], state["fst"], state["cfg"], *arrays[:5], state["TG"], state["DT"], arrays[5],
             state["live"], tl_res, tl_alloc,
         ))

@@ -35,8 +35,13 @@ chunks (for a progress bar) without leaving compiled code per event.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 from numba import types
+from numba.core import event
 from numba.typed import Dict
 
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
@@ -575,6 +580,43 @@ def _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b):
             _drop_segment(B, FB, S, FS, IX, st, TG, EXT, s)
 
 
+# ----------------------------------------------------------------- compiling
+COMPILE_NOTICE = "compiling the replay engine (first run only)"
+
+
+class _CompileNotice(event.Listener):
+    """Prints ``COMPILE_NOTICE`` at the first compilation it hears of.
+
+    Numba raises ``numba:compile`` only when it really compiles, after its
+    cache had no entry, so a load from the cache (well under a second) stays
+    quiet and a compile (~14 s) is announced before the wait, not after it.
+    Only this module's functions count: ``Dict.empty`` compiles Numba's own
+    typed-dict helpers in every process (~0.3 s, never cached), which is no
+    news to the user.
+    """
+
+    def __init__(self) -> None:
+        self.compiled = False
+
+    def on_start(self, event: event.Event) -> None:
+        fn = getattr(event.data.get("dispatcher"), "py_func", None)
+        if self.compiled or getattr(fn, "__module__", None) != __name__:
+            return
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+        self.compiled = True
+
+    def on_end(self, event: event.Event) -> None:
+        pass
+
+
+@contextmanager
+def compile_notice() -> Iterator[_CompileNotice]:
+    """Announce on stderr, once, any compilation in the block (its ``compiled`` says whether one ran)."""
+    listener = _CompileNotice()
+    with event.install_listener("numba:compile", listener):
+        yield listener
+
+
 # ----------------------------------------------------------------- state
 def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, initial: int) -> dict:
     """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release)."""
@@ -709,11 +751,14 @@ def seed_state(state: dict, sg: np.ndarray, bk: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def run(kind, addr, size, stream, lo, hi, codes, st, fst, cfg,
+def run(kind, addr, size, stream, empties, lo, hi, codes, st, fst, cfg,
         B, FB, S, FS, IX, TG, DT, EXT, live, tl_res, tl_alloc):
     """Replay events [lo, hi); returns the (possibly regrown) arrays B, FB, S, FS, IX, EXT.
 
     ``codes`` holds the trace's code of each kind in ``CODES`` (-1: absent).
+    Where ``empties`` is 1 the recorded program emptied its cache, and so does
+    the replay, as ``Pool.empty_cache`` does: wait for all streams, then give
+    back every wholly free segment but the preallocated one.
     ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
     they are as long as the trace (pass empty arrays otherwise).
     """
@@ -768,6 +813,9 @@ def run(kind, addr, size, stream, lo, hi, codes, st, fst, cfg,
             if b >= 0:
                 _free(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, b)
         else:
+            if empties[i]:
+                _settle(B, FB, IX, st, TG, DT, True)
+                _release_free_segments(B, FB, S, FS, IX, st, TG, EXT)
             if timeline:
                 tl_res[i] = st[RES]
                 tl_alloc[i] = st[ALLOC]

@@ -34,16 +34,20 @@ import bisect
 import csv
 import io
 import logging
+import math
 import os
 import pickle
 import pickletools
 import re
 import stat
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._units import MAX_DEVICE_BYTES, format_bytes
-from ..core.sizes import SMALL_SEGMENT, round_page, round_size
+from ..core.sizes import PAGE, SMALL_SEGMENT, round_page, round_size
 from .format import Trace, TraceError
 
 log = logging.getLogger("cupool")
@@ -69,6 +73,10 @@ _DAY_NS = 86_400 * 10**9
 _BLOCK_KINDS = ("alloc", "free", "segment_alloc", "segment_free")
 #: The largest snapshot read: it is read whole, and unpickled takes several times that.
 MAX_SNAPSHOT_BYTES = 4 << 30
+#: A snapshot's sim device: its recorded peak reserved times this, rounded up to a 2 MiB page.
+#: A replay places blocks its own way, so it may need a little more than the recording reserved;
+#: a quarter more absorbs that without hiding a configuration that really needs far more.
+CAPACITY_HEADROOM = Fraction(5, 4)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -186,6 +194,12 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     allocated peak (``recorded_peak_allocated``).  The old list form of
     ``torch.cuda.memory_snapshot()`` and a snapshot without history are read the
     same way: a seed and nothing after it, a still picture of the live blocks.
+
+    The device's total memory is not in a snapshot (its fields are
+    ``segments``, ``device_traces``, ``allocator_settings`` and
+    ``external_annotations``; only an ``oom`` event's ``device_free`` hints at
+    it, and that leaves out what other processes held), so the replay sizes its
+    device from the recorded peak reserved instead (``recorded_peak_reserved``).
     """
     p = Path(path)
     snap = _read_pickle(p)
@@ -214,7 +228,8 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     t0 = events[0][0] if events else 0
     seed_events = [(t0, *ev) for ev in seed]
     config["snapshot"] = {"history": history, "seeded_blocks": sum(ev[0] == "alloc" for ev in seed),
-                          "peak_allocated": _peak_allocated(seed_events + events, len(seed_events))}
+                          "peak_allocated": _peak_allocated(seed_events + events, len(seed_events)),
+                          "peak_reserved": _peak_reserved(seed_events + events)}
     return Trace.from_events(seed_events + events, config=config, source=str(p), format="torch")
 
 
@@ -229,6 +244,66 @@ def recorded_peak_allocated(trace: Trace) -> int | None:
     """
     peak = trace.config.get("snapshot", {}).get("peak_allocated")
     return peak if isinstance(peak, int) else None
+
+
+def recorded_peak_reserved(trace: Trace) -> int | None:
+    """The recorded allocator's reserved peak, for a PyTorch snapshot (None: not one, or no segments).
+
+    Reserved bytes are the segments held, counting those from before the
+    recording window (the seed) and following the window's ``segment_alloc`` /
+    ``segment_free`` (and ``segment_map`` / ``segment_unmap``); a snapshot
+    without history holds its final segments, so their sum.
+    """
+    peak = trace.config.get("snapshot", {}).get("peak_reserved")
+    return peak if isinstance(peak, int) and peak > 0 else None
+
+
+def sized_capacity(trace: Trace) -> tuple[int, str] | None:
+    """A sim device for a PyTorch snapshot, in bytes, and why that size (None: no segments to go by).
+
+    The snapshot records no device total (see ``load_torch_snapshot``), so its
+    peak reserved times ``CAPACITY_HEADROOM``, rounded up to a 2 MiB page.
+    """
+    peak = recorded_peak_reserved(trace)
+    if peak is None:
+        return None
+    why = (f"{float(CAPACITY_HEADROOM):g} x the recorded peak reserved {format_bytes(peak)}; "
+           "the snapshot does not record the device's total")
+    return math.ceil(peak * CAPACITY_HEADROOM / PAGE) * PAGE, why
+
+
+def empty_cache_marks(trace: Trace, n: int, seeded: int) -> np.ndarray:
+    """Where the recorded program emptied its cache: 1 at the last event of each burst, over ``trace``.
+
+    A PyTorch program that calls ``torch.cuda.empty_cache()`` gives its cached
+    segments back, and the replay does too, at that point (``pool.empty_cache()``;
+    the numba engine waits for all streams and releases every wholly free
+    segment, as the pool does): a program that trims its cache between phases would
+    otherwise look, in the replay, as if it held every phase's segments at once.
+    The trace records no call, only its effect, so a call is read from its
+    *burst*: a maximal run of consecutive ``segment_free`` (or ``segment_unmap``)
+    events after the seed, in a PyTorch snapshot, that is not followed by a
+    ``segment_alloc`` or an ``oom`` (PyTorch frees its cache itself on the way to
+    those, when a device allocation failed, and the replay's own reclaim ladder
+    does that by its own rules).  One segment is a burst too: PyTorch's
+    allocator otherwise keeps every segment it maps.  The replay empties its
+    cache after the burst's last event.  cupool's own traces are left alone:
+    their recorded settings reproduce their releases.  Only the first ``n``
+    events are read, and none of the first ``seeded`` (the seed).
+    """
+    marks = np.zeros(len(trace), np.int8)
+    sf = trace.code("segment_free")
+    if trace.format != "torch" or sf < 0:
+        return marks
+    kind = trace.kind[:n]
+    retries = [c for c in (trace.code("segment_alloc"), trace.code("oom")) if c >= 0]
+    ends = np.flatnonzero((kind == sf) & (np.append(kind[1:], -1) != sf))
+    ends = ends[ends >= seeded]
+    nxt = ends + 1 < n
+    retried = np.zeros(len(ends), bool)
+    retried[nxt] = np.isin(kind[ends[nxt] + 1], retries)
+    marks[ends[~retried]] = 1
+    return marks
 
 
 def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:
@@ -362,6 +437,18 @@ def _peak_allocated(events: list[tuple], seeded: int) -> int:
             now -= live.pop(addr, 0)
         if i + 1 >= seeded:
             peak = max(peak, now)
+    return peak
+
+
+def _peak_reserved(events: list[tuple]) -> int:
+    """Segment bytes held at their highest (see ``recorded_peak_reserved``)."""
+    now = peak = 0
+    for _, kind, _, size, _ in events:
+        if kind == "segment_alloc":
+            now += size
+            peak = max(peak, now)
+        elif kind == "segment_free":
+            now -= size
     return peak
 
 
