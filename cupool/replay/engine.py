@@ -717,17 +717,22 @@ def _seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
             b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, stream, 0)
             if b >= 0:
                 made[j] = B[SEG, b]
+    # Every block that fits its seeded segment first: an ordinary allocation runs the
+    # reclaim ladder, which would give back seeded segments still waiting for their blocks.
+    placed = np.zeros(bk.shape[1], np.bool_)
     for j in range(bk.shape[1]):
         seg, off, size, stream = bk[0, j], bk[1, j], bk[2, j], bk[3, j]
-        b = -1
         if made[seg] >= 0:
             b = _place(B, FB, S, IX, st, TG, made[seg], off, size)
-        if b >= 0:
-            _allocated(B, st, b, size, stream)
-        else:
-            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, size, stream, False)
-        if b >= 0:
-            live[bk[4, j]] = b
+            if b >= 0:
+                _allocated(B, st, b, size, stream)
+                live[bk[4, j]] = b
+                placed[j] = True
+    for j in range(bk.shape[1]):
+        if not placed[j]:
+            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, bk[2, j], bk[3, j], False)
+            if b >= 0:
+                live[bk[4, j]] = b
     if st[RES]:
         fst[F_PEAK] = (st[RES] - st[ALLOC]) / st[RES]
 
@@ -742,10 +747,15 @@ def seed_state(state: dict, sg: np.ndarray, bk: np.ndarray) -> None:
     for key, grow in (("B", _grown2), ("FB", _grown1), ("IX", _grown3)):
         if state[key].shape[-1] < need:
             state[key] = grow(state[key], need)
-    if state["S"].shape[1] < sg.shape[1] + 4:
-        state["S"] = _grown2(state["S"], sg.shape[1] + 4)
-        state["FS"] = _grown1(state["FS"], sg.shape[1] + 4)
-        state["EXT"] = _grown2(state["EXT"], sg.shape[1] + 6)
+    # Every seeded segment, and one more for each block whose segment did not fit this
+    # replay's device and is allocated the ordinary way instead (the compiled code does
+    # no bounds checks: too small an array here corrupts the state).
+    segments = sg.shape[1] + bk.shape[1] + 4
+    if state["S"].shape[1] < segments:
+        state["S"] = _grown2(state["S"], segments)
+        state["FS"] = _grown1(state["FS"], segments)
+    if state["EXT"].shape[1] < segments + 2:
+        state["EXT"] = _grown2(state["EXT"], segments + 2)
     _seed(sg, bk, state["st"], state["fst"], state["cfg"], state["B"], state["FB"], state["S"], state["FS"],
           state["IX"], state["TG"], state["DT"], state["EXT"], state["live"])
 

@@ -1,0 +1,200 @@
+"""Real traces against the allocator that recorded them: peak reserved and the smallest device that works.
+
+    python benchmarks/bench_real_traces.py FOLDER [--engine numba|pool] [--json] [--window 64]
+
+For each trace in FOLDER (PyTorch snapshots ``*.pickle``, cupool ``*.h5`` traces,
+RMM logs ``*.csv``) it prints: the events and the live (allocated) peak; the
+recorded allocator's peak reserved, reconstructed from the snapshot
+(``recorded_peak_reserved``; PyTorch snapshots only); cupool's peak reserved with
+the defaults and with ``release_threshold=0``, each on a device sized from the
+trace (``trace_capacity``); and, for both settings, the smallest device on which
+the replay has zero OOMs.
+
+The smallest device is searched in 2 MiB steps.  OOMs are not monotone in
+capacity (a caching allocator given more room caches more, and the cache it
+holds can be in the wrong place later), so bisection alone can land on a
+capacity above a smaller one that works, or on one with a failing capacity
+above it.  The search bisects to the neighbourhood, then replays every capacity
+within ``--window`` steps either side of the bisection's answer, and reports the
+smallest capacity in that window with zero OOMs, and whether any larger
+capacity in the window had OOMs ("non-monotone").  A snapshot with no history
+is a still picture: its peaks are the picture, and its smallest device is the
+one that holds its live blocks.
+
+The numba engine is the default (about 10 ms a replay on a 15k-event trace);
+``--engine pool`` replays through the real ``Pool`` (slower, same numbers on
+raw allocations).  ``--json`` prints one JSON object per trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PAGE = 2 << 20
+PATTERNS = ("*.pickle", "*.h5", "*.csv")
+SETTINGS = {"defaults": {}, "release_threshold=0": {"release_threshold": 0}}
+
+
+@dataclass
+class Search:
+    """The smallest zero-OOM capacity found, and what the scan around it saw."""
+
+    smallest: int | None  # bytes; None when no capacity up to the search's ceiling works
+    bisected: int | None  # the bisection's answer, before the scan
+    non_monotone: bool  # some capacity above ``smallest`` in the scanned window had OOMs
+    failing_above: list[int]  # those capacities (bytes)
+    window: tuple[int, int]  # the scanned capacities, lowest and highest
+    replays: int
+
+
+def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 64, step: int = PAGE) -> Search:
+    """Smallest capacity (a multiple of ``step``) with ``ooms(capacity) == 0``, bisected then scanned.
+
+    ``lo`` is a capacity known to fail (below the live peak every capacity
+    does), never replayed; ``hi`` a first guess that works (doubled until it
+    does, at most 20 times).  Bisection keeps ``ooms(lo) > 0`` and
+    ``ooms(hi) == 0``; then every capacity within ``window`` steps of ``hi``
+    either side (none at or below ``lo``) is replayed, and the smallest
+    zero-OOM one is the answer.
+    """
+    calls = 0
+
+    def f(cap: int) -> int:
+        nonlocal calls
+        calls += 1
+        return ooms(cap)
+
+    lo_p = floor_p = max(lo // step, 0)
+    hi_p = max(math.ceil(hi / step), lo_p + 1)
+    for _ in range(20):
+        if f(hi_p * step) == 0:
+            break
+        lo_p, hi_p = hi_p, hi_p * 2
+    else:
+        return Search(None, None, False, [], (lo_p * step, hi_p * step), calls)
+    while hi_p - lo_p > 1:
+        mid = (lo_p + hi_p) // 2
+        if f(mid * step) == 0:
+            hi_p = mid
+        else:
+            lo_p = mid
+    first, last = max(1, floor_p + 1, hi_p - window), hi_p + window
+    results = {p: f(p * step) for p in range(first, last + 1)}
+    ok = [p for p, n in results.items() if n == 0]
+    best = min(ok)
+    failing = [p * step for p, n in sorted(results.items()) if p > best and n > 0]
+    return Search(best * step, hi_p * step, bool(failing), failing, (first * step, last * step), calls)
+
+
+def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
+    """Every figure of the table for one trace file."""
+    from cupool.replay import replay
+    from cupool.replay.driver import trace_capacity
+    from cupool.trace import load_trace
+    from cupool.trace.importers import recorded_peak_allocated, recorded_peak_reserved
+
+    t0 = time.perf_counter()
+    trace = load_trace(path)
+    sized = trace_capacity(trace)
+    row: dict = {"trace": path.name, "events": len(trace), "engine": engine,
+                 "recorded_peak_reserved": recorded_peak_reserved(trace),
+                 "recorded_peak_allocated": recorded_peak_allocated(trace)}
+    base = {} if sized is None else {"capacity": sized[0]}
+    row["capacity"] = None if sized is None else int(sized[0])
+    row["capacity_source"] = "the sim device's default" if sized is None else sized[1]
+    for label, cfg in SETTINGS.items():
+        r = replay(trace, {**base, **cfg}, engine=engine, progress=False)
+        row.setdefault("history", r.history)
+        row.setdefault("seeded_blocks", r.seeded_blocks)
+        row.setdefault("peak_allocated", r.peak_allocated)
+        row.setdefault("unmatched_frees", r.unmatched_frees)
+        row.setdefault("capacity_used", r.capacity)
+        row[label] = {"peak_reserved": r.peak_reserved, "ooms": r.ooms, "segments": r.peak_segments}
+
+        def ooms(cap: int, cfg=cfg) -> int:
+            return replay(trace, {"capacity": cap, **cfg}, engine=engine, progress=False).ooms
+
+        # Below the live peak every capacity fails; the replay is not asked about those (a
+        # device smaller than a seeded snapshot's segments is not a question it answers).
+        floor = max(r.peak_allocated, 1) - 1
+        s = smallest_device(ooms, floor, r.capacity, window=window)
+        row[label]["smallest_device"] = asdict(s)
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _gib(n: int | None) -> str:
+    return "—" if n is None else f"{n / (1 << 20):,.1f} MiB"
+
+
+def _ratio(a: int | None, b: int | None) -> str:
+    return "—" if not a or not b else f"{a / b:.4f}×"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| trace | events | live peak | recorded peak reserved | cupool defaults | ratio | "
+        "cupool release_threshold=0 | smallest device, defaults | smallest device, release_threshold=0 | "
+        "defaults / rt=0 | non-monotone |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        d, z = r["defaults"], r["release_threshold=0"]
+        sd, sz = d["smallest_device"], z["smallest_device"]
+        events = f"{r['events']:,}" + ("" if r["history"] else " (still picture, no history)")
+        nm = []
+        for label, s in (("defaults", sd), ("rt=0", sz)):
+            if s["non_monotone"]:
+                nm.append(f"{label}: OOMs at {len(s['failing_above'])} larger capacities "
+                          f"({_gib(min(s['failing_above']))}–{_gib(max(s['failing_above']))})")
+        lines.append(
+            f"| {r['trace']} | {events} | {_gib(r['peak_allocated'])} | {_gib(r['recorded_peak_reserved'])} | "
+            f"{_gib(d['peak_reserved'])} ({d['ooms']} OOMs) | {_ratio(d['peak_reserved'], r['recorded_peak_reserved'])} | "
+            f"{_gib(z['peak_reserved'])} ({z['ooms']} OOMs) | {_gib(sd['smallest'])} | {_gib(sz['smallest'])} | "
+            f"{_ratio(sd['smallest'], sz['smallest'])} | {'; '.join(nm) or 'none in ±window'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", help="folder of traces (*.pickle, *.h5, *.csv)")
+    ap.add_argument("--engine", choices=("numba", "pool"), default="numba")
+    ap.add_argument("--json", action="store_true", help="one JSON object per trace")
+    ap.add_argument("--window", type=int, default=64, help="2 MiB steps scanned either side (default 64)")
+    args = ap.parse_args(argv)
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        print(f"{folder}: not a folder", file=sys.stderr)
+        return 2
+    paths = sorted({p for pat in PATTERNS for p in folder.glob(pat)})
+    if not paths:
+        print(f"{folder}: no traces (*.pickle, *.h5, *.csv)", file=sys.stderr)
+        return 2
+    rows = []
+    for p in paths:
+        row = trace_row(p, args.engine, args.window)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row))
+    if not args.json:
+        print(f"engine {args.engine}; devices sized from each trace; smallest device: bisection, then a scan of "
+              f"±{args.window} steps of 2 MiB")
+        print(table(rows))
+        for r in rows:
+            print(f"{r['trace']}: sized {_gib(r['capacity'])} ({r['capacity_source']}); "
+                  f"{r['seeded_blocks']} seeded blocks, {r['unmatched_frees']} unmatched frees; "
+                  f"replays: {r['defaults']['smallest_device']['replays']} + "
+                  f"{r['release_threshold=0']['smallest_device']['replays']}; {r['seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
