@@ -133,14 +133,6 @@ class Observers:
         if self._on_change is not None:
             self._on_change()
 
-    def settle(self) -> None:
-        """Apply pending unsubscriptions now (the pool calls this before choosing its path)."""
-        if self._stale:
-            self._prune()
-
-    def __len__(self) -> int:
-        return sum(1 for s in self._subs if s.live)
-
 
 def log_callback_error(what: str) -> None:
     """Log the exception being handled, as text: a kept traceback would keep the frames that

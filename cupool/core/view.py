@@ -54,10 +54,6 @@ class ArenaView:
     def fragmentation(self) -> float:
         return self.books.fragmentation
 
-    @property
-    def largest_free_block(self) -> int:
-        return self._arena.largest_free()
-
     def segments(self) -> list[SegmentInfo]:
         """Every segment in address order, with its blocks."""
         out = []
@@ -71,10 +67,11 @@ class ArenaView:
                     free = b.free or b.addr in parked
                     if free and not b.free:
                         used -= b.size
-                    m = b.payload() if isinstance(b.payload, weakref.ReferenceType) and not free else None
+                    m = None
                     if free:
                         requested = 0
                     elif isinstance(b.payload, weakref.ReferenceType):
+                        m = b.payload()
                         requested = 0 if m is None else m.size
                     else:
                         requested = b.payload
@@ -83,7 +80,3 @@ class ArenaView:
                 out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))
         out.sort(key=lambda s: s.addr)
         return out
-
-    def movables(self) -> list[Any]:
-        """The movable buffers on the device now."""
-        return self._arena.movables()

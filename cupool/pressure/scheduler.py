@@ -42,13 +42,14 @@ from typing import Any
 
 from .._units import format_bytes
 from ..core.arena import Arena
+from ..core.events import LADDER_STEPS
 from ..core.handles import Movable
 from .compact import compact, rehome
 from .spill import SpillError
 
 POLICIES = ("lru", "fifo", "adaptive")
-#: The ladder without spilling, in the order lru and fifo run it.
-BASE_LADDER = ("streams", "release", "compact", "rehome", "gc")
+#: The ladder without spilling, in the order lru and fifo run it (spill goes before gc when a tier exists).
+BASE_LADDER = tuple(step for step in LADDER_STEPS if step != "spill")
 _CHEAP = ("streams", "release")
 
 
