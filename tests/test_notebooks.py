@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
+pytest.importorskip("nbclient", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
+from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import CellExecutionError  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 

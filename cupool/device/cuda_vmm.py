@@ -95,8 +95,8 @@ class CudaVirtualMemory(VirtualMemory):
     def _release(self, handle: Any, nbytes: int) -> None:
         self._in_ctx(self._drv.cuMemRelease, handle)
 
-    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None:
-        self._in_ctx(self._drv.cuMemMap, addr, nbytes, offset, handle, 0)
+    def _map(self, addr: int, handle: Any, nbytes: int) -> None:
+        self._in_ctx(self._drv.cuMemMap, addr, nbytes, 0, handle, 0)
 
     def _set_access(self, addr: int, nbytes: int) -> None:
         self._in_ctx(self._drv.cuMemSetAccess, addr, nbytes, [self._access], 1)

@@ -158,8 +158,8 @@ class SimVirtualMemory(VirtualMemory):
                 off, size = prev, psize + size
         self._holes[off] = size
 
-    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None:
-        self._mmap(addr, nbytes, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, self._fd, handle + offset)
+    def _map(self, addr: int, handle: Any, nbytes: int) -> None:
+        self._mmap(addr, nbytes, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, self._fd, handle)
 
     def _set_access(self, addr: int, nbytes: int) -> None:
         _check(self._libc.mprotect(addr, nbytes, _PROT_RW), "mprotect")

@@ -1,7 +1,7 @@
 """Virtual memory: the few operations of CUDA's VMM API, checked and booked once for every backend.
 
 Expandable segments and stitching need to separate addresses from physical memory:
-reserve a range of addresses, create physical chunks, and map (parts of) chunks
+reserve a range of addresses, create physical chunks, and map whole chunks
 into ranges, remapping them at will.  ``VirtualMemory`` is that protocol.  Its
 public methods validate every argument and keep the books (ranges, chunks,
 mappings, physical bytes in use) before they call a backend hook, so that
@@ -14,7 +14,11 @@ mappings, physical bytes in use) before they call a backend hook, so that
 
 The rules are CUDA's, made strict where CUDA is loose or undefined:
 
-* sizes, addresses and chunk offsets are multiples of ``granularity``;
+* sizes and addresses are multiples of ``granularity``;
+* a chunk is mapped whole: CUDA documents an offset and a size for
+  ``cuMemMap``, but the driver refuses anything but the whole chunk from its
+  start (``CUDA_ERROR_NOT_SUPPORTED`` on an H100, driver 580, 2026-11-22), so a
+  caller who wants to place granules independently creates one chunk per granule;
 * capacity counts physical bytes (live chunks), never addresses: reserving a
   terabyte of addresses costs nothing;
 * a mapping lies inside one reserved range and overlaps no other mapping;
@@ -72,12 +76,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Mapping:
-    """``nbytes`` of ``chunk``, from ``offset`` into it, seen at ``addr``."""
+    """The whole of ``chunk`` (``nbytes``), seen at ``addr``."""
 
     addr: int
     nbytes: int
     chunk: Chunk
-    offset: int
     accessible: bool = False
 
     @property
@@ -185,19 +188,11 @@ class VirtualMemory(ABC):
             del self._chunks[chunk.id], self._mapped_of[chunk.id]
             self._in_use -= chunk.nbytes
 
-    def map(self, addr: int, chunk: Chunk, offset: int = 0, nbytes: int | None = None) -> Mapping:
-        """Map ``chunk[offset : offset + nbytes]`` (all of it by default) at ``addr``, not yet accessible."""
+    def map(self, addr: int, chunk: Chunk) -> Mapping:
+        """Map the whole of ``chunk`` at ``addr``, not yet accessible."""
         with self._lock:
             self._check_chunk(chunk)
-            self._check_size(offset, "offset", zero=True)
-            if nbytes is None:
-                nbytes = chunk.nbytes - offset
-            self._check_size(nbytes, "nbytes")
-            if offset + nbytes > chunk.nbytes:
-                raise VirtualMemoryError(
-                    f"map: offset {format_bytes(offset)} + {format_bytes(nbytes)} passes the end of chunk "
-                    f"{chunk.id} ({format_bytes(chunk.nbytes)})"
-                )
+            nbytes = chunk.nbytes
             self._check_addr(addr, "map")
             base, size = self._range_of(addr)
             if addr + nbytes > base + size:
@@ -207,8 +202,8 @@ class VirtualMemory(ABC):
                 )
             if self._mappings_within(addr, addr + nbytes):
                 raise VirtualMemoryError(f"map: [{addr:#x}, +{format_bytes(nbytes)}) overlaps a mapping")
-            self._map(addr, chunk.handle, offset, nbytes)
-            m = self._maps[addr] = Mapping(addr, nbytes, chunk, offset)
+            self._map(addr, chunk.handle, nbytes)
+            m = self._maps[addr] = Mapping(addr, nbytes, chunk)
             self._mapped_of[chunk.id] += 1
             return m
 
@@ -217,7 +212,7 @@ class VirtualMemory(ABC):
         with self._lock:
             for m in self._span(addr, nbytes, "set_access"):
                 self._set_access(m.addr, m.nbytes)
-                self._maps[m.addr] = Mapping(m.addr, m.nbytes, m.chunk, m.offset, accessible=True)
+                self._maps[m.addr] = Mapping(m.addr, m.nbytes, m.chunk, accessible=True)
 
     def unmap(self, addr: int, nbytes: int) -> None:
         """Unmap whole mappings covering ``[addr, addr + nbytes)``; their chunks stay alive."""
@@ -252,12 +247,12 @@ class VirtualMemory(ABC):
         if self._closed:
             raise VirtualMemoryError("virtual memory: closed")
 
-    def _check_size(self, n: object, name: str, zero: bool = False) -> None:
+    def _check_size(self, n: object, name: str) -> None:
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"{name} must be an int, got {n!r}")
-        if n < 0 or (n == 0 and not zero) or n % self.granularity:
+        if n <= 0 or n % self.granularity:
             raise VirtualMemoryError(
-                f"{name}: {n} is not a {'non-negative' if zero else 'positive'} multiple of the granularity "
+                f"{name}: {n} is not a positive multiple of the granularity "
                 f"({format_bytes(self.granularity)})"
             )
 
@@ -324,7 +319,7 @@ class VirtualMemory(ABC):
     def _release(self, handle: Any, nbytes: int) -> None: ...
 
     @abstractmethod
-    def _map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None: ...
+    def _map(self, addr: int, handle: Any, nbytes: int) -> None: ...
 
     @abstractmethod
     def _set_access(self, addr: int, nbytes: int) -> None: ...

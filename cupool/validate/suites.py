@@ -221,7 +221,10 @@ def compare_numba(cupool_run: SuiteRun, default_run: SuiteRun) -> Result:
         elif not run.outcomes:
             problems.append(f"no test ran {label} (pytest exited with {run.returncode})\n\n```\n{run.tail}\n```")
     if default_run.outcomes and not default_run.counts["passed"]:
-        problems.append("no test passed even under Numba's own manager: Numba cannot run CUDA code here")
+        problems.append(
+            "no test passed even under Numba's own manager: Numba cannot run CUDA code here"
+            f"\n\nLast lines of its output:\n\n```\n{default_run.tail}\n```"
+        )
     if worse:
         problems.append("fail only under cupool.numba: " + ", ".join(worse[:30]))
     c, d = cupool_run.counts, default_run.counts
