@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import cupool
 from conftest import needs_gpu
-from cupool.kernels.move import barriers, move_cpu, word_size
+from cupool.kernels.move import MAX_CHUNKS, move_cpu, plan_launch, scratch_needed, word_size
 
 
 def reference(buf: bytearray, moves):
@@ -64,20 +64,81 @@ def test_a_block_sliding_over_itself_both_ways():
         assert out == bytes(reference(bytearray(data), moves))
 
 
-def test_barriers_only_between_dependent_moves():
+TILE = 4
+
+
+def plan(moves, scratch=-1, window=0):
+    src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
+    return plan_launch(src, dst, n, scratch, window, TILE)
+
+
+def groups(ps, pd, pn, tiles, starts):
+    """Each group's pieces as (src, dst, length) triples; checks the tile counts on the way."""
+    assert tiles[0] == 0 and all(tiles[p + 1] - tiles[p] == -(-pn[p] // TILE) for p in range(len(pn)))
+    return [[(int(ps[p]), int(pd[p]), int(pn[p])) for p in range(starts[g], starts[g + 1])]
+            for g in range(len(starts) - 1)]
+
+
+def run_plan(data: bytes, planned, loads_first: bool) -> bytes:
+    """Execute a plan as the grid may: a group's pieces in reverse order, or all their loads before any store."""
+    buf = bytearray(data)
+    for group in groups(*planned):
+        if loads_first:
+            loaded = [(d, bytes(buf[s : s + n])) for s, d, n in group]
+            for d, b in loaded:
+                buf[d : d + len(b)] = b
+        else:
+            for s, d, n in reversed(group):
+                buf[d : d + n] = buf[s : s + n]
+    return bytes(buf)
+
+
+def assert_groups_are_race_free(planned):
+    for group in groups(*planned):
+        for i, (s, d, n) in enumerate(group):
+            assert n > 0 and (d + n <= s or s + n <= d), "a piece overlaps itself"
+            for j, (s2, d2, n2) in enumerate(group):
+                if i != j:
+                    assert d + n <= d2 or d2 + n2 <= d, "two pieces of a group write the same bytes"
+                    assert d + n <= s2 or s2 + n2 <= d, "a piece writes what another of its group reads"
+
+
+def test_independent_moves_share_a_group_and_dependent_ones_do_not():
     # two independent moves, then one that reads what the first wrote
-    src = np.array([100, 300, 0])
-    dst = np.array([0, 200, 400])
-    n = np.array([50, 50, 10])
-    assert barriers(src, dst, n).tolist() == [0, 1, 1]
-    assert barriers(np.array([0]), np.array([8]), np.array([16])).tolist() == [1]
+    assert groups(*plan([(100, 0, 50), (300, 200, 50), (0, 400, 10)])) == [
+        [(100, 0, 50), (300, 200, 50)], [(0, 400, 10)]]
+    assert groups(*plan([(0, 8, 16)])) == [[(8, 16, 8)], [(0, 8, 8)]]  # slides up: back to front
+    assert groups(*plan([(5, 5, 16), (0, 9, 0)])) == []  # nothing to do
+
+
+@given(move_lists(unit=1), st.binary(min_size=SIZE, max_size=SIZE), st.booleans())
+def test_the_gpu_plan_matches_memmove_in_any_order_within_a_group(moves, data, loads_first):
+    planned = plan(moves)
+    assert_groups_are_race_free(planned)
+    assert run_plan(data, planned, loads_first) == bytes(reference(bytearray(data), moves))
+
+
+SCRATCH = 24
+
+
+@given(st.integers(1, 3), st.integers(SIZE // 4, SIZE // 2), st.booleans(), st.binary(min_size=SIZE, max_size=SIZE))
+def test_a_long_slide_by_a_little_goes_through_scratch_window_by_window(dist, n, down, data):
+    moves = [(dist, 0, n)] if down else [(0, dist, n)]
+    src, dst, cnt = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
+    assert scratch_needed(src, dst, cnt) == n  # (n / dist > MAX_CHUNKS here)
+    planned = plan(moves, scratch=SIZE, window=SCRATCH)
+    assert_groups_are_race_free(planned)
+    assert len(planned[4]) - 1 == 2 * -(-n // SCRATCH)  # two barriers per window, not n / dist
+    out = run_plan(data + bytes(SCRATCH), planned, loads_first=True)[:SIZE]
+    assert out == bytes(reference(bytearray(data), moves))
+    assert len(plan(moves)[4]) - 1 == -(-n // dist) > MAX_CHUNKS  # without scratch: chunked by the distance
 
 
 _CUDASIM_SCRIPT = textwrap.dedent(
     """
     import numpy as np
     from numba import cuda
-    from cupool.kernels.move import barriers, move_cuda
+    from cupool.kernels.move import move_cuda, pack, plan_launch
     rng = np.random.default_rng(0)
     for trial in range(6):
         size = 96
@@ -93,7 +154,7 @@ _CUDASIM_SCRIPT = textwrap.dedent(
             ref[d:d + n] = ref[s:s + n].copy()
         src, dst, cnt = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
         buf = cuda.to_device(words)
-        move_cuda[1, 16](buf, src, dst, cnt, barriers(src, dst, cnt))
+        move_cuda[1, 4](buf, *pack(plan_launch(src, dst, cnt, -1, 0, 16)))  # tiles of 4 threads x 4
         got = buf.copy_to_host()
         assert (got == ref).all(), (trial, moves)
     print("ok")
@@ -104,37 +165,13 @@ _CUDASIM_SCRIPT = textwrap.dedent(
 def test_cuda_kernel_under_the_simulator():
     """The cuda.jit kernel itself, run by Numba's CUDA simulator (no GPU needed).
 
-    One block of 16 threads: the simulator's grid.sync() only synchronizes the
+    One block of 4 threads: the simulator's grid.sync() only synchronizes the
     threads of one block (a real GPU's cooperative launch syncs the grid), so more
     blocks would test the simulator, not the kernel.
     """
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     r = subprocess.run([sys.executable, "-c", _CUDASIM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
-
-
-def _barriers_reference(src, dst, n):
-    """The rule, stated plainly and quadratically."""
-    out = [0] * len(src)
-    reads, writes = [], []
-    over = lambda a, b: a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]  # noqa: E731  (empty: none)
-    for m in range(len(src)):
-        r, w = (src[m], src[m] + n[m]), (dst[m], dst[m] + n[m])
-        if any(over(w, x) for x in reads + writes) or any(over(r, x) for x in writes):
-            out[m - 1] = 1
-            reads, writes = [], []
-        reads.append(r)
-        writes.append(w)
-    if len(src):
-        out[-1] = 1
-    return out
-
-
-@given(move_lists(unit=1))
-def test_barriers_match_the_plain_rule(moves):
-    src, dst, n = ([m[i] for m in moves] for i in range(3))
-    got = barriers(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(n, dtype=np.int64))
-    assert got.tolist() == _barriers_reference(src, dst, n)
 
 
 @needs_gpu

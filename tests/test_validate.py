@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import importlib.util
 import textwrap
 from datetime import datetime
 from pathlib import Path
@@ -175,7 +176,17 @@ def test_conformance_counts_errors_and_refuses_skips(suite, tmp_path):
     assert r.status == FAILED
     assert (r.figures["passed"], r.figures["errors"], r.figures["skipped"]) == (1, 1, 1)
     assert "conformance.test_conf::test_error" in r.details
-    assert "skipped on a GPU machine: conformance.test_conf::test_kind[cuda]" in r.details
+    assert "skipped for want of a GPU on a GPU machine: conformance.test_conf::test_kind[cuda]" in r.details
+
+
+def test_a_skip_that_does_not_want_a_gpu_is_listed_but_passes(suite, tmp_path):
+    (suite / "conformance" / "test_conf.py").write_text(
+        "import pytest\n\ndef test_ok():\n    pass\n\n"
+        "def test_sim_only():\n    pytest.skip('only the sim devices promise page-exact accounting')\n"
+    )
+    r = suites.conformance(sim(tmp_path, tests=suite))
+    assert r.status == PASSED, r.details
+    assert "skipped where they do not apply: conformance.test_conf::test_sim_only (only the sim devices" in r.details
 
 
 def test_a_clean_suite_passes(suite, tmp_path):
@@ -228,15 +239,27 @@ def test_numba_counts_side_by_side_and_only_new_failures_count():
 
 def test_numba_runs_both_managers_in_subprocesses_and_lists_missing_modules(tmp_path, monkeypatch):
     """Without a GPU Numba's tests fail alike under both managers, which is no failure of cupool's."""
+    pytest.importorskip("filecheck", reason="Numba's CUDA test helpers import filecheck")
     modules = ("numba.cuda.tests.cudadrv.test_emm_plugins", "numba.cuda.tests.no_such_module")
     monkeypatch.setattr(suites, "NUMBA_MODULES", modules)
     r = suites.numba_tests(sim(tmp_path, timeout=120))
-    assert r.commands[0].endswith("NUMBA_CUDA_MEMORY_MANAGER=cupool.numba python -m pytest -q --pyargs " + modules[0])
+    assert r.commands[0].endswith(
+        "NUMBA_CUDA_MEMORY_MANAGER=cupool.numba python -m pytest -q -p cupool.validate.numba_shim "
+        "--import-mode=importlib --pyargs " + modules[0]
+    )
     assert "NUMBA_CUDA_MEMORY_MANAGER" not in r.commands[1]
     (row,) = r.tables[0].rows
     assert row[0] == "cudadrv.test_emm_plugins" and row[1] == row[2]
     assert "not in this Numba, so not run: numba.cuda.tests.no_such_module" in r.details
     assert r.status == (FAILED if r.figures["default passed"] == 0 else PASSED)
+
+
+def test_without_filecheck_numbas_tests_are_not_run_and_the_report_says_why(tmp_path, monkeypatch):
+    """The GPU image lacked filecheck (2026-11-22): every Numba test module failed to import, under both managers."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "filecheck" else real(name, *a))
+    r = suites.numba_tests(sim(tmp_path, timeout=120))
+    assert r.status == FAILED and "pip install filecheck" in r.details
 
 
 def test_junit_outcomes_keep_the_worse_of_a_repeated_case(tmp_path):

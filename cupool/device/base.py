@@ -89,6 +89,14 @@ class Device(ABC):
     def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         """Carry out a move list (absolute addresses, bytes) in order, with memmove semantics."""
 
+    def prepare_moves(self) -> None:
+        """Make sure ``execute_moves`` can run (compile, size the launch), or raise.
+
+        Compaction plans by changing the heap first; a device that failed to move
+        after that would leave blocks booked where their bytes never went.  So
+        compaction calls this before it plans.  Cheap after the first call.
+        """
+
     @abstractmethod
     def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
         """A host copy (uint8) of device bytes."""

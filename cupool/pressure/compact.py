@@ -50,6 +50,7 @@ def compact(arena: Arena, max_bytes: int | None, max_moves: int | None) -> Compa
     frag0 = books.fragmentation
     largest0 = arena.largest_free()
     reserved0 = books.reserved
+    arena.device.prepare_moves()  # fails here, before the plan has changed the heap
     arena.settle_streams(wait=True)
     segments0 = books.segments
     moves = []
@@ -93,6 +94,7 @@ def rehome(arena: Arena) -> bool:
     """
     if not arena.books.movables:
         return False
+    arena.device.prepare_moves()
     gained = False
     for kind, heap in enumerate(arena.heaps):
         segs = [

@@ -89,7 +89,7 @@ def move_kernel(ctx: Context) -> Result:
             moved, big_seconds = int(n.sum()), seconds
         a.free()
     pool.check()
-    grid = "a cooperative grid of 2 blocks of 512 threads per SM"
+    grid = "one cooperative launch, as many blocks of 512 threads as stay resident"
     if ctx.device == "sim":
         grid = "the sim device's @njit twin"
     bandwidth = _gbps(moved, big_seconds)
