@@ -6,9 +6,10 @@ For each trace in FOLDER (PyTorch snapshots ``*.pickle``, cupool ``*.h5`` traces
 RMM logs ``*.csv``) it prints: the events and the live (allocated) peak; the
 recorded allocator's peak reserved, reconstructed from the snapshot
 (``recorded_peak_reserved``; PyTorch snapshots only); cupool's peak reserved with
-the defaults and with ``release_threshold=0``, each on a device sized from the
-trace (``trace_capacity``); and, for both settings, the smallest device on which
-the replay has zero OOMs.
+the defaults, with ``release_threshold=0`` and with expandable segments and
+stitching (always through the pool engine, the only one that models virtual
+memory), each on a device sized from the trace (``trace_capacity``); and, for
+each setting, the smallest device on which the replay has zero OOMs.
 
 The smallest device is searched in 2 MiB steps.  OOMs are not monotone in
 capacity (a caching allocator given more room caches more, and the cache it
@@ -39,7 +40,12 @@ from pathlib import Path
 
 PAGE = 2 << 20
 PATTERNS = ("*.pickle", "*.h5", "*.csv")
-SETTINGS = {"defaults": {}, "release_threshold=0": {"release_threshold": 0}}
+SETTINGS = {
+    "defaults": {},
+    "release_threshold=0": {"release_threshold": 0},
+    # Modelled by the pool engine only (virtual memory): replayed through the real Pool whatever --engine says.
+    "expandable+stitch": {"expandable_segments": True, "stitch": True},
+}
 
 
 @dataclass
@@ -96,7 +102,7 @@ def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 
 def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
     """Every figure of the table for one trace file."""
     from cupool.replay import replay
-    from cupool.replay.driver import trace_capacity
+    from cupool.replay.driver import CONFIG_KEYS, trace_capacity
     from cupool.trace import load_trace
     from cupool.trace.importers import recorded_peak_allocated, recorded_peak_reserved
 
@@ -110,7 +116,8 @@ def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
     row["capacity"] = None if sized is None else int(sized[0])
     row["capacity_source"] = "the sim device's default" if sized is None else sized[1]
     for label, cfg in SETTINGS.items():
-        r = replay(trace, {**base, **cfg}, engine=engine, progress=False)
+        eng = engine if all(k in CONFIG_KEYS for k in cfg) else "pool"
+        r = replay(trace, {**base, **cfg}, engine=eng, progress=False)
         row.setdefault("history", r.history)
         row.setdefault("seeded_blocks", r.seeded_blocks)
         row.setdefault("peak_allocated", r.peak_allocated)
@@ -118,8 +125,8 @@ def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
         row.setdefault("capacity_used", r.capacity)
         row[label] = {"peak_reserved": r.peak_reserved, "ooms": r.ooms, "segments": r.peak_segments}
 
-        def ooms(cap: int, cfg=cfg) -> int:
-            return replay(trace, {"capacity": cap, **cfg}, engine=engine, progress=False).ooms
+        def ooms(cap: int, cfg=cfg, eng=eng) -> int:
+            return replay(trace, {"capacity": cap, **cfg}, engine=eng, progress=False).ooms
 
         # Below the live peak every capacity fails; the replay is not asked about those (a
         # device smaller than a seeded snapshot's segments is not a question it answers).
@@ -142,15 +149,16 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| trace | events | live peak | recorded peak reserved | cupool defaults | ratio | "
         "cupool release_threshold=0 | smallest device, defaults | smallest device, release_threshold=0 | "
-        "defaults / rt=0 | non-monotone |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "defaults / rt=0 | cupool expandable+stitch | smallest device, expandable+stitch | "
+        "/ live peak | non-monotone |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        d, z = r["defaults"], r["release_threshold=0"]
-        sd, sz = d["smallest_device"], z["smallest_device"]
+        d, z, x = r["defaults"], r["release_threshold=0"], r["expandable+stitch"]
+        sd, sz, sx = d["smallest_device"], z["smallest_device"], x["smallest_device"]
         events = f"{r['events']:,}" + ("" if r["history"] else " (still picture, no history)")
         nm = []
-        for label, s in (("defaults", sd), ("rt=0", sz)):
+        for label, s in (("defaults", sd), ("rt=0", sz), ("expandable", sx)):
             if s["non_monotone"]:
                 nm.append(f"{label}: OOMs at {len(s['failing_above'])} larger capacities "
                           f"({_gib(min(s['failing_above']))}–{_gib(max(s['failing_above']))})")
@@ -158,7 +166,9 @@ def table(rows: list[dict]) -> str:
             f"| {r['trace']} | {events} | {_gib(r['peak_allocated'])} | {_gib(r['recorded_peak_reserved'])} | "
             f"{_gib(d['peak_reserved'])} ({d['ooms']} OOMs) | {_ratio(d['peak_reserved'], r['recorded_peak_reserved'])} | "
             f"{_gib(z['peak_reserved'])} ({z['ooms']} OOMs) | {_gib(sd['smallest'])} | {_gib(sz['smallest'])} | "
-            f"{_ratio(sd['smallest'], sz['smallest'])} | {'; '.join(nm) or 'none in ±window'} |"
+            f"{_ratio(sd['smallest'], sz['smallest'])} | {_gib(x['peak_reserved'])} ({x['ooms']} OOMs) | "
+            f"{_gib(sx['smallest'])} | {_ratio(sx['smallest'], r['peak_allocated'])} | "
+            f"{'; '.join(nm) or 'none in ±window'} |"
         )
     return "\n".join(lines)
 
@@ -191,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['trace']}: sized {_gib(r['capacity'])} ({r['capacity_source']}); "
                   f"{r['seeded_blocks']} seeded blocks, {r['unmatched_frees']} unmatched frees; "
-                  f"replays: {r['defaults']['smallest_device']['replays']} + "
-                  f"{r['release_threshold=0']['smallest_device']['replays']}; {r['seconds']:.1f} s")
+                  "replays: " + " + ".join(str(r[k]["smallest_device"]["replays"]) for k in SETTINGS)
+                  + f"; {r['seconds']:.1f} s")
     return 0
 
 

@@ -14,10 +14,11 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from . import streaming, workloads
 from ._units import format_bytes
-from .device import CudaDevice, SimDevice, cuda_available, parse_device
+from .device import CudaDevice, SimDevice, VirtualMemoryUnsupported, cuda_available, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
@@ -98,8 +99,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     modes = {"off": dict(movable=False), "on": dict(movable=True)}
     _check_device(args)
 
-    def make(cap: int | str | None = None) -> Pool:
-        return Pool(args.device, capacity=cap if cap is not None else args.capacity)
+    def make(cap: int | str | None = None, **pool_kw: Any) -> Pool:
+        return Pool(args.device, capacity=cap if cap is not None else args.capacity, **pool_kw)
 
     first = make()
     print(f"cupool demo: weight streaming on {first.device.name} (4 cached layers, 2 evicted at a time, float32)")
@@ -119,23 +120,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     peak_live = workloads.peak_live_bytes(shapes)
     print(f"A longer run: {args.steps} layers of {len(set(shapes))} mixed shapes (seed {args.seed}), "
           f"peak of live bytes {format_bytes(peak_live)}:")
-    print(f"  {'compaction':<11} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'device allocs':>14} "
+    print(f"  {'compaction':<16} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'device allocs':>14} "
           f"{'smallest device':>22}")
-    for name, kw in modes.items():
-        pool = make()
+    vmm = {"expandable_segments": True, "stitch": True}
+    rows = (("off", {}, modes["off"]), ("on", {}, modes["on"]), ("off, expandable", vmm, modes["off"]))
+    for name, pool_kw, kw in rows:
+        try:
+            pool = make(**pool_kw)
+        except VirtualMemoryUnsupported as e:
+            print(f"  {name:<16} n/a: {e}")
+            continue
         mx_, mean_, peak_res = _summary(workloads.weight_streaming(pool, shapes, fill=True, **kw))
         smallest = "n/a on a GPU"
         if isinstance(pool.device, SimDevice):
             cap = workloads.smallest_capacity(
-                lambda c: Pool("sim", capacity=c), shapes, peak_live, 4 * peak_live, 2 << 20, **kw
+                lambda c: Pool("sim", capacity=c, **pool_kw), shapes, peak_live, 4 * peak_live, 2 << 20, **kw
             )
             smallest = "> 4x" if cap is None else f"{format_bytes(cap)} ({cap / peak_live:.2f}x)"
-        print(f"  {name:<11} {mx_:>9.3f} {mean_:>10.3f} {format_bytes(peak_res):>9} "
+        print(f"  {name:<16} {mx_:>9.3f} {mean_:>10.3f} {format_bytes(peak_res):>9} "
               f"({peak_res / peak_live:.2f}x) {pool.stats()['num_device_alloc']:>14} {smallest:>22}")
     print("\n'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running "
           "out of memory, as a multiple of the live peak; 1.00x is what a perfect allocator needs.\n"
           "'device allocs': segments taken from the device; compaction gives emptied segments back, "
-          "so it trades some device allocations for memory.")
+          "so it trades some device allocations for memory.\n"
+          "'off, expandable': plain arrays on expandable segments with stitching (virtual memory: granules "
+          "mapped at a segment's end,\nfree granules of holes remapped side by side for a request no free range "
+          "fits); 'device allocs' counts mappings.")
 
     print("\nStreaming a synthetic HDF5 model (the ten layer shapes, three passes) through cupool.streaming.LayerCache")
     print("under the source's four cache settings, cupool's figures beside the source's:")

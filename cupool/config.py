@@ -1,7 +1,7 @@
 """``CUPOOL_CONF``: how the default pool is configured without touching code.
 
 In the spirit of ``PYTORCH_CUDA_ALLOC_CONF``: comma-separated ``key=value``
-pairs, e.g. ``CUPOOL_CONF="max_size=80%,initial_size=2GB"``.  The keys are the
+pairs, e.g. ``CUPOOL_CONF="max_size=80%,initial_size=2GB,expandable_segments=true"``.  The keys are the
 keyword arguments of ``Pool``.  A typo must not silently give a pool with the
 defaults, so an unknown key, a repeated key or an unreadable value is an error
 that names the variable, the entry and what would have been accepted.
@@ -42,6 +42,13 @@ def _device(key: str, value: str) -> str:
     return v
 
 
+def _flag(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v not in ("true", "false", "1", "0"):
+        raise ValueError(f"{key}: must be true or false, got {value!r}")
+    return v in ("true", "1")
+
+
 _KEYS: dict[str, Callable[[str, str], Any]] = {
     "device": _device,
     "capacity": _size,
@@ -49,6 +56,8 @@ _KEYS: dict[str, Callable[[str, str], Any]] = {
     "max_size": _size,
     "memory_fraction": _fraction,
     "release_threshold": _size,
+    "expandable_segments": _flag,
+    "stitch": _flag,
 }
 
 

@@ -22,12 +22,14 @@ from ._units import MAX_NBYTES, as_nbytes, format_bytes, parse_size
 from .core.arena import Arena
 from .core.books import ALL, ALLOCATED, RESERVED, PeakWindow
 from .core.events import Callback
+from .core.expandable import virtual_memory_of
 from .core.handles import Allocation, Movable, array_nbytes, as_shape
 from .core.heap import Block
 from .core.sites import Leak, SiteTracker, SiteUsage
-from .core.sizes import LARGE, PAGE, round_page, segment_size
+from .core.sizes import LARGE, PAGE, round_page, round_size, segment_size
 from .core.view import ArenaView
 from .device import Device, make_device, pinned_device, pinned_device_beside
+from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError, DeviceOutOfMemory, OutOfMemoryError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact, should_defrag
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
@@ -45,7 +47,7 @@ class Pool:
 
     Parameters
     ----------
-    device: ``"auto"`` (CUDA when usable, else sim), ``"sim"``, ``"cuda"``, ``"cuda:N"`` or a ``Device``.
+    device: ``"auto"`` (CUDA when usable, else sim), ``"sim"``, ``"sim:N"``, ``"cuda"``, ``"cuda:N"`` or a ``Device``.
     capacity: size of the sim device (default 4 GiB); an error on a GPU.
     initial_size: bytes to reserve now, in one segment that ``empty_cache`` keeps.
     max_size: cap on reserved bytes (int, "2GB", "512MiB" or "50%" of the device).
@@ -62,6 +64,8 @@ class Pool:
         with ``store(device, ptr, nbytes)`` and ``describe()``, see ``cupool.pressure.spill``).
     spill_policy: ``"lru"``, ``"fifo"`` or ``"adaptive"``: the order of the reclaim
         ladder and of spill victims (see ``cupool.pressure.scheduler``).
+    expandable_segments, stitch: grow one virtual segment per stream and size class, 2 MiB at a time, as
+        PyTorch does; and let the ladder remap free granules of holes into one range (Note [Virtual memory]).
 
     ``malloc_key(n, key)`` is ``malloc`` for a validated size and a key from
     ``device.stream_key``: the hooks' hot path.  It is the arena's bound method and
@@ -84,6 +88,8 @@ class Pool:
         track_sites: bool = False,
         spill: str | os.PathLike | Any | None = None,
         spill_policy: str = "lru",
+        expandable_segments: bool = False,
+        stitch: bool = False,
     ) -> None:
         if not isinstance(track_sites, bool):
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
@@ -124,12 +130,15 @@ class Pool:
             "limit": limit,
             "release_threshold": self.release_threshold,
             "defrag_threshold": defrag_threshold,
+            "expandable_segments": expandable_segments, "stitch": stitch,
         }
-        arena = self._arena = Arena(dev, limit, self.release_threshold, _Growth(self), track_sites)
+        vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
+        arena = self._arena = Arena(dev, limit, self.release_threshold, _Growth(self), track_sites, vm, stitch)
         tier = make_tier(spill, dev, lambda: PinnedPool(pinned_device_beside(dev)), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.
         self.scheduler = Scheduler(arena, tier, spill_policy)
         self.malloc_key: Callable[[int, Any], Allocation] = arena.malloc
+        self._admission: Callable[[int, str], str | None] | None = None
         self._background: list[BackgroundCompactor | None] = [None]
         self._closer = weakref.finalize(self, _shut, arena, self._background)
         self._closer.atexit = False
@@ -155,7 +164,7 @@ class Pool:
         return self.device.as_array(a.ptr, shape_t, dt, a)
 
     def empty_cache(self) -> int:
-        """Give every wholly free segment (except the preallocated one) back to the device.
+        """Give every wholly free segment (except the preallocated one), and free tails of expandable ones, back.
 
         Waits for the device first, so memory freed on any stream is safe to release
         and, while at it, free blocks of all streams become usable by every stream.
@@ -176,6 +185,8 @@ class Pool:
         key = self.device.stream_key(stream)
         if on_move is not None and not callable(on_move):
             raise TypeError(f"on_move must be callable, got {on_move!r}")
+        if self._admission is not None:
+            self._admit(n, key, "movable")
         return self._arena.movable(n, key, on_move)
 
     def compact(self, max_bytes: int | str | None = None, max_moves: int | None = None) -> CompactionReport:
@@ -213,13 +224,13 @@ class Pool:
         bg.stop()
 
     def stats(self) -> dict[str, int | float]:
-        """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap."""
+        """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap (what they
+        mean in cupool's terms: Note [Statistics]).  ``cupool.memory_summary`` prints it."""
         with self.hold():
             arena = self._arena
             books = arena.books
-            out: dict[str, int | float] = dict(books.figures())
-            inactive = [0, 0]
-            inactive_n = [0, 0]
+            # Non-releasable free memory: free blocks in segments that still hold a live block.
+            inactive, inactive_n = [0, 0], [0, 0]
             for kind, heap in enumerate(arena.heaps):
                 for seg in heap.segments.values():
                     if seg.used:
@@ -227,13 +238,13 @@ class Pool:
                             if b.free:
                                 inactive[kind] += b.size
                                 inactive_n[kind] += 1
-            for col, pname in enumerate(("small_pool", "large_pool", "all")):
-                out[f"inactive_split_bytes.{pname}.current"] = sum(inactive) if col == ALL else inactive[col]
-                out[f"inactive_split.{pname}.current"] = sum(inactive_n) if col == ALL else inactive_n[col]
+            books.sample_inactive((inactive_n[0], inactive_n[1]), (inactive[0], inactive[1]))
+            out: dict[str, int | float] = dict(books.figures())
             out["num_compactions"] = books.compactions
             out["compaction_bytes_moved"] = books.bytes_moved
             out["movable.all.current"] = books.movables
             out["num_alloc_retries"] = books.retries
+            out["num_sync_all_streams"] = books.syncs
             out["num_ooms"] = books.ooms
             out["num_device_alloc"] = books.device_allocs
             out["num_device_free"] = books.device_frees
@@ -242,6 +253,7 @@ class Pool:
             n = books.hits + books.misses
             out["cache_hit_rate"] = books.hits / n if n else 0.0
             out["limit"] = self.limit
+            out.update(arena.expander.stats() if arena.expander is not None else {})
             return out
 
     def fragmentation(self) -> float:
@@ -349,6 +361,26 @@ class Pool:
         with self.hold():
             self._arena.check()
 
+    def set_limit(self, max_size: int | str) -> None:
+        """Change the cap on reserved bytes now (as ``max_size``).  Below what is reserved, cached
+        segments go back; live memory stays, and the pool does not grow until enough is freed."""
+        limit = min(self.device.total, parse_size(max_size, self.device.total, "max_size"))
+        with self.hold() as view:
+            self.limit = self._arena.limit = self._config["limit"] = limit
+            over = view.books.reserved > limit
+        if over:
+            self.empty_cache()
+
+    def set_admission(self, check: Callable[[int, str], str | None] | None) -> None:
+        """Ask ``check(nbytes, "malloc" | "movable")`` before each request (None: stop); a reason it returns
+        refuses the request as one above the limit is (Note [Out of memory]), so fault injection
+        (``cupool.testing.faults``) is a real refusal.  Covers ``malloc``, ``empty``, ``movable``, Numba,
+        and CuPy allocators made while set (one made before keeps the ``malloc_key`` of its time)."""
+        if check is not None and not callable(check):
+            raise TypeError(f"set_admission takes a callable or None, got {check!r}")
+        self._admission = check
+        self.malloc_key = self._arena.malloc if check is None else _admitted(weakref.ref(self), self._arena.malloc)
+
     def close(self) -> None:
         """Give every segment back and hand out no more memory (Note [Lifetimes]).
 
@@ -385,6 +417,14 @@ class Pool:
             f"<cupool.Pool {self.device.name}{state} reserved={format_bytes(books.cur[RESERVED][ALL])} "
             f"allocated={format_bytes(books.cur[ALLOCATED][ALL])} limit={format_bytes(self.limit)}>"
         )
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the figures and a map of the segments (drawn by ``cupool.display``)."""
+        return pool_html(Picture.read(self, self._arena.movables))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        """IPython's view: a few lines of figures (the one-line repr where IPython reports a cycle)."""
+        write_pretty(p, repr(self) if cycle else Picture.read(self, self._arena.movables))
 
     def collect(self) -> int:
         """Run Python's ``gc.collect()``; returns the bytes that dying owners gave back to the pool.
@@ -449,6 +489,13 @@ class Pool:
             raise RuntimeError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
         return self._arena.sites
 
+    def _admit(self, n: int, key: Any, what: str) -> None:
+        check = self._admission
+        reason = None if check is None or self._arena.closed else check(n, what)
+        if reason is not None:
+            with self.hold():
+                raise self._oom(round_size(n), key, reason)
+
     def _grow_or_reclaim(self, kind: int, size: int, key: Any, exact: bool) -> Block:
         """Grow; else run the reclaim ladder, retrying after each step that made progress."""
         arena = self._arena
@@ -461,7 +508,7 @@ class Pool:
             pass
         arena.books.retries += 1
         heap = arena.heaps[kind]
-        for _, step in self.scheduler:
+        for _, step in self.scheduler.ladder((kind, size, key)):
             if step():
                 block = heap.find(size, key)
                 if block is not None:
@@ -477,8 +524,12 @@ class Pool:
         minimum = round_page(size)
         if minimum > room:
             raise _LimitReached
-        target = minimum if exact else min(segment_size(kind, size), room)
         arena = self._arena
+        if arena.expander is not None:  # map just the granules the stream's segment lacks
+            if arena.expander.need(kind, size, key) <= room:
+                return arena.expander.grow(kind, size, key)
+            raise _LimitReached
+        target = minimum if exact else min(segment_size(kind, size), room)
         try:
             seg = arena.new_segment(kind, target, key)
         except DeviceOutOfMemory:
@@ -569,6 +620,17 @@ class _Growth:
 
     def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block:
         return self._get()._grow_or_reclaim(kind, size, key, exact)
+
+
+def _admitted(ref: weakref.ref[Pool], malloc: Callable[[int, Any], Allocation]) -> Callable[[int, Any], Allocation]:
+    """``malloc_key`` behind the pool's admission check; holds the pool weakly (Note [Lifetimes])."""
+    def malloc_key(n: int, key: Any) -> Allocation:
+        pool = ref()
+        if pool is not None:
+            pool._admit(n, key, "malloc")
+        return malloc(n, key)
+
+    return malloc_key
 
 
 def _stop_background(holder: list[BackgroundCompactor | None]) -> None:

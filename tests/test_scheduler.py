@@ -197,9 +197,18 @@ def test_the_scheduler_does_not_keep_its_pool_alive():
 def test_one_device_synchronization_per_spilled_buffer(monkeypatch):
     p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None)
     ms = [tagged(p, i) for i in range(3)]
-    calls = []
-    real = p.device.synchronize
-    monkeypatch.setattr(p.device, "synchronize", lambda *a: (calls.append(a), real(*a)))
+    calls, freeing = [], []
+    real, real_free = p.device.synchronize, p.device.free
+    monkeypatch.setattr(p.device, "synchronize", lambda *a: (freeing or calls.append(a), real(*a)))
+
+    def free(*a):  # giving a segment back waits too, as cudaFree does: not the spill's own wait
+        freeing.append(a)
+        try:
+            real_free(*a)
+        finally:
+            freeing.pop()
+
+    monkeypatch.setattr(p.device, "free", free)
     assert p.spill() == 3 * SLOT
     assert len(calls) == 3
     del ms

@@ -23,11 +23,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..device.vmm import VirtualMemory
 from ..errors import ClosedError, DoubleFreeError, ForeignAllocationError
 from .books import ALL, ALLOCATED, ALLOCATIONS, LOG_MAX, REQUESTED, RESERVED, SEGMENTS, Books
 from .handles import Allocation, Lease, Movable, array_nbytes, as_shape
 from .heap import Block, Heap, Segment
 from .events import Observers, log_callback_error
+from .expandable import Expander
 from .sites import SiteTracker
 from .streams import StreamEpochs
 from .sizes import ALIGNMENT, SMALL, pool_of, round_page, round_size
@@ -61,7 +63,8 @@ class Arena:
     """One pool's state.  Every method that changes it runs with ``lock`` held."""
 
     def __init__(
-        self, device: Any, limit: int, release_threshold: int | None, policy: Policy, track_sites: bool
+        self, device: Any, limit: int, release_threshold: int | None, policy: Policy, track_sites: bool,
+        vm: VirtualMemory | None = None, stitch: bool = False,
     ) -> None:
         self.device = device
         self.limit = limit
@@ -79,6 +82,8 @@ class Arena:
         self._fast = self._parking
         ref = weakref.ref(self)  # not a bound method: that would be an arena <-> observers cycle
         self.observers = Observers(lambda: _refresh(ref))
+        # Expandable segments over the device's virtual memory (Note [Virtual memory]), or None.
+        self.expander = None if vm is None else Expander(vm, device, self.heaps, self.books, self.observers, stitch)
         # The thread inside ``Pool.hold()``, if any: a pool call from it would wait for itself.
         self.holder: int | None = None
         self.view = ArenaView(self)
@@ -98,7 +103,7 @@ class Arena:
         # A dropped arena gives every segment back (Note [Lifetimes]).  Not at exit:
         # the process's end returns device memory, and CUDA may already be gone.
         self._given_back = [False]  # set by the finalizer: the device has every segment back
-        fin = weakref.finalize(self, _give_back, device, self.heaps, self._given_back)
+        fin = weakref.finalize(self, _give_back, device, self.heaps, self._given_back, self.expander)
         fin.atexit = False
 
     def _refresh_fast(self) -> None:
@@ -220,6 +225,8 @@ class Arena:
     def new_segment(self, kind: int, nbytes: int, key: Any, keep: bool = False) -> Segment:
         """Take ``nbytes`` (rounded to the device page) from the device; DeviceOutOfMemory passes through."""
         nbytes = round_page(nbytes)
+        if self.expander is not None:
+            return self.expander.new_segment(kind, nbytes, key, keep)
         ptr = self.device.malloc(nbytes)
         self.books.device_allocs += 1
         seg = self.heaps[kind].add_segment(ptr, nbytes, key, keep=keep)
@@ -268,7 +275,10 @@ class Arena:
             self.observers.emit("free" if raw else "free_movable", block.addr, size, key, raw and kind == SMALL)
         self.compaction_stale = True
         merged = self.heaps[kind].give(block, key, self.streams.freed(key))
-        if not self._parking:  # release_threshold set, or closed: give empty segments back now
+        if merged.segment.region is not None and self.expander is not None:
+            over = not self._parking and books.cur[RESERVED][ALL] > (self.release_threshold or 0)
+            self.expander.freed(kind, merged, self.closed, over)
+        elif not self._parking:  # release_threshold set, or closed: give empty segments back now
             seg = merged.segment
             if not seg.used and (
                 self.closed
@@ -309,6 +319,8 @@ class Arena:
         return moved
 
     def drop_segment(self, kind: int, seg: Segment) -> None:
+        if seg.region is not None and self.expander is not None:
+            return self.expander.drop(kind, seg)
         self.heaps[kind].remove_segment(seg)
         # An arena dying as cyclic garbage runs its finalizer before its handles' __del__:
         # the segment may already be the device's again.
@@ -328,6 +340,8 @@ class Arena:
                 if kept_too or not seg.keep:
                     released += seg.size
                     self.drop_segment(kind, seg)
+        if self.expander is not None:  # and the free tails of the others (Note [Virtual memory])
+            released += self.expander.trim_all(kept_too)
         return released
 
     def close(self) -> tuple[int, int]:
@@ -349,6 +363,8 @@ class Arena:
         if self.closed:
             return
         self.closed = True
+        if self.expander is not None:
+            self.expander.closing = True
         self._parking = False
         self._refresh_fast()
         self.settle_streams(wait=True)
@@ -357,6 +373,8 @@ class Arena:
     # ------------------------------------------------------------------ streams
     def settle_streams(self, wait: bool) -> int:
         """Make blocks whose stream is done with them usable by every stream (Note [Streams])."""
+        if wait:
+            self.books.syncs += 1
         return self.streams.settle(self.heaps, wait)
 
     # ---------------------------------------------------------------- movables
@@ -516,6 +534,9 @@ class Arena:
         """
         if moves:
             self.device.synchronize()
+        if moves and self.expander is not None:  # whole granules are remapped, not copied
+            self.expander.move(moves, self.device)
+        elif moves:
             self.device.execute_moves(
                 np.fromiter((x.src for x in moves), np.int64, len(moves)),
                 np.fromiter((x.dst for x in moves), np.int64, len(moves)),
@@ -561,6 +582,8 @@ class Arena:
             assert cur[ALLOCATED][kind] == heap.allocated, "allocated bytes disagree with the heap"
             assert cur[ALLOCATIONS][kind] == heap.n_allocated, "allocation count disagrees"
             assert cur[SEGMENTS][kind] == len(heap.segments), "segment count disagrees"
+        if self.expander is not None:
+            self.expander.check()
 
 
 def _refresh(ref: weakref.ref[Arena]) -> None:
@@ -582,10 +605,17 @@ class _Closing:
         return 0
 
 
-def _give_back(device: Any, heaps: tuple[Heap, ...], given_back: list[bool]) -> None:
+def _give_back(device: Any, heaps: tuple[Heap, ...], given_back: list[bool], expander: Expander | None) -> None:
     given_back[0] = True
+    if expander is not None:
+        try:
+            expander.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; say what leaked
+            log.exception("cupool: could not give the mapped granules back to %r", expander.vm)
     for heap in heaps:
         for seg in list(heap.segments.values()):
+            if seg.region is not None:
+                continue
             try:
                 device.free(seg.addr, seg.size)
             except Exception:  # noqa: BLE001 - a finalizer must not raise; say what leaked

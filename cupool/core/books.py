@@ -19,6 +19,13 @@ from .sizes import ALIGNMENT, POOL_NAMES, SMALL
 #: Rows of the tables, with the names ``stats()`` gives them.
 ALLOCATIONS, SEGMENTS, ALLOCATED, RESERVED, REQUESTED = range(5)
 STAT_NAMES = ("allocation", "segment", "allocated_bytes", "reserved_bytes", "requested_bytes")
+#: Rows ``stats()`` samples rather than the hot path keeping them (``Books.sample_inactive``).
+INACTIVE_SPLIT, INACTIVE_SPLIT_BYTES = range(len(STAT_NAMES), len(STAT_NAMES) + 2)
+SAMPLED_NAMES = ("inactive_split", "inactive_split_bytes")
+#: Rows that mirror others: active blocks are the allocated ones (see ``Books.figures``).
+MIRRORED = (("active", ALLOCATIONS), ("active_bytes", ALLOCATED))
+#: PyTorch's ``max_split_size`` when unset (SIZE_MAX read as int64): cupool splits blocks of any size.
+NO_MAX_SPLIT_SIZE = -1
 #: Columns: small pool, large pool, all.
 ALL = 2
 COLUMNS = (*POOL_NAMES, "all")
@@ -57,7 +64,7 @@ class Books:
     """Counters of one pool.  Changed only with the pool's lock held."""
 
     def __init__(self) -> None:
-        rows = len(STAT_NAMES)
+        rows = len(STAT_NAMES) + len(SAMPLED_NAMES)
         self.cur = [[0, 0, 0] for _ in range(rows)]
         self.peak = [[0, 0, 0] for _ in range(rows)]
         self.total_in = [[0, 0, 0] for _ in range(rows)]
@@ -67,6 +74,7 @@ class Books:
         self.hits = 0
         self.misses = 0
         self.retries = 0
+        self.syncs = 0  # device-wide waits to settle streams: PyTorch's num_sync_all_streams
         self.ooms = 0
         self.device_allocs = 0
         self.device_frees = 0
@@ -74,6 +82,8 @@ class Books:
         self.bytes_moved = 0
         self.movables = 0
         self._windows: list[weakref.ref[PeakWindow]] = []
+        # reset_peaks ran since the last sample_inactive, which then starts the sampled peaks afresh.
+        self._sampled_peaks_reset = False
 
     def account(self, kind: int, row: int, delta: int) -> None:
         if self.log:
@@ -109,15 +119,7 @@ class Books:
         log = self.log[:]
         self.log.clear()  # in place: the arena's fast path holds this very list
         if len(log) >= _FOLD_NUMPY_MIN:
-            v = np.array(log, dtype=np.int64)
-            sign = np.sign(v)
-            n = np.abs(v) - 1
-            size = np.maximum(((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
-            hits = int((sign > 0).sum())
-            for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
-                traj = np.cumsum(d)
-                gained = int(d[d > 0].sum())
-                self._fold_row(row, int(traj[-1]), int(traj.max()), gained, gained - int(traj[-1]))
+            hits = self._fold_numpy(log)
         else:
             hits = 0
             rows = {ALLOCATIONS: [0, 0, 0], ALLOCATED: [0, 0, 0], REQUESTED: [0, 0, 0]}  # net, top, gained
@@ -138,6 +140,18 @@ class Books:
             for row, (net, top, gained) in rows.items():
                 self._fold_row(row, net, top, gained, gained - net)
         self.hits += hits
+
+    def _fold_numpy(self, log: list[int]) -> int:
+        """``fold`` for a long log, in numpy; returns the hits in it."""
+        v = np.array(log, dtype=np.int64)
+        sign = np.sign(v)
+        n = np.abs(v) - 1
+        size = np.maximum(((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+        for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
+            traj = np.cumsum(d)
+            gained = int(d[d > 0].sum())
+            self._fold_row(row, int(traj[-1]), int(traj.max()), gained, gained - int(traj[-1]))
+        return int((sign > 0).sum())
 
     def _fold_row(self, row: int, net: int, top: int, gained: int, lost: int) -> None:
         cur, peak = self.cur[row], self.peak[row]
@@ -169,11 +183,31 @@ class Books:
         self._windows = [r for r in self._windows if r() is not None] + [weakref.ref(w)]
         return w
 
+    def sample_inactive(self, blocks: tuple[int, int], nbytes: tuple[int, int]) -> None:
+        """Bring the inactive-split rows to what a walk of the heaps found, per pool (small, large).
+
+        PyTorch counts these as blocks split and merge; here a parked free (Note
+        [Fast path]) never reaches the heap, so the hot path cannot know them.
+        They change only here: their current values are exact as of this call,
+        and peak, allocated and freed count only the changes seen between
+        calls, so they are lower bounds of the true figures.
+        """
+        for row, new in ((INACTIVE_SPLIT, blocks), (INACTIVE_SPLIT_BYTES, nbytes)):
+            deltas = [n - c for n, c in zip(new, self.cur[row])]
+            # Decreases first: the all column then never passes the larger of its old and new values.
+            for kind in sorted(range(len(deltas)), key=deltas.__getitem__):
+                if deltas[kind]:
+                    self.account(kind, row, deltas[kind])
+            if self._sampled_peaks_reset:  # their last values are stale: the peak since is at least now's
+                self.peak[row][:] = self.cur[row]
+        self._sampled_peaks_reset = False
+
     def reset_peaks(self) -> None:
         if self.log:
             self.fold()
-        for row in range(len(STAT_NAMES)):
+        for row in range(len(self.peak)):
             self.peak[row][:] = self.cur[row]
+        self._sampled_peaks_reset = True
 
     def stat(self, row: int, col: int = ALL) -> Stat:
         if self.log:
@@ -181,23 +215,37 @@ class Books:
         return Stat(self.cur[row][col], self.peak[row][col], self.total_in[row][col], self.total_out[row][col])
 
     def figures(self) -> dict[str, int]:
-        """The tables under ``stats()``'s names (``allocated_bytes.small_pool.peak``, ...)."""
+        """The tables under ``stats()``'s names (``allocated_bytes.small_pool.peak``, ...).
+
+        Every key of ``torch.cuda.memory_stats`` but ``num_sync_all_streams`` is
+        here or in ``Pool.stats``, with PyTorch's meaning read in cupool's terms:
+
+        * ``active`` / ``active_bytes`` equal ``allocation`` / ``allocated_bytes``.
+          PyTorch's active blocks are the allocated ones plus those freed while a
+          ``record_stream`` event is pending, which nobody, not even their own
+          stream, may take yet.  cupool has no such state: a block freed on a
+          stream is reusable on that stream at once, and only other streams wait
+          (Note [Streams]), as they wait for any of PyTorch's cached blocks.
+        * ``inactive_split`` / ``inactive_split_bytes``: see ``sample_inactive``.
+        * ``oversize_allocations`` / ``oversize_segments`` are 0 and
+          ``max_split_size`` is -1, PyTorch's values when ``max_split_size`` is
+          unset: cupool splits free blocks of any size.
+        """
         if self.log:
             self.fold()
         out: dict[str, int] = {}
-        for row, name in enumerate(STAT_NAMES):
+        rows = [*enumerate((*STAT_NAMES, *SAMPLED_NAMES)), *((row, name) for name, row in MIRRORED)]
+        for row, name in rows:
             for col, pname in enumerate(COLUMNS):
                 base = f"{name}.{pname}"
                 out[f"{base}.current"] = self.cur[row][col]
                 out[f"{base}.peak"] = self.peak[row][col]
                 out[f"{base}.allocated"] = self.total_in[row][col]
                 out[f"{base}.freed"] = self.total_out[row][col]
-        # Active memory is memory in use by allocations; cupool never defers a free
-        # behind an event (cross-stream reuse waits instead), so active == allocated.
-        for row, name in ((ALLOCATIONS, "active"), (ALLOCATED, "active_bytes")):
-            for col, pname in enumerate(COLUMNS):
-                out[f"{name}.{pname}.current"] = self.cur[row][col]
-                out[f"{name}.{pname}.peak"] = self.peak[row][col]
+        for name in ("oversize_allocations", "oversize_segments"):
+            for metric in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{metric}"] = 0
+        out["max_split_size"] = NO_MAX_SPLIT_SIZE
         return out
 
 

@@ -11,7 +11,10 @@ Blocks (``size`` is the block's, i.e. rounded, size):
   given back (on creation and restore; on free and spill);
 - ``move_out`` then ``move_in``: compaction moved a movable block from the first
   address to the second;
-- ``segment_alloc`` / ``segment_free``: device memory taken or returned.
+- ``segment_alloc`` / ``segment_free``: device memory taken or returned;
+- ``segment_map`` / ``segment_unmap``: granules of virtual memory mapped at or
+  unmapped from ``[address, address + size)`` (expandable segments and
+  stitching, Note [Virtual memory]), as PyTorch's expandable segments report them.
 
 Annotations: ``oom`` (size requested), ``compact`` (size: bytes moved),
 ``spill`` / ``restore`` (after the matching free_movable / alloc_movable) and
@@ -33,17 +36,17 @@ from typing import Any
 log = logging.getLogger("cupool")
 
 #: The steps of the reclaim ladder, in the pool's default order (the scheduler adds "spill").
-LADDER_STEPS = ("streams", "release", "compact", "rehome", "gc", "spill")
+LADDER_STEPS = ("streams", "release", "stitch", "compact", "rehome", "gc", "spill")
 
 #: Every event kind a pool emits, in a fixed order (trace files store kinds as indices into it).
 KINDS: tuple[str, ...] = (
     "alloc", "free", "alloc_movable", "free_movable", "move_out", "move_in", "segment_alloc",
-    "segment_free", "compact", "spill", "restore", "oom",
+    "segment_free", "segment_map", "segment_unmap", "compact", "spill", "restore", "oom",
     *(f"reclaim:{step}" for step in LADDER_STEPS),
 )
 
 #: Kinds emitted inside a pool operation, before the books reach a state any caller can see.
-MID_OPERATION = frozenset({"segment_alloc", "move_out", "move_in"})
+MID_OPERATION = frozenset({"segment_alloc", "segment_map", "move_out", "move_in"})
 
 #: Kinds whose subscribers need every small block's allocation and free as it happens.
 _BLOCK_KINDS = frozenset({"alloc", "free"})

@@ -47,15 +47,18 @@ class Block:
 
 
 class Segment:
-    __slots__ = ("addr", "size", "used", "head", "keep", "stream")
+    __slots__ = ("addr", "size", "used", "head", "tail", "keep", "stream", "region")
 
     def __init__(self, addr: int, size: int, stream: Tag, keep: bool) -> None:
         self.addr = addr
         self.size = size
         self.used = 0  # bytes in allocated blocks
         self.head: Block | None = None
+        self.tail: Block | None = None  # the last block: where a segment grows and shrinks
         self.keep = keep  # preallocated: empty_cache leaves it alone
         self.stream = stream  # the stream it was first allocated for (reported in snapshots)
+        # The virtual range it lies in, when its memory is mapped granules (cupool.core.expandable).
+        self.region: object = None
 
     def blocks(self) -> Iterator[Block]:
         b = self.head
@@ -99,7 +102,7 @@ class Heap:
         if addr in self.segments:
             raise ValueError(f"segment at {addr:#x} already exists")
         seg = Segment(addr, size, tag, keep)
-        seg.head = Block(addr, size, seg, tag)
+        seg.head = seg.tail = Block(addr, size, seg, tag)
         self.segments[addr] = seg
         self.reserved += size
         self._insert(seg.head)
@@ -116,6 +119,86 @@ class Heap:
 
     def free_segments(self) -> list[Segment]:
         return [s for s in self.segments.values() if s.used == 0]
+
+    # -- segments over virtual memory (their ends move; see cupool.core.expandable) --
+    def extend(self, seg: Segment, nbytes: int, tag: Tag) -> Block:
+        """Append ``nbytes`` of free memory under ``tag`` at the end of ``seg``; returns the (merged) last block."""
+        if nbytes <= 0 or nbytes % self.alignment:
+            raise ValueError(f"cannot extend {seg!r} by {nbytes} bytes")
+        last = seg.tail
+        assert last is not None
+        b = Block(seg.addr + seg.size, nbytes, seg, tag)
+        b.prev, last.next, seg.tail = last, b, b
+        seg.size += nbytes
+        self.reserved += nbytes
+        return self._coalesce(b)
+
+    def trim(self, seg: Segment, nbytes: int) -> None:
+        """Take ``nbytes`` off the end of ``seg``, all of them free, leaving at least one block."""
+        last = seg.tail
+        assert last is not None
+        if not last.free or nbytes <= 0 or nbytes % self.alignment or nbytes >= seg.size or nbytes > last.size:
+            raise ValueError(f"cannot trim {nbytes} bytes off {seg!r}")
+        self._remove(last)
+        if nbytes == last.size:
+            seg.tail = last.prev
+            assert seg.tail is not None
+            seg.tail.next = None
+        else:
+            last.size -= nbytes
+            self._insert(last)
+        seg.size -= nbytes
+        self.reserved -= nbytes
+
+    def cut(self, b: Block, lo: int, hi: int) -> tuple[Segment | None, Segment | None]:
+        """Take the bytes ``[lo, hi)`` of free block ``b`` out of its segment, splitting it around the hole.
+
+        Returns the parts left before and after the hole (None where empty); the
+        part before keeps the segment object itself.  Blocks after the hole move
+        to a new segment, which costs time in their number (no device work).
+        """
+        seg = b.segment
+        if (not b.free or self._free.get(b.addr) is not b or lo % self.alignment or hi % self.alignment
+                or not b.addr <= lo < hi <= b.addr + b.size):
+            raise ValueError(f"cannot cut [{lo:#x}, {hi:#x}) out of {b!r}: not inside it, or not aligned")
+        self._remove(b)
+        end, after = b.addr + b.size, b.next
+        right_seg = None
+        if hi < seg.addr + seg.size:
+            right_seg = Segment(hi, seg.addr + seg.size - hi, seg.stream, seg.keep)
+            right_seg.region = seg.region
+            if hi < end:
+                piece = Block(hi, end - hi, right_seg, b.tag)
+                piece.epoch, piece.next = b.epoch, after
+                if after is not None:
+                    after.prev = piece
+                self._insert(piece)
+                after = piece
+            assert after is not None
+            after.prev = None
+            right_seg.head, right_seg.tail = after, seg.tail
+            x: Block | None = after
+            while x is not None:
+                x.segment = right_seg
+                if not x.free:
+                    right_seg.used += x.size
+                x = x.next
+            self.segments[hi] = right_seg
+        seg.used -= right_seg.used if right_seg is not None else 0
+        left_seg: Segment | None = seg
+        if lo > b.addr:
+            b.size, b.next = lo - b.addr, None
+            seg.tail = b
+            self._insert(b)
+        elif b.prev is not None:
+            b.prev.next = None
+            seg.tail = b.prev
+        else:
+            del self.segments[seg.addr]
+            left_seg = None
+        seg.size = lo - seg.addr
+        self.reserved -= hi - lo
+        return left_seg, right_seg
 
     # -- placement ------------------------------------------------------------
     def find(self, size: int, tag: Tag) -> Block | None:
@@ -144,6 +227,8 @@ class Heap:
             tail.prev, tail.next = block, block.next
             if block.next is not None:
                 block.next.prev = tail
+            else:
+                block.segment.tail = tail
             block.next = tail
             block.size = size
             self._insert(tail)
@@ -250,6 +335,7 @@ class Heap:
                     used += b.size
                 expect, prev = b.addr + b.size, b
             assert expect == seg.addr + seg.size, f"{seg!r} blocks end at {expect:#x}"
+            assert seg.tail is prev, f"{seg!r} has the wrong last block"
             assert used == seg.used, f"{seg!r} used {seg.used} but blocks say {used}"
             allocated += used
         assert reserved == self.reserved, f"reserved {self.reserved} != {reserved}"
@@ -270,3 +356,5 @@ def _absorb(left: Block, right: Block) -> None:
     left.next = right.next
     if right.next is not None:
         right.next.prev = left
+    else:
+        left.segment.tail = left

@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .vmm import VirtualMemory, VirtualMemoryUnsupported
+
 #: cudaMalloc hands out physical memory in 2 MiB pages; the sim device charges the same way.
 PAGE = 2 << 20
 
@@ -35,8 +37,9 @@ class Capabilities:
     #: The memory can back GPU arrays (CuPy, Numba device arrays).  False for pinned
     #: host memory, which must not be handed to a device-memory allocator.
     device_memory: bool
-    #: A segment can be extended in place (virtual memory), so the pool may grow a
-    #: segment instead of allocating a new one.  No device does this yet.
+    #: The device offers virtual memory (``Device.virtual_memory()``): a segment can
+    #: grow in place and granules can be remapped, so ``Pool(expandable_segments=True)``
+    #: works on it.  The sim device on Linux and CUDA devices (with the ``vmm`` extra).
     grow_in_place: bool
 
 
@@ -117,6 +120,13 @@ class Device(ABC):
     @property
     def total(self) -> int:
         return self.mem_info()[1]
+
+    def virtual_memory(self) -> VirtualMemory:
+        """The device's virtual memory, one object per device; ``VirtualMemoryUnsupported`` says why there is none.
+
+        Its physical granules come out of the same capacity as ``malloc``'s segments.
+        """
+        raise VirtualMemoryUnsupported(f"{self.name} ({type(self).__name__}) offers no virtual memory management")
 
 
 class HostView:

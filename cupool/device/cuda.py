@@ -14,6 +14,8 @@ import numpy as np
 
 from ..errors import DeviceOutOfMemory
 from .base import Capabilities, Device, HostView
+from .cuda_vmm import CudaVirtualMemory
+from .vmm import VirtualMemory, VirtualMemoryUnsupported
 
 # cudaHostAllocPortable | cudaHostAllocMapped: usable from every context, addressable from kernels.
 _HOST_ALLOC_FLAGS = 0x1 | 0x2
@@ -27,7 +29,7 @@ class CudaDevice(Device):
     """A CUDA GPU through ``cupy.cuda.runtime``."""
 
     kind = "cuda"
-    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=False)
+    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True)
 
     def __init__(self, index: int = 0) -> None:
         import cupy
@@ -43,6 +45,7 @@ class CudaDevice(Device):
         self._staging: tuple[int, int, Any] | None = None
         self._move_kernels: dict[int, Any] = {}  # element size -> configured launcher
         self._moves_ready = False
+        self._vm: CudaVirtualMemory | None = None  # made by virtual_memory(), on first use
 
     def malloc(self, nbytes: int) -> int:
         with self._dev:
@@ -59,6 +62,14 @@ class CudaDevice(Device):
     def free(self, ptr: int, nbytes: int) -> None:
         with self._dev:
             self._rt.free(ptr)
+
+    def virtual_memory(self) -> VirtualMemory:
+        """``CudaVirtualMemory`` on this GPU (the ``vmm`` extra); ``VirtualMemoryUnsupported`` without it."""
+        if not self.capabilities.grow_in_place:
+            raise VirtualMemoryUnsupported(f"{self.name} ({type(self).__name__}) offers no virtual memory management")
+        if self._vm is None:
+            self._vm = CudaVirtualMemory(self.index)
+        return self._vm
 
     def mem_info(self) -> tuple[int, int]:
         with self._dev:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from sortedcontainers import SortedDict
 from .._units import format_bytes, parse_size, round_up
 from ..errors import DeviceOutOfMemory
 from .base import PAGE, Capabilities, Device, HostView
+from .sim_vmm import SimVirtualMemory
+from .vmm import VirtualMemory, VirtualMemoryUnsupported
 
 # Python's mmap module does not export MAP_NORESERVE.  The arena reserves address
 # space well beyond its capacity (so that, as on a GPU with virtual memory, freed
@@ -45,11 +48,19 @@ class SimDevice(Device):
     """
 
     kind = "sim"
-    capabilities = Capabilities(streams=True, host_accessible=True, device_memory=True, grow_in_place=False)
+    capabilities = Capabilities(
+        streams=True, host_accessible=True, device_memory=True, grow_in_place=sys.platform.startswith("linux")
+    )
 
-    def __init__(self, capacity: int | str = "4GiB", headroom: int = 2) -> None:
+    def __init__(self, capacity: int | str = "4GiB", headroom: int = 2, index: int | None = None) -> None:
         if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 1:
             raise ValueError(f"headroom must be an int >= 1, got {headroom!r}")
+        if index is not None:  # None: the class's own (0, or a subclass's)
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise TypeError(f"index: a sim device's index is an int, got {index!r}")
+            if index < 0:
+                raise ValueError(f"index: a sim device's index must be >= 0, got {index}")
+            self.index = index  # as a GPU's ordinal: the device whose pool routing gives it
         self.capacity = round_up(parse_size(capacity, name="capacity"), PAGE)
         if self.capacity <= 0:
             raise ValueError("capacity: a sim device needs at least one byte")
@@ -76,13 +87,15 @@ class SimDevice(Device):
         self._lock = threading.Lock()
         self._enqueued: dict[int, int] = {}
         self._retired: dict[int, int] = {}
+        self._vm: SimVirtualMemory | None = None  # made by virtual_memory(), on first use
 
     # -- memory ---------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         size = round_up(max(nbytes, 1), PAGE)
         with self._lock:
-            if self.used + size > self.capacity:
-                raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {self.capacity - self.used} free")
+            free = self.capacity - self.used - self._mapped()
+            if size > free:
+                raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {free} free")
             for addr, extent in self._extents.items():
                 if extent >= size:
                     break
@@ -96,6 +109,7 @@ class SimDevice(Device):
         return addr
 
     def free(self, ptr: int, nbytes: int) -> None:
+        self.synchronize()  # as cudaFree does: work still queued may use the segment
         with self._lock:
             size = self._sizes.pop(ptr, None)
             if size is None:
@@ -115,7 +129,27 @@ class SimDevice(Device):
             self._extents[ptr] = size
 
     def mem_info(self) -> tuple[int, int]:
-        return self.capacity - self.used, self.capacity
+        return self.capacity - self.used - self._mapped(), self.capacity
+
+    # -- virtual memory ----------------------------------------------------------
+    def virtual_memory(self) -> VirtualMemory:
+        """Granules of a memfd (``SimVirtualMemory``) sharing this device's capacity with its segments.
+
+        Bytes of mapped granules are read and written through the memfd's mappings,
+        so an unmapped block is really gone (touching it faults, as on a GPU).
+        """
+        if not self.capabilities.grow_in_place:
+            raise VirtualMemoryUnsupported(f"{self.name} ({type(self).__name__}) offers no virtual memory management")
+        if self._vm is None:
+            ref = weakref.ref(self)
+            self._vm = SimVirtualMemory(self.capacity, outside=lambda: _used(ref))
+        return self._vm
+
+    def _mapped(self) -> int:
+        return 0 if self._vm is None else self._vm.in_use
+
+    def _in_arena(self, ptr: int, nbytes: int) -> bool:
+        return self.base <= ptr and ptr + nbytes <= self.base + self._span
 
     # -- streams --------------------------------------------------------------
     def stream_key(self, stream: Any) -> int:
@@ -146,16 +180,27 @@ class SimDevice(Device):
     # -- views ----------------------------------------------------------------
     def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not (self.base <= ptr and ptr + nbytes <= self.base + self._span):
+        if not self._in_arena(ptr, nbytes):
+            if self._vm is not None:  # mapped granules: refused (VirtualMemoryError) unless mapped
+                self._vm.bytes_at(ptr, max(nbytes, 1))
+                return np.asarray(HostView(ptr, shape, dtype, owner))
             raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) lies outside the arena")
         return np.asarray(HostView(ptr, shape, dtype, owner))
 
     def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         from ..kernels.move import move_cpu, word_size  # numba is imported on first use
 
-        src = np.asarray(src, dtype=np.int64) - self.base
-        dst = np.asarray(dst, dtype=np.int64) - self.base
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
         nbytes = np.asarray(nbytes, dtype=np.int64)
+        lo = int(min(src.min(), dst.min())) if src.size else self.base
+        hi = int(max((src + nbytes).max(), (dst + nbytes).max())) if src.size else self.base
+        if self._vm is not None and not self._in_arena(lo, hi - lo):
+            for s, d, n in zip(src.tolist(), dst.tolist(), nbytes.tolist()):  # through the memfd's mappings
+                self.bytes_at(d, n)[:] = self.bytes_at(s, n).copy()
+            return
+        src = src - self.base
+        dst = dst - self.base
         if src.size and (min(src.min(), dst.min()) < 0 or max((src + nbytes).max(), (dst + nbytes).max()) > self._span):
             raise ValueError("sim device: a move reaches outside the arena")
         ws = word_size(src, dst, nbytes)
@@ -172,19 +217,31 @@ class SimDevice(Device):
         np.copyto(out, self.bytes_at(ptr, out.nbytes))
 
     def bytes_at(self, ptr: int, nbytes: int) -> np.ndarray:
-        """A uint8 view of raw sim memory (tests and checksums use it)."""
+        """A uint8 view of raw sim memory (tests and checksums use it); mapped granules' through their mapping."""
+        if self._vm is not None and not self._in_arena(ptr, nbytes):
+            return self._vm.bytes_at(ptr, nbytes)
         off = ptr - self.base
         return self.arena[off : off + nbytes]
 
+    @property
+    def name(self) -> str:
+        return f"sim:{self.index}" if self.index else "sim"  # plain "sim" is what traces and configs say
+
     def __repr__(self) -> str:
-        return f"SimDevice(capacity={self.capacity})"
+        index = f", index={self.index}" if self.index else ""
+        return f"SimDevice(capacity={self.capacity}{index})"
+
+
+def _used(ref: weakref.ref[SimDevice]) -> int:
+    device = ref()
+    return 0 if device is None else device.used
 
 
 class SimPinnedDevice(SimDevice):
     """Page-aligned host memory standing in for pinned memory on machines without a GPU."""
 
     kind = "pinned"
-    capabilities = Capabilities(streams=True, host_accessible=True, device_memory=False, grow_in_place=False)
+    capabilities = Capabilities(streams=True, host_accessible=True, device_memory=False, grow_in_place=False)  # no VMM
 
     def __init__(self, capacity: int | str = "1GiB", headroom: int = 2) -> None:
         super().__init__(capacity, headroom)

@@ -16,6 +16,7 @@ import ctypes
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,14 +58,17 @@ def _check(rc: int, what: str) -> None:
 class SimVirtualMemory(VirtualMemory):
     """CUDA-style virtual memory over a memfd: ``capacity`` bytes of physical granules, addresses unlimited.
 
-    The memfd is sparse and grows as chunks are created; released chunks have
+    ``outside`` says how many bytes of the same capacity are held elsewhere (the
+    sim device's plain segments, when it lends this object).  The memfd is sparse and grows as chunks are created; released chunks have
     their pages punched out, so memory is charged only while a chunk is live and
     has been written.  Chunks take contiguous ranges of the file (one ``mmap`` per
     mapping) from a first-fit free list; the file may grow past ``capacity``
     when that list is fragmented, which costs address space in the file only.
     """
 
-    def __init__(self, capacity: int | str = "4GiB", granularity: int = GRANULE) -> None:
+    def __init__(
+        self, capacity: int | str = "4GiB", granularity: int = GRANULE, outside: Callable[[], int] | None = None
+    ) -> None:
         if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
             raise VirtualMemoryUnsupported(
                 f"sim virtual memory needs Linux's memfd_create; this is {sys.platform}"
@@ -73,6 +77,7 @@ class SimVirtualMemory(VirtualMemory):
         if isinstance(granularity, int) and not isinstance(granularity, bool) and granularity % page:
             raise ValueError(f"granularity must be a multiple of the page size ({page}), got {granularity}")
         super().__init__(parse_size(capacity, name="capacity"), granularity)
+        self._others = outside  # a sim device's own segments, which share its capacity
         self._libc = _libc()
         self._fd = os.memfd_create("cupool-vmm", os.MFD_CLOEXEC)
         self._file_end = 0
@@ -101,6 +106,9 @@ class SimVirtualMemory(VirtualMemory):
         return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
 
     # -- hooks ------------------------------------------------------------------
+    def _outside(self) -> int:
+        return 0 if self._others is None else self._others()
+
     def _mmap(self, addr: int, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
         p = self._libc.mmap(addr or None, nbytes, prot, flags, fd, offset)
         if p is None or p == _MAP_FAILED:

@@ -64,6 +64,8 @@ _ACTIONS = {
     "move_in": ("alloc",),
     "segment_alloc": ("segment_alloc",),
     "segment_free": ("segment_free",),
+    "segment_map": ("segment_map",),
+    "segment_unmap": ("segment_unmap",),
     "oom": ("oom",),
 }
 _NOT_RECORDED = ("the pool is not being recorded: export inside its `with pool.record(...)` block, or export "
@@ -74,7 +76,9 @@ def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
     """The pool as a ``torch.cuda.memory._snapshot()``-shaped dict (events only while it is recorded)."""
     snap = pool.snapshot()
     device = pool.device.index
-    segments = [_segment(seg, device, [{**b, "frames": []} for b in seg["blocks"]]) for seg in snap["segments"]]
+    expandable = bool(getattr(pool, "config", {}).get("expandable_segments"))
+    segments = [_segment(seg, device, [{**b, "frames": []} for b in seg["blocks"]], expandable)
+                for seg in snap["segments"]]
     rec = active_recorder(pool)
     return _snapshot(segments, _entries(rec.events() if rec is not None else []), device)
 
@@ -120,8 +124,8 @@ def _snapshot(segments: list[dict[str, Any]], entries: list[dict[str, Any]], dev
     return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
-def _segment(seg: dict[str, Any], device: int, blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**seg, "device": device, "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+def _segment(seg: dict[str, Any], device: int, blocks: list[dict[str, Any]], expandable: bool) -> dict[str, Any]:
+    return {**seg, "device": device, "segment_pool_id": (0, 0), "is_expandable": expandable, "frames": [],
             "blocks": blocks}
 
 
@@ -148,6 +152,7 @@ def _final_segments(events: list[tuple], device: int) -> list[dict[str, Any]]:
     """
     segs: dict[int, tuple[int, int]] = {}  # address -> size, stream
     live: dict[int, int] = {}  # address -> size
+    mapped = _Mapped()
     moving = None
     for ev in events:
         kind, addr, size = ev[1], ev[2], ev[3]
@@ -155,6 +160,10 @@ def _final_segments(events: list[tuple], device: int) -> list[dict[str, Any]]:
             segs[addr] = (size, ev[4])
         elif kind == "segment_free":
             segs.pop(addr, None)
+        elif kind == "segment_map":
+            mapped.map(addr, size, ev[4])
+        elif kind == "segment_unmap":
+            mapped.unmap(addr, size)
         elif kind in ("alloc", "alloc_movable"):
             live[addr] = size
         elif kind in ("free", "free_movable"):
@@ -163,6 +172,8 @@ def _final_segments(events: list[tuple], device: int) -> list[dict[str, Any]]:
             moving = live.pop(addr, None)
         elif kind == "move_in" and moving is not None:
             live[addr], moving = moving, None
+    expandable = set(mapped.ranges)
+    segs.update(mapped.ranges)
     starts = sorted(segs)
     inside: dict[int, list[tuple[int, int]]] = {a: [] for a in starts}
     for addr, size in sorted(live.items()):
@@ -187,8 +198,38 @@ def _final_segments(events: list[tuple], device: int) -> list[dict[str, Any]]:
         small = total == SMALL_SEGMENT and all(size <= SMALL_MAX for _, size in inside[base])
         out.append(_segment({"address": base, "total_size": total, "allocated_size": used, "active_size": used,
                              "requested_size": used, "stream": stream, "segment_type": "small" if small else "large",
-                             "preallocated": False}, device, blocks))
+                             "preallocated": False}, device, blocks, base in expandable))
     return out
+
+
+class _Mapped:
+    """Mapped virtual memory as PyTorch shows expandable segments: each contiguous mapped range a segment."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, tuple[int, int]] = {}  # address -> size, stream
+        self._ends: dict[int, int] = {}  # end address -> address
+
+    def map(self, addr: int, size: int, stream: int) -> None:
+        start, end = addr, addr + size
+        if addr in self._ends:  # a range ends where this one starts: it grows
+            start = self._ends.pop(addr)
+            stream = self.ranges.pop(start)[1]
+        nxt = self.ranges.pop(end, None)  # a range starts where this one ends: they join
+        if nxt is not None:
+            del self._ends[end + nxt[0]]
+            end += nxt[0]
+        self.ranges[start] = (end - start, stream)
+        self._ends[end] = start
+
+    def unmap(self, addr: int, size: int) -> None:
+        for start, (n, stream) in list(self.ranges.items()):
+            end = start + n
+            if start < addr + size and addr < end:
+                del self.ranges[start], self._ends[end]
+                if start < addr:
+                    self.ranges[start], self._ends[addr] = (addr - start, stream), start
+                if addr + size < end:
+                    self.ranges[addr + size], self._ends[end] = (end - addr - size, stream), addr + size
 
 
 def _block(addr: int, size: int, allocated: bool) -> dict[str, Any]:

@@ -42,15 +42,18 @@ from typing import Any
 
 from .._units import format_bytes
 from ..core.arena import Arena
+from ..core.books import ALL, RESERVED
 from ..core.events import LADDER_STEPS
+from ..core.sizes import LARGE
 from ..core.handles import Movable
 from .compact import compact, rehome
 from .spill import SpillError
 
 POLICIES = ("lru", "fifo", "adaptive")
-#: The ladder without spilling, in the order lru and fifo run it (spill goes before gc when a tier exists).
-BASE_LADDER = tuple(step for step in LADDER_STEPS if step != "spill")
-_CHEAP = ("streams", "release")
+#: The ladder without spilling or stitching, in the order lru and fifo run it (spill goes before gc
+#: when a tier exists; stitch after release in a pool that stitches).
+BASE_LADDER = tuple(step for step in LADDER_STEPS if step not in ("spill", "stitch"))
+_CHEAP = ("streams", "release", "stitch")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Scheduler:
         self._run_spilled = 0
         self._run_failure = ""
         self._last_progress = False
+        self._request: tuple[int, int, Any] | None = None  # (size class, bytes, stream) the ladder is for
 
     # ----------------------------------------------------------------- public
     def order(self) -> list[str]:
@@ -145,11 +149,16 @@ class Scheduler:
         }
 
     def __iter__(self) -> Iterator[tuple[str, Callable[[], bool]]]:
-        """The ladder for one failing request; the pool iterates it with its lock held.
+        return self.ladder()
+
+    def ladder(self, request: tuple[int, int, Any] | None = None) -> Iterator[tuple[str, Callable[[], bool]]]:
+        """The ladder for one failing request ``(size class, bytes, stream)``; the pool iterates it with its lock held.
 
         The pool asks for the next step only when the previous one did not make the
-        request fit, which is what lets spill repeat one victim at a time.
+        request fit, which is what lets spill repeat one victim at a time.  Stitching
+        needs to know the request; without one it is left out.
         """
+        self._request = request
         self._run_spilled = 0
         self._run_failure = ""
         try:
@@ -166,6 +175,7 @@ class Scheduler:
                     yield name, lambda name=name, step=step: self._record(name, step)
         finally:
             self._victims = None
+            self._request = None
 
     # --------------------------------------------------------------- steps
     def _streams(self) -> bool:
@@ -180,6 +190,14 @@ class Scheduler:
         report = compact(self._arena, None, None)
         return bool(report.moves or report.bytes_released)
 
+    def _stitch(self) -> bool:
+        expander, request = self._arena.expander, self._request
+        if expander is None or request is None:
+            return False
+        kind, size, key = request
+        room = (self._arena.limit - self._arena.books.cur[RESERVED][ALL]) // expander.granule * expander.granule
+        return expander.stitch(kind, size, key, room)
+
     def _rehome(self) -> bool:
         return rehome(self._arena)
 
@@ -192,6 +210,9 @@ class Scheduler:
     def _order(self) -> list[str]:
         """``order()`` with the lock held."""
         names = list(BASE_LADDER)
+        expander = self._arena.expander
+        if expander is not None and expander.stitching and self._request is not None and self._request[0] == LARGE:
+            names.insert(names.index("release") + 1, "stitch")
         if self.tier is not None:
             names.insert(names.index("gc"), "spill")
         if self.policy == "adaptive":

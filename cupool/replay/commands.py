@@ -75,10 +75,10 @@ def _base_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
-    engine = args.engine or default_engine(trace)
     base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
+    engine = args.engine or default_engine(trace, *configs)  # one engine for every configuration compared
     for c in configs:  # reject a bad key before spending time on any replay
         check_config({**recorded_config(trace, engine), **c}, engine)
     recorded_peak = recorded_peak_allocated(trace)

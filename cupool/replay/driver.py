@@ -68,8 +68,10 @@ from ..trace.importers import empty_cache_marks, sized_capacity
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
-#: Recorded settings that only the pool engine models (they act through movable buffers).
-POOL_KEYS = ("defrag_threshold", "spill", "spill_policy")
+#: Recorded settings that only the pool engine models (through movable buffers, or virtual memory).
+POOL_KEYS = ("defrag_threshold", "spill", "spill_policy", "expandable_segments", "stitch")
+#: Settings of virtual memory (expandable segments), which only the pool engine models.
+VMM_KEYS = ("expandable_segments", "stitch")
 #: Events that only pools with movable buffers emit.
 MOVABLE_KINDS = ("alloc_movable", "free_movable", "move_out", "move_in", "compact", "spill", "restore")
 ENGINES = ("numba", "pool")
@@ -162,8 +164,12 @@ def uses_movables(trace: Trace) -> bool:
     return any(counts.get(k) for k in MOVABLE_KINDS)
 
 
-def default_engine(trace: Trace) -> str:
-    return "pool" if uses_movables(trace) else "numba"
+def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
+    """``"pool"`` for traces with movable buffers or recorded on virtual memory, and where a
+    configuration turns virtual memory on (``expandable_segments``, ``stitch``: the numba engine
+    models plain segments only); else the fast ``"numba"``."""
+    vmm = trace.config.get("expandable_segments") or any(c and any(c.get(k) for k in VMM_KEYS) for c in configs)
+    return "pool" if uses_movables(trace) or vmm else "numba"
 
 
 def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
@@ -244,7 +250,7 @@ def replay(
     (default: on long traces, when stderr is a terminal); ``stop`` replays only
     the first ``stop`` events.
     """
-    engine = default_engine(trace) if engine is None else engine
+    engine = default_engine(trace, config) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
     check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
@@ -332,11 +338,11 @@ class _Books:
 
     def __call__(self, ev: tuple) -> None:
         kind, size = ev[1], ev[3]
-        if kind == "segment_alloc":
+        if kind == "segment_alloc" or kind == "segment_map":
             self.reserved += size
             if self.reserved > self.peak:
                 self.peak = self.reserved
-        elif kind == "segment_free":
+        elif kind == "segment_free" or kind == "segment_unmap":
             self.reserved -= size
         elif kind == "alloc" or kind == "alloc_movable":
             self.allocated += size
@@ -578,7 +584,7 @@ def layout(
     """
     from . import engine as eng
 
-    engine = default_engine(trace) if engine is None else engine
+    engine = default_engine(trace, config) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
     check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))

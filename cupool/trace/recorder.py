@@ -151,7 +151,8 @@ class EventRecorder:
         # an event between the two would be in neither.  subscribe() does not take
         # the pool's lock, so it may be called here.
         with pool.hold() as view:
-            seed, self._config["seed"] = _live_state(view, time.perf_counter_ns())
+            segment = "segment_map" if self._config.get("expandable_segments") else "segment_alloc"
+            seed, self._config["seed"] = _live_state(view, time.perf_counter_ns(), segment)
             if self._writer is not None:
                 self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
             for ev in seed:
@@ -301,17 +302,18 @@ def recording_config(pool: Recordable) -> dict[str, Any]:
     return cfg
 
 
-def _live_state(view: ArenaView, now: int) -> tuple[list[tuple], dict[str, Any]]:
+def _live_state(view: ArenaView, now: int, segment: str) -> tuple[list[tuple], dict[str, Any]]:
     """The pool's segments and live blocks as events, and what a replay needs to rebuild them.
 
-    ``view`` is read under the pool's lock.  A raw block's stream is not kept on
+    ``view`` is read under the pool's lock; ``segment`` is the kind a segment is
+    reported as (``segment_map`` on virtual memory, Note [Virtual memory]).  A raw block's stream is not kept on
     the block, so it is reported as its segment's stream.
     """
     events: list[tuple] = []
     small: list[int] = []
     kept: list[int] = []
     for seg in view.segments():
-        events.append((now, "segment_alloc", seg.addr, seg.size, seg.stream))
+        events.append((now, segment, seg.addr, seg.size, seg.stream))
         if seg.small:
             small.append(seg.addr)
         if seg.keep:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from cupool.device import (
     cuda_available,
     pinned_device_beside,
 )
+from cupool.device.vmm import VirtualMemoryUnsupported
 from cupool.errors import DeviceOutOfMemory
 
 MiB = 1 << 20
@@ -56,9 +58,9 @@ class _Kind:
 
 
 KINDS = [
-    _Kind("sim", lambda: SimDevice("64MiB"), Capabilities(True, True, True, False), PAGE),
+    _Kind("sim", lambda: SimDevice("64MiB"), Capabilities(True, True, True, sys.platform.startswith("linux")), PAGE),
     _Kind("pinned-sim", lambda: SimPinnedDevice("64MiB"), Capabilities(True, True, False, False), PAGE),
-    _Kind("cuda", lambda: CudaDevice(0), Capabilities(True, False, True, False), 256, marks=(_no_gpu,)),
+    _Kind("cuda", lambda: CudaDevice(0), Capabilities(True, False, True, True), 256, marks=(_no_gpu,)),
     _Kind(
         "pinned-cuda",
         lambda: CudaPinnedDevice(0),
@@ -315,6 +317,19 @@ def test_capabilities_are_the_documented_ones(kind, device):
     assert type(device).capabilities is device.capabilities  # a property of the kind, not of one device
     with pytest.raises(dataclasses.FrozenInstanceError):
         device.capabilities.streams = False  # type: ignore[misc]
+
+
+def test_grow_in_place_means_the_device_lends_virtual_memory(device):
+    if not device.capabilities.grow_in_place:
+        with pytest.raises(VirtualMemoryUnsupported, match="no virtual memory"):
+            device.virtual_memory()
+        return
+    vm = device.virtual_memory()
+    assert vm is device.virtual_memory()  # one per device
+    free0 = device.mem_info()[0]
+    chunk = vm.create(vm.granularity)
+    assert device.mem_info()[0] == free0 - vm.granularity  # granules come out of the device's capacity
+    vm.release(chunk)
 
 
 def test_host_accessible_means_numpy_reads_the_memory_in_place(device):

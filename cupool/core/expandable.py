@@ -1,0 +1,448 @@
+"""Expandable segments and stitching: segments made of 2 MiB granules mapped into virtual ranges.
+
+PyTorch's expandable segments, over ``cupool.device.vmm.VirtualMemory``: each
+stream and size class gets one *region*, a virtual range twice the device's
+size (addresses cost nothing), whose mapped prefix is a heap segment that grows at its end when nothing
+fits (``grow``: granules mapped there, the last block extended) and shrinks
+from its end when its tail is free (``trim``: granules unmapped and released).
+Every granule is its own physical chunk, because the driver maps only whole
+chunks from their start (docs/design.md, Note [Virtual memory]): that is what
+lets granules be placed independently.
+
+*Stitching* (``stitch``) serves a large request no free range fits from the
+granules under free blocks in the middle of segments: it unmaps them there,
+which splits their segments around the hole, and maps the same chunks side by
+side into a fresh range, without copying a byte.  The stitched segment's
+granules go back to the device as soon as it is wholly free again.
+
+Reserved bytes are mapped granules, always: every mapped granule lies in
+exactly one heap segment, and every segment of a region is mapped whole.
+The device work of a grow, trim or stitch is a few calls per granule it maps or
+unmaps, whatever the number of blocks alive.  Compaction's moves of whole mapped
+granules (``move``) trade chunks between the two ranges instead of copying.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..device.base import Device
+from ..device.vmm import Chunk, VirtualMemory, VirtualMemoryUnsupported
+from ..errors import DeviceOutOfMemory
+from .books import RESERVED, SEGMENTS, Books
+from .events import Observers
+from .heap import Block, Heap, Segment
+
+
+def virtual_memory_of(device: Device, expandable: bool, stitch: bool) -> VirtualMemory | None:
+    """``device``'s virtual memory for a pool with ``expandable`` segments (else None), or a clear error why not."""
+    for name, flag in (("expandable_segments", expandable), ("stitch", stitch)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if not expandable and not stitch:
+        return None
+    if stitch and not expandable:
+        raise ValueError("stitch=True remaps granules of expandable segments: it needs expandable_segments=True")
+    try:
+        return device.virtual_memory()
+    except VirtualMemoryUnsupported as e:
+        raise VirtualMemoryUnsupported(f"expandable_segments=True needs a device with virtual memory: {e}") from None
+
+
+class Region:
+    """A reserved virtual range; its segments are mapped, ``[frontier, end)`` is not."""
+
+    __slots__ = ("base", "size", "frontier", "tail", "segments", "growable", "stitched")
+
+    def __init__(self, base: int, size: int, growable: bool, stitched: bool) -> None:
+        self.base = base
+        self.size = size
+        self.frontier = base  # where the next granule is mapped
+        self.tail: Segment | None = None  # the segment ending at the frontier, if any
+        self.segments = 0  # heap segments inside
+        self.growable = growable  # a stream's region (grows); else one exact segment (initial, re-homed, stitched)
+        self.stitched = stitched  # its granules go back as soon as its segment is free
+
+    def __repr__(self) -> str:
+        return f"Region({self.base:#x}, {self.size}, mapped to {self.frontier - self.base})"
+
+
+class Expander:
+    """The virtual-memory mechanism of one arena (its lock held for every call)."""
+
+    def __init__(
+        self, vm: VirtualMemory, device: Device, heaps: tuple[Heap, Heap], books: Books, observers: Observers,
+        stitch: bool,
+    ) -> None:
+        self.vm = vm
+        self.device = device
+        self.granule = g = vm.granularity
+        self.heaps = heaps
+        self.books = books
+        self.observers = observers
+        self.span = 2 * vm.capacity  # a stream's region: twice the device (addresses cost nothing)
+        self.stitching = stitch
+        self.regions: dict[tuple[int, Any], Region] = {}  # (kind, stream) -> growable region
+        self.ranges: dict[int, Region] = {}  # every region, by base address
+        self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there
+        self.closed = False  # the arena's finalizer gave everything back: no more device calls
+        self.closing = False  # the pool is closed: ranges left empty go back too
+        self.maps = 0  # granules mapped
+        self.unmaps = 0  # granules unmapped
+        self.stitches = 0
+        self.stitched_bytes = 0
+        self.remapped_bytes = 0  # compaction's moves made by remapping granules instead of copying
+
+    # ------------------------------------------------------------------ growth
+    def need(self, kind: int, size: int, key: Any) -> int:
+        """The bytes ``grow(kind, size, key)`` would map: what the tail's free block lacks, in granules."""
+        region = self.regions.get((kind, key))
+        have = 0
+        if region is not None and region.tail is not None:
+            last = region.tail.tail
+            if last is not None and last.free and last.tag in (None, key):
+                have = last.size
+        n = self._round(max(size - have, 1))
+        if region is not None and region.frontier + n > region.base + region.size:
+            return self._round(size)  # the region's addresses ran out: a new one holds the request
+        return n
+
+    def grow(self, kind: int, size: int, key: Any) -> Block:
+        """Map granules at the end of stream ``key``'s region; a free block of at least ``size``.
+
+        ``DeviceOutOfMemory`` passes through with nothing changed.
+        """
+        n = self.need(kind, size, key)
+        chunks = self._create(n)
+        region = self.regions.get((kind, key))
+        if region is not None and region.frontier + n > region.base + region.size:
+            # Its addresses ran out (stitching left holes behind): retire it, and start a new range.
+            del self.regions[(kind, key)]
+            region.growable = False
+            if not region.segments:
+                self._forget(region)
+            region = None
+        if region is None:
+            try:
+                region = self.regions[(kind, key)] = self._reserve(self.span, growable=True, stitched=False)
+            except BaseException:  # no addresses left: the chunks go back, the request fails
+                for c in chunks:
+                    self.vm.release(c)
+                raise
+        at = region.frontier
+        self._map(at, chunks)
+        region.frontier += n
+        self._mapped(kind, at, n, key)
+        if region.tail is None:
+            seg = self._add(kind, region, at, n, key, keep=False)
+            region.tail = seg
+            block = seg.head
+        else:
+            block = self.heaps[kind].extend(region.tail, n, key)
+        assert block is not None and block.free and block.size >= size
+        return block
+
+    def new_segment(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
+        """A segment of exactly ``nbytes`` in a range of its own (preallocated, or re-homed by compaction)."""
+        n = self._round(nbytes)
+        chunks = self._create(n)
+        region = self._reserve(n, growable=False, stitched=False)
+        self._map(region.base, chunks)
+        region.frontier += n
+        self._mapped(kind, region.base, n, key)
+        seg = region.tail = self._add(kind, region, region.base, n, key, keep)
+        return seg
+
+    # ---------------------------------------------------------------- shrinking
+    def drop(self, kind: int, seg: Segment) -> None:
+        """Unmap a wholly free segment and give its granules back."""
+        region = seg.region
+        assert isinstance(region, Region)
+        self.heaps[kind].remove_segment(seg)
+        if not self.closed:
+            for chunk in self._unmap(seg.addr, seg.size):
+                self.vm.release(chunk)
+        self.books.account(kind, SEGMENTS, -1)
+        self._unmapped(kind, seg.addr, seg.size, seg.stream)
+        region.segments -= 1
+        if region.tail is seg:
+            region.tail, region.frontier = None, seg.addr
+        if not region.segments and (self.closing or not region.growable):
+            self._forget(region)
+
+    def trim(self, kind: int, seg: Segment) -> int:
+        """Unmap the free granules at the end of ``seg`` (all of it if it is free); returns the bytes."""
+        last = seg.tail
+        assert last is not None
+        if not last.free:
+            return 0
+        lo = self._round(last.addr)
+        end = seg.addr + seg.size
+        if lo >= end:
+            return 0
+        if lo == seg.addr:
+            self.drop(kind, seg)
+            return end - lo
+        self.heaps[kind].trim(seg, end - lo)
+        for chunk in self._unmap(lo, end - lo):
+            self.vm.release(chunk)
+        self._unmapped(kind, lo, end - lo, seg.stream)
+        region = seg.region
+        assert isinstance(region, Region)
+        if region.tail is seg:
+            region.frontier = lo
+        return end - lo
+
+    def trim_all(self, kept_too: bool) -> int:
+        """Unmap every free tail (``empty_cache``, the ladder's release step); returns the bytes."""
+        released = 0
+        for kind, heap in enumerate(self.heaps):
+            for seg in list(heap.segments.values()):
+                if seg.region is not None and (kept_too or not seg.keep):
+                    released += self.trim(kind, seg)
+        if self.closing:
+            for region in [r for r in self.ranges.values() if not r.segments]:
+                self._forget(region)
+        return released
+
+    def freed(self, kind: int, block: Block, closed: bool, over: bool) -> None:
+        """After a free that left ``block`` free: give back what the rules say must go back now.
+
+        A stitched segment goes back whole once free; with ``closed`` every free
+        segment goes; with ``over`` (reserved above the release threshold) free
+        segments and free tails go, the preallocated segment excepted.
+        """
+        seg = block.segment
+        region = seg.region
+        assert isinstance(region, Region)
+        if not seg.used and (closed or region.stitched or (over and not seg.keep)):
+            self.drop(kind, seg)
+        elif over and not seg.keep and block is seg.tail:
+            self.trim(kind, seg)
+
+    # ---------------------------------------------------------------- stitching
+    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
+        """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
+
+        Granules from the largest holes first; what they lack is created fresh
+        when ``room`` (bytes the limit still allows) covers it.  Returns whether a
+        stitched segment now holds a free block of ``size`` for ``key``; False
+        changes nothing.
+        """
+        g = self.granule
+        want = self._round(size)
+        holes = []
+        for k, heap in enumerate(self.heaps):
+            for tag in (None,) if key is None else (key, None):
+                for b in heap.free_blocks(tag):
+                    lo, hi = self._round(b.addr), (b.addr + b.size) // g * g
+                    if hi > lo and b.segment.region is not None and not b.segment.keep:
+                        holes.append((hi - lo, lo, k, b))
+        holes.sort(key=lambda h: (-h[0], h[1]))
+        taken, got = [], 0
+        for n, lo, k, b in holes:
+            if got >= want:
+                break
+            n = min(n, want - got)
+            taken.append((k, b, lo, lo + n))
+            got += n
+        fresh = want - got
+        if not taken or fresh > room:
+            return False
+        try:
+            new = self._create(fresh) if fresh else []
+        except DeviceOutOfMemory:
+            return False
+        region = self._reserve(want, growable=False, stitched=True)
+        chunks: list[Chunk] = []
+        for k, b, lo, hi in taken:
+            chunks += self._cut(k, b, lo, hi)
+        self._map(region.base, chunks + new)
+        region.frontier += want
+        self._mapped(kind, region.base, want, key)
+        region.tail = self._add(kind, region, region.base, want, key, keep=False)
+        self.stitches += 1
+        self.stitched_bytes += got
+        return True
+
+    def _cut(self, kind: int, b: Block, lo: int, hi: int) -> list[Chunk]:
+        """Unmap ``[lo, hi)`` from under free block ``b``, splitting its segment; the chunks that were there."""
+        seg = b.segment
+        region = seg.region
+        assert isinstance(region, Region)
+        left, right = self.heaps[kind].cut(b, lo, hi)
+        chunks = self._unmap(lo, hi - lo)
+        self._unmapped(kind, lo, hi - lo, seg.stream)
+        parts = (left is not None) + (right is not None)
+        region.segments += parts - 1
+        self.books.account(kind, SEGMENTS, parts - 1)
+        if region.tail is seg:
+            if right is not None:
+                region.tail = right
+            else:
+                region.tail, region.frontier = left, lo
+        if not region.segments and not region.growable:
+            self._forget(region)
+        return chunks
+
+    # --------------------------------------------------------------- compaction
+    def move(self, moves: list, device: Any) -> None:
+        """Carry out compaction's moves in order: whole mapped granules trade chunks (no copy), the rest are copied."""
+        batch: list = []
+        for x in moves:
+            if self._remappable(x.src, x.dst, x.nbytes):
+                self._copy(batch, device)
+                batch = []
+                self._remap(x.src, x.dst, x.nbytes)
+            else:
+                batch.append(x)
+        self._copy(batch, device)
+
+    def _remappable(self, src: int, dst: int, n: int) -> bool:
+        g = self.granule
+        if src % g or dst % g or n % g:
+            return False
+        chunks = self.chunks
+        return all(a in chunks and a - src + dst in chunks for a in range(src, src + n, g))
+
+    def _remap(self, src: int, dst: int, n: int) -> None:
+        """Move ``[src, src + n)`` to ``dst`` by swapping chunks granule by granule, as memmove would copy.
+
+        Sliding down, the lowest granule first; sliding up, the highest: a granule is
+        swapped away from ``src`` before any swap lands on it.  The bytes left at
+        ``src`` are the chunks that were at ``dst`` (free memory: anything will do).
+        """
+        g = self.granule
+        k = n // g
+        now: dict[int, Chunk] = {}
+        for i in range(k) if dst < src else range(k - 1, -1, -1):
+            a, b = dst + i * g, src + i * g
+            now[a], now[b] = now.get(b, self.chunks[b]), now.get(a, self.chunks[a])
+        changed = {a: c for a, c in now.items() if c is not self.chunks[a]}
+        for a in changed:
+            self.vm.unmap(a, g)
+        for a, c in changed.items():
+            self.vm.map(a, c)
+            self.vm.set_access(a, g)
+            self.chunks[a] = c
+        self.remapped_bytes += n
+
+    def _copy(self, batch: list, device: Any) -> None:
+        if batch:
+            device.execute_moves(
+                np.fromiter((x.src for x in batch), np.int64, len(batch)),
+                np.fromiter((x.dst for x in batch), np.int64, len(batch)),
+                np.fromiter((x.nbytes for x in batch), np.int64, len(batch)),
+            )
+
+    # ------------------------------------------------------------------- device
+    def _round(self, n: int) -> int:
+        g = self.granule
+        return -(-n // g) * g
+
+    def _reserve(self, nbytes: int, growable: bool, stitched: bool) -> Region:
+        region = Region(self.vm.reserve(nbytes), nbytes, growable, stitched)
+        self.ranges[region.base] = region
+        return region
+
+    def _forget(self, region: Region) -> None:
+        del self.ranges[region.base]
+        if region.growable:
+            self.regions = {k: r for k, r in self.regions.items() if r is not region}
+        if not self.closed:
+            self.vm.free_range(region.base)
+
+    def _create(self, nbytes: int) -> list[Chunk]:
+        """One chunk per granule, all or none (``DeviceOutOfMemory`` releases those made)."""
+        chunks: list[Chunk] = []
+        try:
+            for _ in range(nbytes // self.granule):
+                chunks.append(self.vm.create(self.granule))
+        except BaseException:
+            for c in chunks:
+                self.vm.release(c)
+            raise
+        return chunks
+
+    def _map(self, addr: int, chunks: list[Chunk]) -> None:
+        g = self.granule
+        for i, chunk in enumerate(chunks):
+            self.vm.map(addr + i * g, chunk)
+            self.chunks[addr + i * g] = chunk
+        self.vm.set_access(addr, len(chunks) * g)
+        self.maps += len(chunks)
+
+    def _unmap(self, addr: int, nbytes: int) -> list[Chunk]:
+        g = self.granule
+        if not self.closed:
+            # cudaFree waits for the device; cuMemUnmap does not, and a kernel queued on a
+            # stream may still use a block freed there.  So wait first, as PyTorch does.
+            self.device.synchronize()
+            self.vm.unmap(addr, nbytes)
+        self.unmaps += nbytes // g
+        return [self.chunks.pop(a) for a in range(addr, addr + nbytes, g)]
+
+    # -------------------------------------------------------------------- books
+    def _add(self, kind: int, region: Region, addr: int, n: int, key: Any, keep: bool) -> Segment:
+        seg = self.heaps[kind].add_segment(addr, n, key, keep=keep)
+        seg.region = region
+        region.segments += 1
+        self.books.account(kind, SEGMENTS, 1)
+        return seg
+
+    def _mapped(self, kind: int, addr: int, n: int, key: Any) -> None:
+        self.books.account(kind, RESERVED, n)
+        self.books.device_allocs += 1
+        if self.observers.active:
+            self.observers.emit("segment_map", addr, n, 0 if key is None else key)
+
+    def _unmapped(self, kind: int, addr: int, n: int, stream: Any) -> None:
+        self.books.account(kind, RESERVED, -n)
+        self.books.device_frees += 1
+        if self.observers.active:
+            self.observers.emit("segment_unmap", addr, n, 0 if stream is None else stream)
+
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Give every granule and range back (the arena's finalizer: the heaps are forgotten with it)."""
+        if self.closed:
+            return
+        self.closed = True
+        for addr, chunk in list(self.chunks.items()):
+            self.vm.unmap(addr, self.granule)
+            self.vm.release(chunk)
+        for base in list(self.ranges):
+            self.vm.free_range(base)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "expandable.granules_mapped": self.maps,
+            "expandable.granules_unmapped": self.unmaps,
+            "expandable.mapped_bytes": len(self.chunks) * self.granule,
+            "num_stitches": self.stitches,
+            "stitched_bytes": self.stitched_bytes,
+            "compaction_bytes_remapped": self.remapped_bytes,
+        }
+
+    def check(self) -> None:
+        """Every mapped granule lies in exactly one segment, and every segment is mapped whole."""
+        g = self.granule
+        seen = 0
+        for heap in self.heaps:
+            for seg in heap.segments.values():
+                if seg.region is None:
+                    continue
+                region = seg.region
+                assert isinstance(region, Region) and region.base in self.ranges, f"{seg!r} in a forgotten range"
+                assert region.base <= seg.addr and seg.addr + seg.size <= region.frontier, f"{seg!r} past {region!r}"
+                for a in range(seg.addr, seg.addr + seg.size, g):
+                    assert a in self.chunks, f"{seg!r}: granule {a:#x} is not mapped"
+                seen += seg.size // g
+        assert seen == len(self.chunks), f"{len(self.chunks) - seen} mapped granule(s) lie in no segment"
+        ids = [c.id for c in self.chunks.values()]
+        assert len(set(ids)) == len(ids), "a chunk is mapped twice"
+        for region in self.ranges.values():
+            tail = region.tail
+            assert tail is None or tail.addr + tail.size == region.frontier, f"{region!r}: tail {tail!r}"
