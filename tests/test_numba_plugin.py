@@ -2,6 +2,7 @@
 
 import gc
 import importlib
+import logging
 import weakref
 
 import numpy as np
@@ -186,3 +187,82 @@ def test_reset_creates_no_pool():
     hooks.reset_default_pools()
     CupoolMemoryManager(context=None).reset()
     assert hooks.existing_pool() is None
+
+
+@pytest.fixture
+def numba_logs(monkeypatch):
+    """The logger Numba's pending deallocations write to; Numba makes it when the driver starts."""
+    monkeypatch.setattr(driver, "_logger", logging.getLogger("numba.cuda.cudadrv.driver"), raising=False)
+
+
+@pytest.fixture
+def capped(numba_logs):
+    """A pool that may hold 16 MiB, with 12 MiB of it in one allocation Numba is about to let go."""
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="16MiB")
+    mm = CupoolMemoryManager(context=None, pool=pool)
+    mm.initialize()  # sizes Numba's pending-deallocation batch, as Numba does for a new context
+    keep = pool.malloc(12 * MiB)
+    mm.deallocations.add_item(cupool.Allocation.free, keep, keep.size)
+    return pool, mm, keep
+
+
+def test_out_of_memory_flushes_numbas_pending_deallocations_and_retries_once(capped):
+    pool, mm, keep = capped
+    assert len(mm.deallocations) == 1 and not keep.freed
+    p = mm.memalloc(8 * MiB)  # fits only once keep's 12 MiB is back
+    assert keep.freed and len(mm.deallocations) == 0
+    assert p.size == 8 * MiB and live(pool) == 1
+    s = pool.stats()
+    assert s["num_ooms"] == 1  # the first try; the retry succeeded
+    assert s["reserved_bytes.all.current"] == 12 * MiB  # keep's segment, reused
+    del p
+    pool.check()
+
+
+def test_no_retry_while_numbas_deallocations_are_held_back(capped):
+    pool, mm, keep = capped
+    with mm.defer_cleanup():  # Numba's flush is a no-op in here
+        with pytest.raises(cupool.OutOfMemoryError):
+            mm.memalloc(8 * MiB)
+        assert len(mm.deallocations) == 1 and not keep.freed
+    assert pool.stats()["num_ooms"] == 1  # one ladder run, not two
+    assert live(pool) == 1
+    pool.check()
+
+
+def test_no_retry_when_nothing_is_pending(capped):
+    pool, mm, keep = capped
+    mm.deallocations.clear()
+    assert keep.freed
+    hold = pool.malloc(12 * MiB)
+    with pytest.raises(cupool.OutOfMemoryError):
+        mm.memalloc(8 * MiB)
+    assert pool.stats()["num_ooms"] == 1
+    assert live(pool) == 1 and not hold.freed
+    pool.check()
+
+
+def test_a_retry_that_fails_too_raises_the_pools_error_alone(numba_logs):
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="16MiB")
+    mm = CupoolMemoryManager(context=None, pool=pool)
+    mm.initialize()
+    keep, small = pool.malloc(12 * MiB), pool.malloc(1000)
+    mm.deallocations.add_item(cupool.Allocation.free, small, small.size)  # lets go of too little
+    with pytest.raises(cupool.OutOfMemoryError) as info:
+        mm.memalloc(8 * MiB)
+    assert info.value.__context__ is None
+    assert small.freed and not keep.freed and len(mm.deallocations) == 0
+    assert pool.stats()["num_ooms"] == 2  # both tries ran the ladder
+    pool.check()
+
+
+def test_mapped_host_memory_retries_after_the_flush_too(mm, pinned, monkeypatch, numba_logs):
+    monkeypatch.setattr(cuda, "MappedMemory", _StandInMapped)
+    mm.initialize()
+    keep = pinned.malloc(6 * MiB)
+    mm.deallocations.add_item(cupool.Allocation.free, keep, keep.size)
+    h = mm.memhostalloc(4 * MiB, mapped=True)  # the pinned pool has 8 MiB
+    assert keep.freed and live(pinned) == 1
+    del h
+    gc.collect()
+    assert live(pinned) == 0

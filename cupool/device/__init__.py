@@ -63,35 +63,36 @@ def cuda_available() -> bool:
 
 
 def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True) -> tuple[str, int]:
-    """Read ``"auto"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"`` as ``("sim", 0)`` or ``("cuda", N)``.
+    """Read ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"`` as ``(kind, N)``; no index means 0.
 
     ``capacity`` only makes sense for the sim flavour, so it is checked here.  With
     ``note_fallback``, "auto" says once per process that it fell back to the sim device.
+    Sim devices are numbered like GPUs so that code which keeps a pool per device
+    (``default_pool(i)``, ``install()``) runs, and is tested, without one.
     """
     global _auto_note_given
     if not isinstance(device, str):
-        raise TypeError(f"device must be 'auto', 'sim', 'cuda', 'cuda:N' or a Device, got {device!r}")
-    spec = device.strip().lower()
-    if spec == "auto":
+        raise TypeError(f"device must be 'auto', 'sim', 'sim:N', 'cuda', 'cuda:N' or a Device, got {device!r}")
+    kind, colon, idx = device.strip().lower().partition(":")
+    if kind == "auto" and not colon:
         if cuda_available():
-            spec = "cuda"
+            kind = "cuda"
         else:
             if note_fallback and not _auto_note_given:
                 log.warning("cupool: no usable CUDA GPU found; using the simulated device (host memory)")
                 _auto_note_given = True
-            spec = "sim"
-    if spec == "sim":
-        return "sim", 0
-    if spec == "cuda" or spec.startswith("cuda:"):
+            kind = "sim"
+    if kind not in ("sim", "cuda"):
+        raise ValueError(f"device must be 'auto', 'sim', 'sim:N', 'cuda' or 'cuda:N', got {device!r}")
+    if colon and not (idx.isascii() and idx.isdigit()):
+        raise ValueError(f"device: the index in {device!r} must be a non-negative integer, as in '{kind}:1'")
+    index = int(idx) if colon else 0
+    if kind == "cuda":
         if capacity is not None:
             raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
-        idx = spec.partition(":")[2] or "0"
-        if not idx.isdigit():
-            raise ValueError(f"device: cannot read a device index from {device!r}")
         if not cuda_available():
             raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
-        return "cuda", int(idx)
-    raise ValueError(f"device must be 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")
+    return kind, index
 
 
 def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
@@ -102,7 +103,7 @@ def make_device(device: str | Device = "auto", capacity: int | str | None = None
         return device
     kind, index = parse_device(device, capacity)
     if kind == "sim":
-        return SimDevice(capacity if capacity is not None else "4GiB")
+        return SimDevice(capacity if capacity is not None else "4GiB", index=index)
     return CudaDevice(index)
 
 

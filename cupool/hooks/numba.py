@@ -25,6 +25,7 @@ from typing import Any
 
 from numba import cuda as _cuda
 
+from ..errors import OutOfMemoryError
 from ..pool import Allocation, PinnedPool, Pool
 from .routing import current_pool, existing_pool
 
@@ -119,14 +120,15 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
             self.deallocations.memory_capacity = self.get_memory_info().total
 
     def memalloc(self, size: int) -> Any:
-        a = self.pool.malloc(size)
+        a = self._attempt(self.pool, size)
         return _cuda.MemoryPointer(self.context, device_pointer(a.ptr), size, finalizer=self._finalizer(a))
 
     def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
         if wc:  # write-combined memory is a different kind of page; Numba's own path allocates it
             return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
         pinned = self.pinned_pool
-        a = pinned.malloc(size)
+        # Numba's own manager retries mapped host allocations only; so does this one.
+        a = self._attempt(pinned, size) if mapped else pinned.malloc(size)
         if mapped:  # pool segments are allocated mapped and portable
             # Numba keeps mapped memory in self.allocations; the finalizer must take it
             # out again, or the pool's next block at this address collides with it.
@@ -180,6 +182,25 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
         return 1
 
     # -- internals --------------------------------------------------------------
+    def _attempt(self, pool: Pool, size: int) -> Allocation:
+        """``pool.malloc(size)``; when out of memory, flush Numba's pending deallocations and try once more.
+
+        As Numba's own manager does (``_attempt_allocation``): modules, streams,
+        events and host memory Numba has queued for release hold memory the pool
+        may then grow into.  Unlike Numba's, it retries only when the flush let
+        something go: with nothing pending, or inside ``defer_cleanup`` (where
+        Numba's flush does nothing), a second try would run the pool's whole
+        reclaim ladder again for the same answer.
+        """
+        pending = self.deallocations
+        try:
+            return pool.malloc(size)
+        except OutOfMemoryError:
+            if not len(pending) or pending.is_disabled:
+                raise
+        pending.clear()
+        return pool.malloc(size)  # outside the handler: a second failure is the error, not a chain of two
+
     def _finalizer(self, a: Allocation, pinned: PinnedPool | None = None, mapped_key: int | None = None) -> Any:
         """What Numba calls when the pointer dies: defer, or let the allocation go.
 

@@ -11,8 +11,10 @@ import it without a cycle.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterator
+from typing import SupportsIndex
 
 from ..config import ENV_VAR, env_conf
 from ..device import cuda_available
@@ -34,21 +36,55 @@ def gpu_available() -> bool:
 
 
 def current_device() -> int:
-    """CuPy's current device, or 0 (the sim device) on a machine without a GPU."""
+    """CuPy's current device; without a GPU, this thread's sim device (0 unless ``sim_device`` chose another)."""
     if not gpu_available():
-        return 0
+        return getattr(_local, "sim_index", 0)
     import cupy
 
     return cupy.cuda.runtime.getDevice()
 
 
+@contextlib.contextmanager
+def sim_device(index: int) -> Iterator[int]:
+    """Make sim device ``index`` this thread's current device inside the block (nests, restores).
+
+    What ``with cupy.cuda.Device(index):`` is on a GPU, for machines without one:
+    ``default_pool()``, ``current_pool()``, ``using``'s device check and the Numba
+    plugin all follow it, so code that keeps a pool per device runs unchanged.
+    Like CUDA's current device it is per thread, and a new thread starts on 0.
+    Any index >= 0 names a sim device; its default pool is made on first use.
+    """
+    index = _check_index(index, "sim_device()")
+    if gpu_available():
+        raise RuntimeError("sim_device(): a CUDA GPU is in use, so switch devices with cupy.cuda.Device(i)")
+    previous = getattr(_local, "sim_index", 0)
+    _local.sim_index = index
+    try:
+        yield index
+    finally:
+        _local.sim_index = previous
+
+
+def _check_index(device: object, caller: str) -> int:
+    """``device`` as a device index, or a clear error naming ``caller``; a bool is not an index."""
+    if type(device) is int and device >= 0:  # the common case, on Numba's allocation path
+        return device
+    if isinstance(device, bool) or not isinstance(device, SupportsIndex):
+        raise TypeError(f"{caller}: a device index is an int, got {device!r}")
+    index = operator.index(device)
+    if index < 0:
+        raise ValueError(f"{caller}: a device index must be >= 0, got {index}")
+    return index
+
+
 def default_pool(device: int | None = None) -> Pool:
     """The pool of ``device`` (default: the current one), made on first use from ``CUPOOL_CONF``.
 
-    Without a usable GPU the default pool lives on the sim device.  A bad
-    ``CUPOOL_CONF`` raises here, every time, rather than falling back to defaults.
+    Without a usable GPU the default pool of device ``i`` lives on sim device
+    ``i`` (``"sim:i"``).  A bad ``CUPOOL_CONF`` raises here, every time, rather
+    than falling back to defaults.
     """
-    index = current_device() if device is None else device
+    index = current_device() if device is None else _check_index(device, "default_pool()")
     pool = _default_pools.get(index)
     if pool is not None:
         return pool
@@ -59,9 +95,8 @@ def default_pool(device: int | None = None) -> Pool:
             kind = conf.pop("device", "auto")
             if kind == "auto":
                 kind = "cuda" if gpu_available() else "sim"
-            spec = f"cuda:{index}" if kind == "cuda" else "sim"
             try:
-                pool = Pool(spec, **conf)
+                pool = Pool(f"{kind}:{index}", **conf)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{ENV_VAR}: cannot make the default pool of device {index}: {e}") from e
             _default_pools[index] = pool
@@ -86,22 +121,23 @@ def check_device_pool(pool: object, caller: str) -> Pool:
         raise ValueError(f"{caller}: {pool!r} holds pinned host memory, which cannot back device arrays")
     current = current_device()
     if pool.device.index != current:
+        switch = "cupy.cuda.Device" if gpu_available() else "cupool.sim_device"
         raise ValueError(
             f"{caller}: the pool belongs to device {pool.device.index} ({pool.device.name}), "
-            f"but the current device is {current}; switch devices first (cupy.cuda.Device({pool.device.index}))"
+            f"but the current device is {current}; switch devices first ({switch}({pool.device.index}))"
         )
     return pool
 
 
 def current_pool(device: int | None = None) -> Pool:
     """The pool allocations of this thread go to: ``using`` first, then ``install``, then the default."""
-    index = current_device() if device is None else device
+    index = current_device() if device is None else _check_index(device, "current_pool()")
     return existing_pool(index) or default_pool(index)
 
 
 def existing_pool(device: int | None = None) -> Pool | None:
     """Like ``current_pool``, but None rather than creating the default pool."""
-    index = current_device() if device is None else device
+    index = current_device() if device is None else _check_index(device, "existing_pool()")
     for pool in reversed(getattr(_local, "pools", ())):
         if pool.device.index == index:
             return pool

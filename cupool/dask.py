@@ -1,0 +1,432 @@
+"""cupool on a Dask cluster: one pool per worker process, and cluster-wide stats and traces.
+
+``CupoolSetup`` is a ``distributed.WorkerPlugin`` in the shape of dask-cuda's
+``RMMSetup``: each worker builds a ``Pool`` from the plugin's arguments and
+installs it (``cupool.install``) for CuPy and Numba, so every task's arrays come
+from its worker's pool.  ``stats``, ``empty_cache`` and ``record`` reach every
+worker through ``Client.run``.  Needs ``distributed`` (``pip install "cupool[dask]"``);
+``import cupool`` never imports this module.
+
+A bad argument must fail where the user typed it, not as a log line in every
+worker, so ``CupoolSetup(...)`` checks its arguments on the client by building a
+throwaway pool with them (see ``CupoolSetup``).  Workers sharing one process
+(``LocalCluster(processes=False)``) share its one installed pool.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .device import SimDevice, parse_device
+from .hooks import existing_pool, install, installed, uninstall
+from .pool import Pool
+from .trace import EventRecorder
+
+try:
+    from distributed import Client, Worker, WorkerPlugin
+except ImportError as e:  # pragma: no cover - exercised only where distributed is missing
+    raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
+
+__all__ = ["ClusterRecording", "ClusterStats", "CupoolSetup", "empty_cache", "record", "stats", "worker_pool"]
+
+#: The sim device a GPU configuration is checked against on the client: larger than
+#: any GPU, so that a percentage never makes an absolute size look too big there.
+#: Its address space is reserved, not used (``SimDevice``), so the check is cheap
+#: (``expandable_segments`` with a large ``initial_size`` maps it granule by granule:
+#: about a second per 30 GB).
+_GPU_STAND_IN = 1 << 40
+
+#: In a spill path, replaced by the worker's name: workers on one machine must not share a file.
+WORKER_FIELD = "{worker}"
+
+
+def _pool_keywords() -> tuple[str, ...]:
+    """``Pool``'s keyword arguments other than ``device``, read from its signature so new ones pass through."""
+    params = inspect.signature(Pool).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in kinds and p.name != "device")
+
+
+def _file_name(address: str) -> str:
+    """A worker's address as a file name: ``tcp://10.0.0.1:8786`` -> ``10.0.0.1-8786``."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", address.rpartition("://")[2]).strip("-") or "worker"
+
+
+@dataclass
+class _Installed:
+    """The pool ``CupoolSetup`` installed in this process, and the workers using it."""
+
+    pool: Pool
+    key: tuple[Any, ...]
+    workers: set[str] = field(default_factory=set)
+    #: Tells pools apart across processes, so that workers sharing one are counted once.
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+_lock = threading.Lock()  # guards _installed: setups of in-process workers may race
+_installed: _Installed | None = None
+
+
+class CupoolSetup(WorkerPlugin):
+    """Build and install a cupool pool in each worker: ``client.register_plugin(CupoolSetup(max_size="80%"))``.
+
+    ``device`` is ``"auto"`` (CUDA when the worker has a GPU, else sim), ``"sim"``,
+    ``"cuda"`` or ``"cuda:N"``; a ``Device`` object is refused, as each worker
+    needs its own.  Every other keyword goes to ``Pool`` (``initial_size``,
+    ``max_size``, ``spill``, ``release_threshold``, ``defrag_threshold``, ...).
+    A spill file is per worker, so a path must contain ``{worker}``, which each
+    worker replaces with its address (``spill="/scratch/spill-{worker}.h5"``).
+    ``cupy``: hook CuPy (None: when it imports in the worker); ``numba``: hook Numba.
+
+    The arguments are checked here, on the client, by building (and closing) a
+    pool with them on a sim device: the device itself when it is the sim one (so
+    the check is exact), else a 1 TiB stand-in for the worker's GPU.  So every
+    type, range, syntax and combination error is raised here, naming the
+    argument; only what depends on the worker's real GPU (an ``initial_size``
+    larger than its memory) fails in the worker, and ``register_plugin`` then
+    raises that error on the client.
+
+    Registering again (the plugin's ``name`` is fixed) replaces the pool: Dask
+    tears the old plugin down first, so a worker whose new pool then fails is
+    left with none.  Setting up twice in one worker keeps the one pool; a second
+    setup with other arguments is refused (workers sharing a process: unregister
+    the old plugin before registering one with other arguments).  ``teardown``
+    uninstalls the hooks and closes the pool; arrays still alive stay valid
+    (Note [Lifetimes]).
+    """
+
+    name = "cupool"
+
+    def __init__(self, device: str = "auto", *, cupy: bool | None = None, numba: bool = True, **options: Any) -> None:
+        if cupy is not None and not isinstance(cupy, bool):
+            raise TypeError(f"CupoolSetup: cupy must be True, False or None, got {cupy!r}")
+        if not isinstance(numba, bool):
+            raise TypeError(f"CupoolSetup: numba must be True or False, got {numba!r}")
+        known = _pool_keywords()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(
+                f"CupoolSetup: unknown argument(s) {', '.join(map(repr, unknown))}; "
+                f"Pool takes device, {', '.join(known)}"
+            )
+        spill = options.get("spill")
+        if spill is not None:
+            options["spill"] = _spill_template(spill)
+        _check_pool_arguments(device, options)
+        self.device = device
+        self.options = options
+        self.cupy = cupy
+        self.numba = numba
+
+    def __repr__(self) -> str:
+        args = [repr(self.device), *(f"{k}={v!r}" for k, v in self.options.items())]
+        return f"CupoolSetup({', '.join(args)})"
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What makes two setups the same pool: the device and the pool's arguments."""
+        return (self.device, sorted(self.options.items()))
+
+    def make_pool(self, worker_name: str) -> Pool:
+        """The pool this plugin builds for the worker named ``worker_name`` (its spill path filled in)."""
+        options = dict(self.options)
+        spill = options.get("spill")
+        if isinstance(spill, str) and spill != "host":
+            options["spill"] = spill.replace(WORKER_FIELD, worker_name)
+        return Pool(self.device, **options)
+
+    def setup(self, worker: Worker) -> None:
+        global _installed
+        with _lock:
+            current = _installed
+            if current is not None:
+                if current.key != self.key:
+                    raise RuntimeError(
+                        f"cupool.dask: this worker process already has the pool of another CupoolSetup "
+                        f"({current.pool!r}); unregister that plugin before setting up {self!r}"
+                    )
+                current.workers.add(worker.address)
+                return
+            if installed():
+                raise RuntimeError(
+                    "cupool.dask: cupool is already installed in this worker process (cupool.install()); "
+                    "CupoolSetup does not replace a pool it did not make"
+                )
+            pool = self.make_pool(_file_name(worker.address))
+            try:
+                install(pool, cupy=self._hook_cupy(), numba=self.numba)
+            except BaseException:
+                pool.close()
+                raise
+            _installed = _Installed(pool, self.key, {worker.address})
+
+    def teardown(self, worker: Worker) -> None:
+        global _installed
+        with _lock:
+            current = _installed
+            if current is None or worker.address not in current.workers:
+                return
+            current.workers.discard(worker.address)
+            if current.workers:
+                return
+            _installed = None
+            pool = current.pool
+            if installed() and existing_pool(pool.device.index) is pool:
+                uninstall()
+            pool.close()
+
+    def _hook_cupy(self) -> bool:
+        """Whether to hook CuPy: as asked, else when the worker has it."""
+        return self.cupy if self.cupy is not None else importlib.util.find_spec("cupy") is not None
+
+
+def _spill_template(spill: Any) -> str:
+    """``spill`` as text that every worker can fill in: ``"host"`` or an HDF5 path with ``{worker}``."""
+    if not isinstance(spill, (str, os.PathLike)):
+        raise TypeError(
+            "CupoolSetup: spill must be None, 'host' or a path with {worker} in it (each worker makes its own "
+            f"tier; a tier object cannot be shared between worker processes), got {spill!r}"
+        )
+    text = spill if isinstance(spill, str) else str(Path(spill))
+    if text != "host" and WORKER_FIELD not in text:
+        raise ValueError(
+            f"CupoolSetup: spill path {text!r} has no {WORKER_FIELD} in it, so workers on one machine would "
+            f"share one file; write it as e.g. {str(Path(text).with_name('spill-' + WORKER_FIELD + '.h5'))!r}"
+        )
+    return text
+
+
+def _check_pool_arguments(device: Any, options: dict[str, Any]) -> None:
+    """Build and close a pool with these arguments on a sim device, raising its error as the plugin's."""
+    if not isinstance(device, str):
+        raise TypeError(
+            "CupoolSetup: device must be 'auto', 'sim', 'cuda' or 'cuda:N' (each worker makes its own device), "
+            f"got {device!r}"
+        )
+    capacity = options.get("capacity")
+    kind = None  # "auto": the worker decides
+    if device.strip().lower() != "auto":
+        try:
+            kind, _ = parse_device(device, capacity, note_fallback=False)
+        except RuntimeError:
+            kind = "cuda"  # spelt right; only the client lacks a GPU, which says nothing of the workers
+        except ValueError as e:
+            raise ValueError(f"CupoolSetup: {e}") from None
+    probe = dict(options)
+    spill = probe.get("spill")
+    if isinstance(spill, str) and spill != "host":
+        probe["spill"] = spill.replace(WORKER_FIELD, "probe")  # an HDF5 tier makes its file only when it spills
+    if kind == "sim":
+        target: str | SimDevice = device  # the very device each worker will make: an exact check
+    elif capacity is not None:
+        target = "sim"  # only a sim device takes a capacity, so that is what an "auto" worker makes
+    else:
+        target = SimDevice(_GPU_STAND_IN, headroom=1)
+    try:
+        Pool(target, **probe).close()
+    except TypeError as e:
+        raise TypeError(f"CupoolSetup: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"CupoolSetup: {e}") from e
+
+
+def _current() -> _Installed:
+    current = _installed
+    if current is None:
+        raise RuntimeError(
+            "cupool.dask: no CupoolSetup is set up in this process; client.register_plugin(CupoolSetup(...))"
+        )
+    return current
+
+
+def worker_pool() -> Pool:
+    """The pool ``CupoolSetup`` installed in this worker process (for a task that wants it directly)."""
+    return _current().pool
+
+
+# --------------------------------------------------------------- cluster-wide calls
+#: Figures summed across workers: bytes and counts that add up.  Peaks are left out
+#: (workers peak at different times, so their sum is no peak), and so are ratios
+#: and maxima (fragmentation, cache_hit_rate, largest_free_block).
+_SUMMED_SUFFIXES = (".current", ".allocated", ".freed")
+_SUMMED_NAMES = ("compaction_bytes_moved", "limit")
+
+
+def _summed(name: str) -> bool:
+    """Whether ``ClusterStats.total`` sums the figure ``name`` (see ``_SUMMED_SUFFIXES``)."""
+    return name.endswith(_SUMMED_SUFFIXES) or name.startswith("num_") or name in _SUMMED_NAMES
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """Each worker's ``pool.stats()`` by address, and the cluster's totals.
+
+    ``total`` sums what adds up across workers: every ``*.current``,
+    ``*.allocated`` and ``*.freed`` figure (bytes and counts), the ``num_*``
+    counters, ``compaction_bytes_moved`` and ``limit`` (the cluster's cap).
+    Peaks, ``fragmentation``, ``cache_hit_rate`` and ``largest_free_block`` are
+    per worker only.  Workers that share a process (``processes=False``) share
+    its pool, which the totals count once.
+    """
+
+    workers: dict[str, dict[str, int | float]]
+    total: dict[str, int]
+
+
+def _worker_stats() -> tuple[str, dict[str, int | float]]:
+    current = _current()
+    return current.token, current.pool.stats()
+
+
+def stats(client: Client) -> ClusterStats:
+    """Every worker's pool statistics and their totals (see ``ClusterStats``)."""
+    got: dict[str, tuple[str, dict[str, int | float]]] = client.run(_worker_stats)
+    pools = dict(got.values())  # workers in one process share its pool: count it once
+    names = set.intersection(*(set(s) for s in pools.values())) if pools else set()
+    total = {n: int(sum(s[n] for s in pools.values())) for n in sorted(names) if _summed(n)}
+    return ClusterStats({address: s for address, (_, s) in got.items()}, total)
+
+
+def _worker_empty_cache() -> int:
+    return worker_pool().empty_cache()
+
+
+def empty_cache(client: Client) -> dict[str, int]:
+    """``pool.empty_cache()`` on every worker; the bytes each gave back, by address."""
+    released: dict[str, int] = client.run(_worker_empty_cache)
+    return released
+
+
+def _nothing() -> None:
+    return None
+
+
+_recordings: dict[tuple[str, str], tuple[EventRecorder, Path]] = {}  # (token, worker address) -> recorder, folder
+
+
+def _start_recording(token: str, options: dict[str, Any], dask_worker: Worker) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="cupool-trace-", dir=dask_worker.local_directory))
+    try:
+        recorder = worker_pool().record(folder / "trace.h5", **options).start()
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    _recordings[token, dask_worker.address] = (recorder, folder)
+
+
+def _stop_recording(token: str, dask_worker: Worker) -> bytes | None:
+    """Stop this worker's recorder and hand back its trace file's bytes (None: it was not recording)."""
+    entry = _recordings.pop((token, dask_worker.address), None)
+    if entry is None:
+        return None
+    recorder, folder = entry
+    try:
+        recorder.stop()
+        return (folder / "trace.h5").read_bytes()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class ClusterRecording:
+    """Every worker records its pool's events; ``stop()`` collects the traces into ``folder``.
+
+    ``with cupool.dask.record(client, "traces") as rec: ...`` then ``rec.paths``:
+    one cupool HDF5 trace per worker, ``<folder>/<host>-<port>.h5``, which
+    ``cupool.load_trace`` reads and ``cupool.replay.replay`` replays.  Each worker
+    streams its trace to a file in its local directory; ``stop()`` brings the
+    files over through ``Client.run``.  Workers that join after ``start()`` are
+    not recorded; those that leave before ``stop()`` lose their trace.
+    """
+
+    def __init__(self, client: Client, folder: str | Path, **options: Any) -> None:
+        with Pool("sim", capacity="2MiB") as probe:  # EventRecorder's own checks, on the client
+            try:
+                EventRecorder(probe, None, **options)
+            except TypeError as e:
+                raise TypeError(f"cupool.dask.record: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"cupool.dask.record: {e}") from None
+        self.client = client
+        self.folder = Path(folder)
+        self.options = options
+        #: The collected traces by worker address, filled in by ``stop()``.
+        self.paths: dict[str, Path] = {}
+        self._token: str | None = None
+
+    def path_of(self, address: str) -> Path:
+        return self.folder / f"{_file_name(address)}.h5"
+
+    def start(self) -> ClusterRecording:
+        if self._token is not None:
+            raise RuntimeError("cupool.dask.record: this recording is already started")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # Client.run's answer names every worker in all versions (scheduler_info() lists only some in a few).
+        taken = [str(p) for a in self.client.run(_nothing) if (p := self.path_of(a)).exists()]
+        if taken:
+            raise FileExistsError(f"cupool.dask.record: will not overwrite {', '.join(taken)}")
+        token = uuid.uuid4().hex
+        try:
+            self.client.run(_start_recording, token, self.options)
+        except BaseException:
+            self.client.run(_stop_recording, token, on_error="ignore")  # those that did start
+            raise
+        self._token = token
+        return self
+
+    def stop(self) -> dict[str, Path]:
+        """Stop every worker's recorder and write its trace into ``folder``; returns ``paths``.
+
+        A worker whose recorder fails does not stop the others' traces from being
+        collected; the failures are raised afterwards, naming the workers.
+        """
+        token, self._token = self._token, None
+        if token is None:
+            return dict(self.paths)
+        results = self.client.run(_stop_recording, token, on_error="return")
+        failed: dict[str, BaseException] = {}
+        for address, data in sorted(results.items()):
+            if isinstance(data, BaseException):
+                failed[address] = data
+            elif data is not None:
+                path = self.path_of(address)
+                with open(path, "xb") as fh:
+                    fh.write(data)
+                self.paths[address] = path
+        if failed:
+            detail = "; ".join(f"{a}: {e}" for a, e in failed.items())
+            raise RuntimeError(f"cupool.dask.record: recording failed on {len(failed)} worker(s): {detail}") from next(
+                iter(failed.values())
+            )
+        return dict(self.paths)
+
+    def __enter__(self) -> ClusterRecording:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if ev is None:
+            self.stop()
+            return
+        try:  # the block's error stays the one reported
+            self.stop()
+        except Exception as e:  # noqa: BLE001 - attached to the block's error instead
+            ev.add_note(f"cupool.dask.record: also, collecting the traces failed: {e}")
+
+
+def record(client: Client, folder: str | Path, **options: Any) -> ClusterRecording:
+    """Record every worker's pool into ``folder``: ``with cupool.dask.record(client, "traces") as rec:``.
+
+    ``options`` go to each worker's ``pool.record`` (``capacity``, ``stacks``,
+    ``batch``, ``flush_interval``) and are checked here.  See ``ClusterRecording``.
+    """
+    return ClusterRecording(client, folder, **options)

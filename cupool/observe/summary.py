@@ -1,0 +1,113 @@
+"""``memory_summary``: the table ``torch.cuda.memory_summary`` prints, for a cupool pool.
+
+PyTorch users read their allocator through that table; the same figures under
+the same names (``Pool.stats`` follows ``torch.cuda.memory_stats``) let them
+read cupool the same way.  It is built from the stats dict alone, so it needs
+no torch, and ``torch.cuda.memory.memory_summary`` itself also accepts
+``pool.stats()`` (the tests check both).  What each figure means in cupool's
+terms: Note [Statistics] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .._units import format_bytes
+from ..pool import Pool
+
+WIDTH = 75
+
+#: (stats prefix, label) per block of rows, in PyTorch's order: bytes, then counts.
+_SIZES = (
+    ("allocated_bytes", "Allocated memory"),
+    ("active_bytes", "Active memory"),
+    ("requested_bytes", "Requested memory"),
+    ("reserved_bytes", "GPU reserved memory"),
+    ("inactive_split_bytes", "Non-releasable memory"),
+)
+_COUNTS = (
+    ("allocation", "Allocations"),
+    ("active", "Active allocs"),
+    ("segment", "GPU reserved segments"),
+    ("inactive_split", "Non-releasable allocs"),
+)
+_POOL_ROWS = (("all", None), ("large_pool", "      from large pool"), ("small_pool", "      from small pool"))
+_OVERSIZE = (("oversize_allocations", "Oversize allocations"), ("oversize_segments", "Oversize GPU segments"))
+_METRICS = ("current", "peak", "allocated", "freed")
+
+
+def memory_summary(pool: Pool | Mapping[str, int | float], abbreviated: bool = False) -> str:
+    """A human-readable table of ``pool``'s statistics, laid out as ``torch.cuda.memory_summary``'s.
+
+    ``pool`` is a ``Pool`` (its ``stats()`` are read once) or a dict returned by
+    ``Pool.stats()``.  ``abbreviated=True`` leaves out the per-pool (large/small)
+    rows.  Returns the text; print it.
+    """
+    if isinstance(pool, Pool):
+        stats: Mapping[str, int | float] = pool.stats()
+        device = pool.device.name
+    elif isinstance(pool, Mapping):
+        stats, device = pool, "-"
+    else:
+        raise TypeError(f"memory_summary() takes a cupool.Pool or its stats() dict, got {type(pool).__name__}")
+    get = _reader(stats)
+    lines = [
+        "=" * WIDTH,
+        f"{'cupool memory summary, device ' + device:^{WIDTH}}",
+        "-" * WIDTH,
+        _halves(f"OOMs: {get('num_ooms')}", f"Alloc retries: {get('num_alloc_retries')}"),
+    ]
+    if "limit" in stats:  # cupool's own figures, where the stats carry them
+        limit = f"Limit: {format_bytes(int(stats['limit']))}"
+        lines.append(_halves(limit, f"Fragmentation: {float(stats.get('fragmentation', 0.0)):.3f}"))
+    lines += ["=" * WIDTH, "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+    pools = _POOL_ROWS[:1] if abbreviated else _POOL_ROWS
+    for blocks, fmt in ((_SIZES, _size), (_COUNTS, _count)):
+        for prefix, label in blocks:
+            lines.append("-" * WIDTH)
+            # Every row of a block uses the units its "all" row needs, as PyTorch's does.
+            ref = [get(f"{prefix}.all.{m}") for m in _METRICS]
+            for pname, sub in pools:
+                cells = [fmt(get(f"{prefix}.{pname}.{m}"), r) for m, r in zip(_METRICS, ref)]
+                lines.append(_row(sub or label, cells))
+    for prefix, label in _OVERSIZE:
+        lines.append("-" * WIDTH)
+        lines.append(_row(label, [_count(v, v) for v in (get(f"{prefix}.{m}") for m in _METRICS)]))
+    lines.append("=" * WIDTH)
+    return "".join(f"|{line:<{WIDTH}}|\n" for line in lines)
+
+
+def _reader(stats: Mapping[str, int | float]) -> Callable[[str], int]:
+    def get(key: str) -> int:
+        try:
+            return int(stats[key])
+        except KeyError:
+            raise ValueError(f"memory_summary(): the stats have no {key!r}; pass a Pool or its stats()") from None
+
+    return get
+
+
+def _halves(left: str, right: str) -> str:
+    return f"{left:^37}|{right:^37}"
+
+
+def _row(label: str, cells: list[str]) -> str:
+    return f" {label:<21} | " + " | ".join(cells) + " "
+
+
+def _scaled(n: int, ref: int, step: int, switch: int, units: tuple[str, ...]) -> tuple[int, str]:
+    """``n`` in the unit that keeps ``ref`` (the block's "all" figure) below ``switch`` of it."""
+    i = 0
+    while i + 1 < len(units) and ref >= switch * step**i:
+        i += 1
+    return n // step**i, units[i]
+
+
+def _size(n: int, ref: int) -> str:
+    v, unit = _scaled(n, ref, 1024, 768 * 1024, ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB"))
+    return f"{v:6d} {unit}"
+
+
+def _count(n: int, ref: int) -> str:
+    v, unit = _scaled(n, ref, 1000, 750 * 1000, (" ", "K", "M"))
+    return f"{v:7d} {unit} "

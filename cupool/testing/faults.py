@@ -1,0 +1,180 @@
+"""Fault injection: make a pool refuse allocations, compact or spill between steps, or shrink its limit.
+
+Refusals go through the pool's own door (``Pool.set_admission``), so the code
+under test meets the very ``OutOfMemoryError`` a full device gives, and the pool
+is left exactly as it was (only ``num_ooms`` and an ``oom`` event record it).
+A shrunk limit is ``Pool.set_limit``: the pool gives cached memory back and
+grows no further.  Every fault is a context manager that undoes itself; mix
+``FaultRules`` into a ``PoolStateMachine`` to let hypothesis place them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from ..core.sizes import PAGE
+from ..errors import OutOfMemoryError
+from ..pool import Pool
+from .strategies import sizes
+
+__all__ = ["REASON", "AllocationFaults", "FaultRules", "fail_allocations", "fail_nth_allocation", "shrunk_limit"]
+
+#: The reason an injected refusal gives, so a test can tell it from a real one.
+REASON = "refused by cupool.testing.faults"
+
+
+class AllocationFaults:
+    """Refuse the requests ``decide(index, nbytes, what)`` picks, while entered (one at a time per pool).
+
+    ``index`` counts requests from 1 since entering; ``what`` is ``"malloc"`` or
+    ``"movable"`` (``empty``, CuPy and Numba allocations are mallocs).
+    ``requests`` counts them and ``refused`` lists ``(index, nbytes, what)`` of
+    those refused.  A refusal is an ``OutOfMemoryError`` whose ``reason`` is
+    ``REASON``; leaving the block makes every request ordinary again.
+    """
+
+    def __init__(self, pool: Pool, decide: Callable[[int, int, str], bool]) -> None:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"AllocationFaults needs a cupool.Pool, got {type(pool).__name__}")
+        if not callable(decide):
+            raise TypeError(f"decide must be callable, got {decide!r}")
+        self.pool = pool
+        self.decide = decide
+        self.requests = 0
+        self.refused: list[tuple[int, int, str]] = []
+
+    def _check(self, nbytes: int, what: str) -> str | None:
+        self.requests += 1
+        if not self.decide(self.requests, nbytes, what):
+            return None
+        self.refused.append((self.requests, nbytes, what))
+        return REASON
+
+    def __enter__(self) -> AllocationFaults:
+        self.pool.set_admission(self._check)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.set_admission(None)
+
+
+def fail_nth_allocation(pool: Pool, n: int, what: tuple[str, ...] = ("malloc", "movable")) -> AllocationFaults:
+    """Refuse the ``n``-th request (counting from 1, only requests of the kinds in ``what``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"fail_nth_allocation: n must be an int >= 1, got {n!r}")
+    seen = [0]
+
+    def decide(index: int, nbytes: int, kind: str) -> bool:
+        if kind not in what:
+            return False
+        seen[0] += 1
+        return seen[0] == n
+
+    return AllocationFaults(pool, decide)
+
+
+def fail_allocations(pool: Pool, data: Any, what: tuple[str, ...] = ("malloc", "movable")) -> AllocationFaults:
+    """Let hypothesis choose, request by request, which to refuse (``data`` from ``st.data()``).
+
+    Hypothesis then shrinks toward the fewest refusals that still break the code
+    under test.
+    """
+    def decide(index: int, nbytes: int, kind: str) -> bool:
+        return kind in what and bool(data.draw(st.booleans(), label=f"refuse request {index} ({kind} {nbytes})"))
+
+    return AllocationFaults(pool, decide)
+
+
+@contextlib.contextmanager
+def shrunk_limit(pool: Pool, max_size: int | str) -> Iterator[int]:
+    """Lower ``pool``'s limit to ``max_size`` inside the block (yields the new limit); the old one comes back after."""
+    old = pool.limit
+    pool.set_limit(max_size)
+    try:
+        yield pool.limit
+    finally:
+        pool.set_limit(old)
+
+
+class FaultRules:
+    """Rules that inject faults: ``class M(FaultRules, PoolStateMachine)``.
+
+    Hypothesis places refused allocations (the n-th request from now, or ones it
+    picks itself), forced compactions and spills, and a lowered limit between the
+    other rules, so the code under test meets them at every point of its life.
+    ``refusal_changes_nothing`` checks the pool's side: a refused request leaves
+    every figure (but ``num_ooms``) and the layout as they were.
+    """
+
+    pool: Pool
+    _faults: AllocationFaults | None = None
+    _limit: int | None = None  # the limit before the machine lowered it
+
+    def _stop_faults(self) -> None:
+        if self._faults is not None:
+            self._faults.__exit__(None, None, None)
+            self._faults = None
+
+    @rule(n=st.integers(1, 4))
+    def fail_a_later_allocation(self, n: int) -> None:
+        self._stop_faults()
+        self._faults = fail_nth_allocation(self.pool, n).__enter__()
+
+    @rule(data=st.data())
+    def let_hypothesis_fail_allocations(self, data: Any) -> None:
+        self._stop_faults()
+        self._faults = fail_allocations(self.pool, data).__enter__()
+
+    @rule()
+    def stop_failing_allocations(self) -> None:
+        self._stop_faults()
+
+    @rule()
+    def force_compaction(self) -> None:
+        self.pool.compact()
+
+    @precondition(lambda self: self.pool.scheduler.tier is not None)
+    @rule()
+    def force_spill(self) -> None:
+        self.pool.spill()
+
+    @rule(fraction=st.floats(0.0, 1.0))
+    def shrink_limit(self, fraction: float) -> None:
+        if self._limit is None:
+            self._limit = self.pool.limit
+        self.pool.set_limit(int(self._limit * fraction) // PAGE * PAGE)
+        assert self.pool.limit <= self._limit
+
+    @precondition(lambda self: self._limit is not None)
+    @rule()
+    def restore_limit(self) -> None:
+        assert self._limit is not None
+        self.pool.set_limit(self._limit)
+        self._limit = None
+
+    @rule(n=sizes())
+    def refusal_changes_nothing(self, n: int) -> None:
+        self._stop_faults()
+        before, layout = self.pool.stats(), self.pool.snapshot()
+        with fail_nth_allocation(self.pool, 1) as faults:
+            try:
+                self.pool.malloc(n)
+            except OutOfMemoryError as e:
+                assert e.reason == REASON, f"a refused request failed for another reason: {e}"
+            else:
+                raise AssertionError("an allocation the fault injector refused was served")
+        assert faults.refused == [(1, n, "malloc")]
+        after = self.pool.stats()
+        assert after.pop("num_ooms") == before.pop("num_ooms") + 1, "a refusal was not counted"
+        assert after == before, "a refused request changed the pool's figures"
+        assert self.pool.snapshot() == layout, "a refused request changed the pool's layout"
+
+    def teardown(self) -> None:
+        self._stop_faults()
+        super().teardown()  # type: ignore[misc]
+

@@ -1,0 +1,195 @@
+"""A pool in Jupyter and IPython: well-formed HTML naming every segment, bounded in size, and a text summary."""
+
+from __future__ import annotations
+
+import io
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import cupool
+from cupool import display
+from cupool.device import SimDevice
+
+MiB = 1 << 20
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def parse(pool: cupool.Pool) -> tuple[str, ET.Element]:
+    """The pool's HTML and its tree: ElementTree refuses anything not well formed (unclosed or unbalanced tags,
+    stray ``&`` or ``<`` in text)."""
+    out = pool._repr_html_()
+    return out, ET.fromstring(out)
+
+
+def svg_of(root: ET.Element) -> ET.Element | None:
+    return root.find(f".//{SVG}svg")
+
+
+def the_svg(root: ET.Element) -> ET.Element:
+    svg = svg_of(root)
+    assert svg is not None, "no segment map"
+    return svg
+
+
+def elements(root: ET.Element) -> int:
+    return len(list(root.iter()))
+
+
+def labels(root: ET.Element) -> list[str]:
+    svg = svg_of(root)
+    return [] if svg is None else [t.text or "" for t in svg.iter(f"{SVG}text")]
+
+
+def tips(root: ET.Element) -> list[str]:
+    svg = svg_of(root)
+    return [] if svg is None else [t.text or "" for t in svg.iter(f"{SVG}title")]
+
+
+def assert_names_every_segment(pool: cupool.Pool, root: ET.Element) -> None:
+    with pool.hold() as view:
+        segments = view.segments()
+    named = labels(root)
+    assert len(named) == len(segments)
+    for seg, label in zip(segments, named):
+        assert label.startswith(f"{seg.addr:#x} {cupool.format_bytes(seg.size)} "), label
+
+
+def test_an_empty_pool_says_it_holds_nothing():
+    pool = cupool.Pool("sim", capacity="64MiB")
+    out, root = parse(pool)
+    assert svg_of(root) is None and "No segments" in "".join(root.itertext())
+    assert "cupool.Pool sim" in out and "0 B of 64 MiB" in out
+    assert all(name in out for name in display.STATES)  # the legend is there even with nothing to show
+
+
+@pytest.fixture
+def busy():
+    """Fragmented, with every state: raw blocks, holes, a movable buffer and a leased one."""
+    pool = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None, initial_size="4MiB")
+    raw = [pool.malloc(n) for n in (1000, 300, 64 << 10, 5 * MiB, 700 << 10, 3 * MiB, 12 * MiB)]
+    for a in raw[1::2]:
+        a.free()
+    free_later = pool.movable(2 * MiB)
+    leased = pool.movable(3 * MiB)
+    view = leased.array((3 * MiB,), np.uint8)
+    free_later.free()
+    kept = pool.movable(1 * MiB)
+    return pool, raw, leased, view, kept
+
+
+def test_a_busy_fragmented_pool_names_every_segment_and_colours_blocks_by_state(busy):
+    pool, raw, leased, view, kept = busy
+    before = pool.stats()
+    _, root = parse(pool)
+    assert pool.stats() == before  # looking changes nothing
+    assert_names_every_segment(pool, root)
+    assert any(label.endswith(" kept") for label in labels(root))  # the preallocated segment says so
+    fills = {r.get("fill") for r in the_svg(root).iter(f"{SVG}rect")}
+    for state in ("allocated", "movable", "leased", "free"):
+        assert display.STATES[state][0] in fills, state
+    tip = {t.split(" ")[0]: t for t in tips(root)}
+    assert tip[f"{leased.ptr:#x}"] == f"{leased.ptr:#x} 3 MiB leased, 3 MiB asked"
+    assert tip[f"{kept.ptr:#x}"] == f"{kept.ptr:#x} 1 MiB movable, 1 MiB asked"
+    assert tip[f"{raw[2].ptr:#x}"] == f"{raw[2].ptr:#x} 64 KiB allocated, 64 KiB asked"
+    text = " ".join(root.itertext())
+    assert f"{pool.fragmentation():.3f}" in text and "2 on the device, 1 leased" in text
+    del view
+
+
+def test_a_closed_pool_shows_what_it_still_holds():
+    pool = cupool.Pool("sim", capacity="64MiB")
+    alive = pool.malloc(3 * MiB)
+    pool.malloc(2000)  # dropped at once: its small segment goes back on close
+    with pytest.warns(ResourceWarning):
+        pool.close()
+    out, root = parse(pool)
+    assert "cupool.Pool sim (closed)" in out
+    assert_names_every_segment(pool, root)
+    assert labels(root) and labels(root)[0].startswith(f"{alive.ptr:#x}")
+    alive.free()
+    out, root = parse(pool)
+    assert "(closed)" in out and svg_of(root) is None
+
+
+def test_very_many_blocks_are_coalesced_and_the_element_count_is_capped():
+    pool = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None)
+    blocks = [pool.malloc(512) for _ in range(30_000)]
+    for a in blocks[::3]:
+        a.free()
+    out, root = parse(pool)
+    assert elements(the_svg(root)) <= display.MAX_ELEMENTS
+    assert_names_every_segment(pool, root)
+    (note,) = [p for p in root.iter("p") if "too narrow" in (p.text or "")]
+    coalesced = int((note.text or "").split()[0])
+    assert 20_000 <= coalesced <= 30_000  # nearly every block: each is a sixth of a pixel
+    assert any(t.startswith("many") or " blocks, " in t for t in tips(root))
+    assert len(out) < 1_000_000
+
+
+def test_the_cap_holds_when_narrow_and_wide_blocks_alternate():
+    """Each wide block ends a run of narrow ones: the layout that makes the most pieces per bar."""
+    pool = cupool.Pool("sim", capacity="512MiB")
+    # 16 pairs fill each 2 MiB small segment exactly; at 100 bars a 120 KiB block is wide, an 8 KiB one narrow.
+    held = [pool.malloc(n) for _ in range(display.MAX_ROWS * 16) for n in (8 << 10, 120 << 10)]
+    assert 2 * len(held) > display.MAX_ELEMENTS  # a rect and a tooltip for each block would pass the cap
+    _, root = parse(pool)
+    assert len(labels(root)) == display.MAX_ROWS
+    assert elements(the_svg(root)) <= display.MAX_ELEMENTS
+    del held
+
+
+def test_very_many_segments_stop_at_max_rows_and_say_so():
+    pool = cupool.Pool("sim", capacity="1GiB")
+    held = [pool.malloc(MiB) for _ in range(2 * display.MAX_ROWS + 10)]  # two per 2 MiB small segment
+    out, root = parse(pool)
+    assert len(labels(root)) == display.MAX_ROWS
+    assert elements(the_svg(root)) <= display.MAX_ELEMENTS
+    assert f"The map stops at {display.MAX_ROWS} segments: 5 more (10 MiB) are not drawn." in out
+    del held
+
+
+class _OddlyNamed(SimDevice):
+    @property
+    def name(self) -> str:
+        return "<script>alert('x')</script> & \"co\""
+
+
+def test_everything_in_the_html_is_escaped():
+    pool = cupool.Pool(_OddlyNamed("16MiB"))
+    a = pool.malloc(1000)
+    out, root = parse(pool)
+    assert "<script>" not in out and "&lt;script&gt;" in out
+    assert "<script>alert('x')</script> & \"co\"" in "".join(root.itertext())
+    a.free()
+
+
+def test_the_spill_tier_and_its_work_are_shown():
+    pool = cupool.Pool("sim", capacity="64MiB", spill="host")
+    m = pool.movable(MiB)
+    assert pool.spill() == MiB and not m.on_device
+    out, root = parse(pool)
+    assert re.search(r"spill.*: 1 spill, 1 MiB so far", " ".join(root.itertext()))
+    assert "0 on the device" in out
+
+
+def test_repr_pretty_is_a_short_summary_and_honours_cycles(busy):
+    pretty = pytest.importorskip("IPython.lib.pretty", reason="IPython comes with the test extra (ipykernel)")
+    from IPython.core.formatters import DisplayFormatter
+
+    pool = busy[0]
+    text = pretty.pretty(pool)
+    lines = text.splitlines()
+    assert lines[0] == "cupool.Pool sim" and 6 <= len(lines) <= 8
+    reserved = cupool.format_bytes(pool.stats()["reserved_bytes.all.current"])
+    assert lines[1] == f"  reserved      {reserved} of 256 MiB (peak {reserved})"
+    nested = pretty.pretty([pool])  # inside a container the summary keeps the container's indent
+    assert nested.splitlines()[1].startswith("   reserved")
+    printer = pretty.RepresentationPrinter(io.StringIO())
+    pool._repr_pretty_(printer, cycle=True)
+    printer.flush()
+    assert printer.output.getvalue() == repr(pool)
+    data, _ = DisplayFormatter().format(pool)  # what Jupyter asks for
+    assert data["text/plain"] == text and data["text/html"].startswith('<div class="cupool-pool">')
