@@ -6,6 +6,7 @@ import operator
 import re
 import reprlib
 from fractions import Fraction
+from typing import SupportsIndex, cast
 
 _UNITS = {
     "": 1,
@@ -47,7 +48,7 @@ def as_nbytes(value: object, name: str = "nbytes") -> int:
     elif isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an integer number of bytes, got {type(value).__name__} {value!r}")
     else:
-        n = operator.index(value)
+        n = operator.index(cast(SupportsIndex, value))  # its type has __index__, checked above
     if n < 0:
         raise ValueError(f"{name} must be >= 0, got {n}")
     if n > MAX_NBYTES:

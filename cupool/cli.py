@@ -123,7 +123,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"  {'compaction':<16} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'device allocs':>14} "
           f"{'smallest device':>22}")
     vmm = {"expandable_segments": True, "stitch": True}
-    rows = (("off", {}, modes["off"]), ("on", {}, modes["on"]), ("off, expandable", vmm, modes["off"]))
+    rows: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
+        ("off", {}, modes["off"]), ("on", {}, modes["on"]), ("off, expandable", vmm, modes["off"])
+    )
     for name, pool_kw, kw in rows:
         try:
             pool = make(**pool_kw)

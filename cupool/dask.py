@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from .device import SimDevice, parse_device
+from .errors import add_note
 from .hooks import existing_pool, install, installed, uninstall
 from .pool import Pool
 from .trace import EventRecorder
@@ -420,7 +421,7 @@ class ClusterRecording:
         try:  # the block's error stays the one reported
             self.stop()
         except Exception as e:  # noqa: BLE001 - attached to the block's error instead
-            ev.add_note(f"cupool.dask.record: also, collecting the traces failed: {e}")
+            add_note(ev, f"cupool.dask.record: also, collecting the traces failed: {e}")
 
 
 def record(client: Client, folder: str | Path, **options: Any) -> ClusterRecording:

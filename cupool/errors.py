@@ -9,6 +9,8 @@ Every error is picklable so that it crosses process pools.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._units import format_bytes
@@ -26,7 +28,7 @@ def _cupy_out_of_memory() -> type[MemoryError]:
     if importlib.util.find_spec("cupy") is None:
         return MemoryError
     try:
-        from cupy.cuda.memory import OutOfMemoryError as cupy_oom  # type: ignore[import]
+        from cupy.cuda.memory import OutOfMemoryError as cupy_oom
     except Exception:  # noqa: BLE001 - any failure to load CuPy means: go on without it
         return MemoryError
     return cupy_oom
@@ -128,3 +130,11 @@ class ForeignAllocationError(InvalidFreeError):
 class ClosedError(ValueError):
     """The pool was closed (``Pool.close()``, a ``with`` block, or dropped): it gives memory back
     but hands out none."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; Python 3.10 has no notes, so there the note is logged instead."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        logging.getLogger("cupool").warning("%s", note)

@@ -21,6 +21,7 @@ import concurrent.futures
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,8 @@ class LayerCache:
         s = self.pool.stats()
         self.steps.append(
             StreamStep(
-                len(self.steps) + 1, i, event, s["fragmentation"], s["reserved_bytes.all.current"],
-                s["allocated_bytes.all.current"], s["segment.all.current"], time.perf_counter() - t0,
+                len(self.steps) + 1, i, event, s["fragmentation"], int(s["reserved_bytes.all.current"]),
+                int(s["allocated_bytes.all.current"]), int(s["segment.all.current"]), time.perf_counter() - t0,
             )
         )
         return view
@@ -208,6 +209,7 @@ class LayerCache:
             self._evict()
         buf = self.pool.movable(host.nbytes)
         lease = buf.array(dtype=np.uint8)  # pins the buffer while its bytes are written
+        assert buf.ptr is not None, "a leased buffer is on the device"
         self.pool.device.from_host(buf.ptr, host)
         del lease
         entry = self._cached[i] = _Entry(buf, host.shape, host.dtype, self._clock)
@@ -229,7 +231,7 @@ class LayerCache:
             self._pending.pop(j).cancel()
 
 
-def build_model_file(path: str | os.PathLike, shapes: list[tuple[int, ...]], dtype: Any = np.float32, chunk_bytes: int | str = "1MiB") -> Path:
+def build_model_file(path: str | os.PathLike, shapes: Sequence[tuple[int, ...]], dtype: Any = np.float32, chunk_bytes: int | str = "1MiB") -> Path:
     """Write a synthetic model: one chunked dataset per layer, filled so that every layer's bytes differ.
 
     Layer ``i`` holds ``(arange(n) % 1009 + 1000 * i)`` as ``dtype``; ``layer_values``
@@ -265,7 +267,7 @@ def stream(cache: LayerCache, order: list[int], compute: Any = None) -> list[Str
 
 
 def settings_table(
-    shapes: list[tuple[int, ...]] | None = None,
+    shapes: Sequence[tuple[int, ...]] | None = None,
     passes: int = 3,
     device: str = "sim",
     capacity: int | str | None = None,

@@ -11,6 +11,7 @@ fragmentation of ``SOURCE_STEPS``.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ def mixed_shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
 
 def weight_streaming(
     pool: Any,
-    shapes: list[tuple[int, ...]],
+    shapes: Sequence[tuple[int, ...]],
     max_cached: int = 4,
     evict: int = 2,
     dtype: Any = np.float32,
@@ -122,7 +123,7 @@ def weight_streaming(
     return steps
 
 
-def smallest_capacity(make_pool: Any, shapes: list[tuple[int, ...]], lo: int, hi: int, step: int, **kw: Any) -> int | None:
+def smallest_capacity(make_pool: Any, shapes: Sequence[tuple[int, ...]], lo: int, hi: int, step: int, **kw: Any) -> int | None:
     """The smallest device size in [lo, hi] (multiples of ``step``) on which the stream completes.
 
     ``make_pool(capacity)`` builds a fresh pool.  Success is assumed monotone in the
@@ -147,7 +148,7 @@ def smallest_capacity(make_pool: Any, shapes: list[tuple[int, ...]], lo: int, hi
     return hi_i * step
 
 
-def peak_live_bytes(shapes: list[tuple[int, ...]], max_cached: int = 4, evict: int = 2, itemsize: int = 4) -> int:
+def peak_live_bytes(shapes: Sequence[tuple[int, ...]], max_cached: int = 4, evict: int = 2, itemsize: int = 4) -> int:
     """The most bytes the stream ever holds at once (what a perfect allocator would need)."""
     cache: collections.deque = collections.deque()
     live = peak = 0

@@ -18,8 +18,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from ..device.vmm import VirtualMemory
 from ..errors import ClosedError, DoubleFreeError, ForeignAllocationError
 from .books import ALL, ALLOCATED, ALLOCATIONS, LOG_MAX, REQUESTED, RESERVED, SEGMENTS, Books
 from .handles import Allocation, Lease, Movable, array_nbytes, as_shape
-from .heap import Block, Heap, Segment
+from .heap import Block, Heap, PlannedMove, Segment
 from .events import Observers, log_callback_error
 from .expandable import Expander
 from .sites import SiteTracker
@@ -41,7 +41,7 @@ log = logging.getLogger("cupool")
 _collecting_thread: int | None = None
 
 
-def _gc_phase(phase: str, info: dict) -> None:
+def _gc_phase(phase: str, info: dict[str, Any]) -> None:
     global _collecting_thread
     _collecting_thread = threading.get_ident() if phase == "start" else None
 
@@ -291,6 +291,7 @@ class Arena:
         if a.kind != SMALL or not self._fast:
             return False
         block = a.block
+        assert block is not None, "a live allocation holds its block"
         a.block = None
         stack = self._stacks.get((block.size, a.stream))
         if stack is None:
@@ -330,7 +331,8 @@ class Arena:
         self.books.account(kind, SEGMENTS, -1)
         self.books.account(kind, RESERVED, -seg.size)
         if self.observers.active:
-            self.observers.emit("segment_free", seg.addr, seg.size, 0 if seg.stream is None else seg.stream)
+            stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
+            self.observers.emit("segment_free", seg.addr, seg.size, stream)
 
     def release_free_segments(self, kept_too: bool = False) -> int:
         """Give every wholly free segment back (the preallocated one only with ``kept_too``)."""
@@ -415,6 +417,7 @@ class Arena:
                 self.restore(m)
             m.leases += 1
             m.last_used = time.perf_counter_ns()
+            assert m.block is not None, "restored above"
             ptr = m.block.addr
         finally:
             self.lock.release()
@@ -526,7 +529,7 @@ class Arena:
             self.observers.emit("alloc_movable", block.addr, block.size, m.stream)
             self.observers.emit("restore", block.addr, m.size, m.stream)
 
-    def apply_moves(self, moves: list) -> None:
+    def apply_moves(self, moves: Sequence[PlannedMove]) -> None:
         """Carry out planned moves on the device and point their Movables at the new blocks.
 
         A block may move twice in one plan (slid, then evacuated); applying the moves
@@ -543,7 +546,10 @@ class Arena:
                 np.fromiter((x.nbytes for x in moves), np.int64, len(moves)),
             )
         for x in moves:
-            m = x.owner()
+            ref = x.owner
+            assert isinstance(ref, weakref.ref), "only a movable buffer's block is planned to move"
+            m: Movable | None = ref()
+            assert m is not None, "the planner moves only live movable buffers (Arena.can_move)"
             m.block = x.block
             m.generation += 1
             if m.on_move is not None:
@@ -561,8 +567,11 @@ class Arena:
         """
         while self.moved:
             m, old, new = self.moved.popleft()
+            on_move = m.on_move
+            if on_move is None:  # queued with a callback, unset since
+                continue
             try:
-                m.on_move(m, old, new)
+                on_move(m, old, new)
             except Exception:  # noqa: BLE001 - Note [Subscribers] applies to on_move too
                 log_callback_error(f"cupool: on_move callback of {m!r} raised")
 

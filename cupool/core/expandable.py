@@ -24,6 +24,7 @@ granules (``move``) trade chunks between the two ranges instead of copying.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from ..device.vmm import Chunk, VirtualMemory, VirtualMemoryUnsupported
 from ..errors import DeviceOutOfMemory
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
-from .heap import Block, Heap, Segment
+from .heap import Block, Heap, PlannedMove, Segment
 
 
 def virtual_memory_of(device: Device, expandable: bool, stitch: bool) -> VirtualMemory | None:
@@ -288,9 +289,9 @@ class Expander:
         return chunks
 
     # --------------------------------------------------------------- compaction
-    def move(self, moves: list, device: Any) -> None:
+    def move(self, moves: Sequence[PlannedMove], device: Any) -> None:
         """Carry out compaction's moves in order: whole mapped granules trade chunks (no copy), the rest are copied."""
-        batch: list = []
+        batch: list[PlannedMove] = []
         for x in moves:
             if self._remappable(x.src, x.dst, x.nbytes):
                 self._copy(batch, device)
@@ -329,7 +330,7 @@ class Expander:
             self.chunks[a] = c
         self.remapped_bytes += n
 
-    def _copy(self, batch: list, device: Any) -> None:
+    def _copy(self, batch: list[PlannedMove], device: Any) -> None:
         if batch:
             device.execute_moves(
                 np.fromiter((x.src for x in batch), np.int64, len(batch)),

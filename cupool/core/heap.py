@@ -20,6 +20,7 @@ merge keeps the larger one, and untagged blocks have epoch 0.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
+from typing import Protocol
 
 from sortedcontainers import SortedList
 
@@ -44,6 +45,25 @@ class Block:
     def __repr__(self) -> str:
         state = f"free tag={self.tag!r}" if self.free else "used"
         return f"Block({self.addr:#x}, {self.size}, {state})"
+
+
+class PlannedMove(Protocol):
+    """One move of a compaction plan (``cupool.pressure.plan.Move``), as the core carries it out.
+
+    ``nbytes`` go from ``src`` to ``dst``, where ``block`` now lies; ``owner`` is the
+    block's payload (a weak reference to its movable buffer).
+    """
+
+    @property
+    def src(self) -> int: ...
+    @property
+    def dst(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def block(self) -> Block: ...
+    @property
+    def owner(self) -> object: ...
 
 
 class Segment:

@@ -28,6 +28,9 @@ from typing import Any
 
 from .handles import Allocation, Movable
 
+#: A weak reference to a tracked allocation or movable buffer.
+_Ref = weakref.ref[Allocation | Movable]
+
 #: Top-level packages whose frames are plumbing between the user's line and the pool.
 _PLUMBING = frozenset({"cupool", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda"})
 
@@ -68,7 +71,7 @@ class SiteUsage:
 class _Record:
     __slots__ = ("ref", "born", "frames")
 
-    def __init__(self, ref: weakref.ref, born: float, frames: tuple[tuple[str, int, str], ...]) -> None:
+    def __init__(self, ref: _Ref, born: float, frames: tuple[tuple[str, int, str], ...]) -> None:
         self.ref = ref
         self.born = born
         self.frames = frames
@@ -92,7 +95,7 @@ class SiteTracker:
     def __init__(self, depth: int = STACK_DEPTH) -> None:
         self._depth = depth
         self._records: dict[int, _Record] = {}
-        self._dead: collections.deque[tuple[int, weakref.ref]] = collections.deque()
+        self._dead: collections.deque[tuple[int, _Ref]] = collections.deque()
         self._lock = threading.Lock()
 
     def add(self, allocation: Allocation | Movable) -> None:
@@ -100,7 +103,7 @@ class SiteTracker:
         key = id(allocation)
         dead = self._dead
 
-        def forget(ref: weakref.ref) -> None:
+        def forget(ref: _Ref) -> None:
             dead.append((key, ref))
 
         rec = _Record(weakref.ref(allocation, forget), time.monotonic(), frames)
@@ -180,7 +183,7 @@ def _device_bytes(a: Allocation | Movable) -> int:
 def _user_frames(frame: FrameType | None, depth: int) -> tuple[tuple[str, int, str], ...]:
     while frame is not None and _is_plumbing(frame):
         frame = frame.f_back
-    out = []
+    out: list[tuple[str, int, str]] = []
     while frame is not None and len(out) < depth:
         code = frame.f_code
         out.append((code.co_filename, frame.f_lineno, code.co_name))

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from ..device.base import PAGE  # the granule of device allocations: a device fact
 
+__all__ = [
+    "ALIGNMENT", "LARGE", "MEDIUM_MAX", "MEDIUM_SEGMENT", "PAGE", "POOL_NAMES", "SMALL", "SMALL_MAX", "SMALL_SEGMENT",
+    "pool_of", "round_page", "round_size", "segment_size",
+]
+
 #: Every block's size and address are multiples of this.
 ALIGNMENT = 512
 #: Requests up to this size are "small" and live in small segments.

@@ -19,8 +19,8 @@ class StreamEpochs:
     def __init__(self, device: Any) -> None:
         self._device = device
         self._epoch: dict[Any, int] = {}
-        self._events: dict[Any, collections.deque] = {}
-        self._dirty: set = set()
+        self._events: dict[Any, collections.deque[Any]] = {}
+        self._dirty: set[Any] = set()
 
     def freed(self, key: Any) -> int:
         """Note a free on stream ``key``; returns the epoch the freed block carries."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from .books import BooksView
+from .heap import Heap
 from .sizes import SMALL
 
 
@@ -37,13 +38,22 @@ class SegmentInfo:
     blocks: tuple[BlockInfo, ...]
 
 
+class _Arena(Protocol):
+    """What a view reads of its arena (``cupool.core.arena.Arena``, which imports this module)."""
+
+    limit: int
+    heaps: tuple[Heap, Heap]
+
+    def parked(self) -> set[int]: ...
+
+
 class ArenaView:
     """``pool.view``: figures (``books``, ``limit``, ``fragmentation``) and ``segments()``."""
 
     __slots__ = ("_arena", "books")
 
     def __init__(self, arena: Any) -> None:
-        self._arena = weakref.proxy(arena)  # the arena holds its view: no cycle
+        self._arena: _Arena = weakref.proxy(arena)  # the arena holds its view: no cycle
         self.books = BooksView(arena.books)
 
     @property
@@ -60,7 +70,7 @@ class ArenaView:
         parked = self._arena.parked()  # freed through the fast path: free, whatever the heap says
         for kind, heap in enumerate(self._arena.heaps):
             for seg in heap.segments.values():
-                stream = 0 if seg.stream is None else seg.stream
+                stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
                 blocks = []
                 used = seg.used
                 for b in seg.blocks():
@@ -74,7 +84,7 @@ class ArenaView:
                         m = b.payload()
                         requested = 0 if m is None else m.size
                     else:
-                        requested = b.payload
+                        requested = cast(int, b.payload)  # a raw block's: the bytes asked for
                     s = stream if m is None or m.stream is None else m.stream
                     blocks.append(BlockInfo(b.addr, b.size, free, requested, m is not None, s))
                 out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))

@@ -57,7 +57,8 @@ def cuda_available() -> bool:
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        count: int = cupy.cuda.runtime.getDeviceCount()
+        return count > 0
     except Exception:  # no cupy, no driver, no device: all mean "no usable GPU"
         return False
 

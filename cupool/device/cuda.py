@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,8 @@ class CudaDevice(Device):
                 raise
 
     def _allocate(self, nbytes: int) -> int:
-        return self._rt.malloc(nbytes)
+        ptr: int = self._rt.malloc(nbytes)
+        return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
         with self._dev:
@@ -73,12 +75,14 @@ class CudaDevice(Device):
 
     def mem_info(self) -> tuple[int, int]:
         with self._dev:
-            return self._rt.memGetInfo()
+            free_total: tuple[int, int] = self._rt.memGetInfo()
+            return free_total
 
     def stream_key(self, stream: Any) -> int:
         if stream is None:
             with self._dev:
-                return self._cupy.cuda.get_current_stream().ptr
+                ptr: int = self._cupy.cuda.get_current_stream().ptr
+                return ptr
         if isinstance(stream, int):
             return stream
         for attr in ("ptr", "handle"):  # CuPy streams have .ptr, Numba streams .handle
@@ -181,7 +185,8 @@ class CudaDevice(Device):
 
             from ..kernels.move import move_cuda
 
-            sig = (numba.typeof(buf), numba.typeof(plan), numba.int64, numba.int64)
+            typeof: Callable[[object], Any] = numba.typeof  # unannotated in numba
+            sig = (typeof(buf), typeof(plan), numba.int64, numba.int64)
             blocks = move_cuda.compile(sig).max_cooperative_grid_blocks(_MOVE_THREADS)
             launcher = self._move_kernels[ws] = move_cuda[max(1, blocks), _MOVE_THREADS]
         return launcher
@@ -189,9 +194,10 @@ class CudaDevice(Device):
     def _scratch(self, nbytes: int) -> int:
         """``cudaMalloc(nbytes)``, or 0 when the device is full: the moves are then chunked instead."""
         try:
-            return self._rt.malloc(nbytes)
+            ptr: int = self._rt.malloc(nbytes)
         except self._rt.CUDARuntimeError:
             return 0
+        return ptr
 
     def _staging_for(self, nbytes: int) -> tuple[int, Any]:
         """A device buffer of at least ``nbytes`` for move plans, kept and grown by doubling, and its int64 view."""
@@ -203,8 +209,8 @@ class CudaDevice(Device):
                 self._rt.free(have[0])
             size = max(64 << 10, 1 << (nbytes - 1).bit_length())
             ptr = self._rt.malloc(size)
-            self._staging = (ptr, size, _device_array(cuda, ptr, size // 8, "<i8"))
-        return self._staging[0], self._staging[2]
+            have = self._staging = (ptr, size, _device_array(cuda, ptr, size // 8, "<i8"))
+        return have[0], have[2]
 
     def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, dtype=np.uint8)
@@ -234,7 +240,7 @@ def _device_array(cuda: Any, ptr: int, count: int, typestr: str) -> Any:
 
 
 def _host_bytes(ptr: int, nbytes: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=np.uint8)
+    return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)), dtype=np.uint8)
 
 
 class CudaPinnedDevice(CudaDevice):
@@ -248,7 +254,8 @@ class CudaPinnedDevice(CudaDevice):
         return "pinned:cuda"
 
     def _allocate(self, nbytes: int) -> int:
-        return self._rt.hostAlloc(nbytes, _HOST_ALLOC_FLAGS)
+        ptr: int = self._rt.hostAlloc(nbytes, _HOST_ALLOC_FLAGS)
+        return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
         with self._dev:
@@ -267,7 +274,8 @@ class CudaPinnedDevice(CudaDevice):
             ctypes.memmove(d, s, n)
 
     def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
-        return _host_bytes(ptr, nbytes).copy()
+        out: np.ndarray = _host_bytes(ptr, nbytes).copy()  # numpy's stub types copy() as Any
+        return out
 
     def from_host(self, ptr: int, data: np.ndarray) -> None:
         _host_bytes(ptr, data.nbytes)[:] = data.reshape(-1).view(np.uint8)

@@ -27,12 +27,13 @@ class CudaVirtualMemory(VirtualMemory):
     def __init__(self, index: int = 0, capacity: int | None = None, driver: Any = None) -> None:
         if driver is None:
             try:
-                from cuda.bindings import driver
+                from cuda.bindings import driver as cuda_driver
             except ImportError:
                 raise VirtualMemoryUnsupported(
                     "CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cupool[vmm]' "
                     "(cuda-bindings>=12)"
                 ) from None
+            driver = cuda_driver
         self._drv = drv = driver
         self.index = index
         self._call(drv.cuInit, 0)
@@ -64,7 +65,7 @@ class CudaVirtualMemory(VirtualMemory):
             capacity = int(self._call(drv.cuDeviceTotalMem, self._dev))
         super().__init__(capacity, granularity)
 
-    def _call(self, fn: Callable[..., tuple], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., tuple[Any, ...]], *args: Any) -> Any:
         """Run a driver call; return its value (None, one value, or a tuple); raise on failure."""
         err, *out = fn(*args)
         if err != self._drv.CUresult.CUDA_SUCCESS:
@@ -75,7 +76,7 @@ class CudaVirtualMemory(VirtualMemory):
             raise RuntimeError(msg)
         return out[0] if len(out) == 1 else (tuple(out) or None)
 
-    def _in_ctx(self, fn: Callable[..., tuple], *args: Any) -> Any:
+    def _in_ctx(self, fn: Callable[..., tuple[Any, ...]], *args: Any) -> Any:
         self._call(self._drv.cuCtxPushCurrent, self._ctx)
         try:
             return self._call(fn, *args)

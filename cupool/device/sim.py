@@ -96,6 +96,8 @@ class SimDevice(Device):
             free = self.capacity - self.used - self._mapped()
             if size > free:
                 raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {free} free")
+            addr: int
+            extent: int
             for addr, extent in self._extents.items():
                 if extent >= size:
                     break
@@ -208,7 +210,8 @@ class SimDevice(Device):
         move_cpu(buf, src // ws, dst // ws, nbytes // ws)
 
     def to_host(self, ptr: int, nbytes: int) -> np.ndarray:
-        return self.bytes_at(ptr, nbytes).copy()
+        out: np.ndarray = self.bytes_at(ptr, nbytes).copy()  # numpy's stub types copy() as Any
+        return out
 
     def from_host(self, ptr: int, data: np.ndarray) -> None:
         self.bytes_at(ptr, data.nbytes)[:] = data.reshape(-1).view(np.uint8)

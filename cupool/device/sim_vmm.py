@@ -103,14 +103,14 @@ class SimVirtualMemory(VirtualMemory):
             if not m.accessible:
                 raise VirtualMemoryError(f"bytes_at: [{m.addr:#x}, +{format_bytes(m.nbytes)}) has no access set")
             pos = m.end
-        return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+        return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(addr)), dtype=np.uint8)
 
     # -- hooks ------------------------------------------------------------------
     def _outside(self) -> int:
         return 0 if self._others is None else self._others()
 
     def _mmap(self, addr: int, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
-        p = self._libc.mmap(addr or None, nbytes, prot, flags, fd, offset)
+        p: int | None = self._libc.mmap(addr or None, nbytes, prot, flags, fd, offset)
         if p is None or p == _MAP_FAILED:
             e = ctypes.get_errno()
             raise OSError(e, f"mmap of {format_bytes(nbytes)}: {os.strerror(e)}")
@@ -132,6 +132,8 @@ class SimVirtualMemory(VirtualMemory):
         del self._reserved[addr]
 
     def _create(self, nbytes: int) -> int:
+        off: int
+        size: int
         for off, size in self._holes.items():
             if size >= nbytes:
                 del self._holes[off]

@@ -135,7 +135,7 @@ class VirtualMemory(ABC):
         with self._lock:
             i = self._maps.bisect_right(addr) - 1
             if i >= 0:
-                m = self._maps.peekitem(i)[1]
+                m: Mapping = self._maps.peekitem(i)[1]
                 if addr < m.end:
                     return m
             return None

@@ -33,6 +33,7 @@ accounting log, so small blocks freed a moment ago count as freed.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import time
 import weakref
@@ -172,7 +173,7 @@ class Scheduler:
                     # Looked up per run: a table of bound methods would be a
                     # scheduler -> table -> scheduler cycle (Note [Lifetimes]).
                     step = getattr(self, f"_{name}")
-                    yield name, lambda name=name, step=step: self._record(name, step)
+                    yield name, functools.partial(self._record, name, step)
         finally:
             self._victims = None
             self._request = None
@@ -240,7 +241,7 @@ class Scheduler:
         """What holds the device when spilling cannot help: leased movables and raw allocations."""
         on_device = self._arena.movables()
         leased = [m for m in on_device if m.leases]
-        raw = self._arena.view.books.allocated - sum(m.block.size for m in on_device)
+        raw = self._arena.view.books.allocated - sum(m.block.size for m in on_device if m.block is not None)
         parts = []
         if leased:
             total = format_bytes(sum(m.size for m in leased))
@@ -287,6 +288,7 @@ class Scheduler:
         """
         arena = self._arena
         arena.device.synchronize()
+        assert m.block is not None, "a victim is on the device"
         handle = self.tier.store(arena.device, m.block.addr, m.size)  # the block is untouched if this raises
         arena.unplace(m, handle)
         self.spills += 1

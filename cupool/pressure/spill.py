@@ -99,7 +99,7 @@ def checksum(data: np.ndarray) -> int:
     zlib computes it faster here (about 6 GB/s against 3.5); ``bench_spill.py``
     measures its share of a spill and a restore.
     """
-    return zlib.crc32(data)
+    return zlib.crc32(data.data)  # its buffer (numpy's stub gives ndarray one only from Python 3.12)
 
 
 def _verify(data: np.ndarray, want: int, what: str) -> None:
@@ -127,15 +127,17 @@ class _HostHandle:
     __slots__ = ("_crc", "_data", "_owner", "_tier")
 
     def __init__(self, data: np.ndarray, owner: Any, tier: HostTier) -> None:
-        self._data = data
+        self._data: np.ndarray | None = data  # None once discarded
         self._owner = owner  # the pinned allocation behind data, if any
         self._tier = tier
         self._crc = checksum(data)
 
     def load(self) -> np.ndarray:
-        what = f"the spilled copy of a {format_bytes(self._data.nbytes)} buffer in {self._tier.describe()}"
-        _verify(self._data, self._crc, what)
-        return self._data
+        data = self._data
+        assert data is not None, "load() after discard()"
+        what = f"the spilled copy of a {format_bytes(data.nbytes)} buffer in {self._tier.describe()}"
+        _verify(data, self._crc, what)
+        return data
 
     def discard(self) -> None:
         # Dropping the references frees the pinned block through its finalizer, which
@@ -381,7 +383,7 @@ class _H5Handle:
     __slots__ = ("_crc", "_file", "_name", "_nbytes", "_runs")
 
     def __init__(self, file: _SpillFile, name: str, nbytes: int, runs: list[tuple[int, int]], crc: int) -> None:
-        self._file = file
+        self._file: _SpillFile | None = file  # None once discarded
         self._name = name
         self._nbytes = nbytes
         self._runs = runs
@@ -389,9 +391,10 @@ class _H5Handle:
 
     def load(self) -> np.ndarray:
         f = self._file
+        assert f is not None, "load() after discard()"
         what = f"spilled buffer {self._name} ({format_bytes(self._nbytes)}) in {f.path}"
         out = np.empty(self._nbytes, dtype=np.uint8)
-        view = memoryview(out)
+        view = out.data  # memoryview(out) (numpy's stub gives ndarray a buffer only from Python 3.12)
         pos = 0
         for offset, length in self._runs:
             try:
@@ -496,6 +499,7 @@ class HDF5Tier(_Claim):
 
     def _retire(self, why: BaseException) -> None:
         f, self._file = self._file, None
+        assert f is not None, "only the file being written is retired"
         f.retire()
         log.warning(
             "cupool spill: retired the spill file %s (%s): the buffers in it stay readable, "

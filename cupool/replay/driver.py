@@ -61,6 +61,7 @@ import numpy as np
 
 from .._units import MAX_DEVICE_BYTES
 from ..core.sizes import LARGE, PAGE, SMALL
+from ..device.sim import SimDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
@@ -233,6 +234,13 @@ def _sim_pool(config: dict[str, Any], trace: Trace) -> Pool:
     except (OutOfMemoryError, ValueError, TypeError) as e:
         where = f"{trace.source}: " if trace.source else ""
         raise ValueError(f"{where}cannot make a sim pool with {config}: {e}") from None
+
+
+def _capacity(pool: Pool) -> int:
+    """The capacity of a replay's pool: its device is a sim device."""
+    device = pool.device
+    assert isinstance(device, SimDevice), "replays run on the sim device"
+    return device.capacity
 
 
 def replay(
@@ -465,7 +473,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
         ooms=int(s["num_ooms"]), peak_segments=int(s["segment.all.peak"]),
         segment_allocs=int(s["num_device_alloc"]), segment_frees=int(s["num_device_free"]),
         unmatched_frees=unmatched, seeded_blocks=_seeded_blocks(trace, seeded), history=_history(trace),
-        capacity=pool.device.capacity, seconds=seconds, warnings=warnings,
+        capacity=_capacity(pool), seconds=seconds, warnings=warnings,
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
     return result, pool
@@ -480,7 +488,7 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
         # A request past the limit is refused whatever its size (the pool does not round
         # it first); capped, it cannot overflow the engine's int64 rounding either.
         sizes = np.minimum(sizes, probe.limit + PAGE)
-    capacity = probe.device.capacity
+    capacity = _capacity(probe)
     seeded = _seed_count(trace, n)
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
@@ -489,7 +497,7 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
     with eng.compile_notice():
         state = eng.new_state(
             int(trace.stream.max()) + 1 if len(trace) else 1,
-            probe.device.capacity, probe.limit, probe.release_threshold, probe.config["initial_size"],
+            _capacity(probe), probe.limit, probe.release_threshold, probe.config["initial_size"],
         )
         del probe
         if seeded:

@@ -40,6 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import add_note
 from ..pressure.spill import tier_name
 from .format import Hdf5Writer, Trace, TraceError
 
@@ -77,12 +78,12 @@ def _in_package(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR)
 
 
-_active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active: weakref.WeakKeyDictionary[object, list[EventRecorder]] = weakref.WeakKeyDictionary()
 _active_lock = threading.Lock()
 
 
-def active_recorder(pool: Recordable) -> EventRecorder | None:
-    """The most recently started recorder still attached to ``pool``, if any."""
+def active_recorder(pool: object) -> EventRecorder | None:
+    """The most recently started recorder still attached to ``pool`` (any object: a lookup), if any."""
     with _active_lock:
         recs = _active.get(pool)
         return recs[-1] if recs else None
@@ -126,7 +127,7 @@ class EventRecorder:
         self.pool = pool
         self.capacity = capacity
         self.stacks = bool(stacks)
-        self._ring: list[tuple | None] = [None] * capacity
+        self._ring: list[tuple[Any, ...]] = [()] * capacity  # a slot is read only once written
         self._n = 0
         self._batch = batch
         self._interval = flush_interval
@@ -204,7 +205,7 @@ class EventRecorder:
         try:
             self.stop()
         except TraceError as e:
-            ev.add_note(f"cupool: also, the trace was not fully written: {e}")
+            add_note(ev, f"cupool: also, the trace was not fully written: {e}")
 
     # -- the hot path -----------------------------------------------------------
     def _on_event(self, ev: tuple) -> None:
@@ -228,6 +229,7 @@ class EventRecorder:
                     self._flush()
 
     def _flush(self) -> None:
+        assert self._writer is not None, "only a recording to a file flushes"
         lo, hi = self._flushed, self._n
         if hi > lo:
             try:
@@ -246,6 +248,7 @@ class EventRecorder:
         abandon that operation half done (a block taken but never handed out, a
         free applied to the heap but not to the caller's handle).
         """
+        assert self._writer is not None, "only a write fails"
         reason = str(e) or type(e).__name__
         self.error = TraceError(
             self._writer.path,

@@ -35,6 +35,12 @@ def _pool(ctx: Context, size: int, **kw: Any) -> Pool:
     return Pool(ctx.device, max_size=size, **kw)
 
 
+def _at(ptr: int | None) -> int:
+    """A movable buffer's address, which it has while it is on the device."""
+    assert ptr is not None, "the buffer is on the device"
+    return ptr
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -138,7 +144,7 @@ def compaction_bandwidth(ctx: Context) -> Result:
             m.free()
         report = pool.compact()
         for i, m in enumerate(bufs[1::2]):
-            if not (pool.device.to_host(m.ptr, m.size) == (2 * i + 1) % 251).all():
+            if not (pool.device.to_host(_at(m.ptr), m.size) == (2 * i + 1) % 251).all():
                 corrupt += 1
         if r == 0:
             continue
@@ -240,7 +246,7 @@ def spill(ctx: Context) -> Result:
             bufs = [pool.movable(size) for _ in range(count)]
             expected = [(np.arange(size, dtype=np.int64) * (i + 3) + i).astype(np.uint8) for i in range(count)]
             for m, data in zip(bufs, expected):
-                pool.device.from_host(m.ptr, data)
+                pool.device.from_host(_at(m.ptr), data)
             t0 = time.perf_counter()
             spilled = pool.spill()
             t1 = time.perf_counter()
@@ -249,7 +255,7 @@ def spill(ctx: Context) -> Result:
                 m.array()  # brings it back; the lease dies at once
             pool.device.synchronize()
             t2 = time.perf_counter()
-            intact = all(np.array_equal(pool.device.to_host(m.ptr, size), d) for m, d in zip(bufs, expected))
+            intact = all(np.array_equal(pool.device.to_host(_at(m.ptr), size), d) for m, d in zip(bufs, expected))
             if spilled != size * count or still:
                 problems.append(f"{name}: spilled {format_bytes(spilled)} with {still} buffer(s) left on the device")
             if not intact:

@@ -219,7 +219,8 @@ def conformance(ctx: Context) -> Result:
 
 def available_modules(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """``names`` split into the modules this Numba ships and those it does not (found without importing them)."""
-    found, missing = [], []
+    found: list[str] = []
+    missing: list[str] = []
     for name in names:
         try:
             spec = importlib.util.find_spec(name)
@@ -262,7 +263,7 @@ def compare_numba(cupool_run: SuiteRun, default_run: SuiteRun) -> Result:
         summary=f"cupool.numba: {cupool_run.describe()}; Numba's default: {default_run.describe()}",
         details="; ".join(problems),
         commands=[cupool_run.command, default_run.command],
-        figures={f"cupool.numba {k}": c[k] for k in _OUTCOMES} | {f"default {k}": d[k] for k in _OUTCOMES},
+        figures={f"{who} {k}": n[k] for who, n in (("cupool.numba", c), ("default", d)) for k in _OUTCOMES},
         tables=[table],
     )
 
