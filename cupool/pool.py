@@ -23,6 +23,7 @@ from .core.arena import Arena
 from .core.books import ALL, ALLOCATED, RESERVED, PeakWindow
 from .core.events import Callback
 from .core.expandable import virtual_memory_of
+from .core.figures import figures
 from .core.handles import Allocation, Movable, array_nbytes, as_shape
 from .core.heap import Block
 from .core.sites import Leak, SiteTracker, SiteUsage
@@ -227,34 +228,7 @@ class Pool:
         """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap (what they
         mean in cupool's terms: Note [Statistics]).  ``cupool.memory_summary`` prints it."""
         with self.hold():
-            arena = self._arena
-            books = arena.books
-            # Non-releasable free memory: free blocks in segments that still hold a live block.
-            inactive, inactive_n = [0, 0], [0, 0]
-            for kind, heap in enumerate(arena.heaps):
-                for seg in heap.segments.values():
-                    if seg.used:
-                        for b in seg.blocks():
-                            if b.free:
-                                inactive[kind] += b.size
-                                inactive_n[kind] += 1
-            books.sample_inactive((inactive_n[0], inactive_n[1]), (inactive[0], inactive[1]))
-            out: dict[str, int | float] = dict(books.figures())
-            out["num_compactions"] = books.compactions
-            out["compaction_bytes_moved"] = books.bytes_moved
-            out["movable.all.current"] = books.movables
-            out["num_alloc_retries"] = books.retries
-            out["num_sync_all_streams"] = books.syncs
-            out["num_ooms"] = books.ooms
-            out["num_device_alloc"] = books.device_allocs
-            out["num_device_free"] = books.device_frees
-            out["fragmentation"] = arena.fragmentation()
-            out["largest_free_block"] = arena.largest_free()
-            n = books.hits + books.misses
-            out["cache_hit_rate"] = books.hits / n if n else 0.0
-            out["limit"] = self.limit
-            out.update(arena.expander.stats() if arena.expander is not None else {})
-            return out
+            return figures(self._arena, self.limit)
 
     def fragmentation(self) -> float:
         """(reserved - allocated) / reserved: the share of reserved memory not in use."""
