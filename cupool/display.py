@@ -59,6 +59,7 @@ class Picture:
     allocated: int
     peak_allocated: int
     requested: int
+    fragmentation: float  # the books' own figure, read with the rest
     allocations: int
     segments: tuple[SegmentInfo, ...]
     movables: int  # movable buffers on the device
@@ -82,16 +83,13 @@ class Picture:
                 allocated=books.allocated,
                 peak_allocated=books.stat("allocated_bytes").peak,
                 requested=books.requested,
+                fragmentation=books.fragmentation,
                 allocations=books.allocations,
                 segments=tuple(view.segments()),
                 movables=len(on_device),
                 leased=frozenset(m.ptr for m in on_device if m.leased and m.ptr is not None),
                 spill=spilled if spill["tier"] else "",
             )
-
-    @property
-    def fragmentation(self) -> float:
-        return (self.reserved - self.allocated) / self.reserved if self.reserved else 0.0
 
     @property
     def largest_free(self) -> int:

@@ -217,8 +217,8 @@ class Books:
     def figures(self) -> dict[str, int]:
         """The tables under ``stats()``'s names (``allocated_bytes.small_pool.peak``, ...).
 
-        Every key of ``torch.cuda.memory_stats`` but ``num_sync_all_streams`` is
-        here or in ``Pool.stats``, with PyTorch's meaning read in cupool's terms:
+        Every key of ``torch.cuda.memory_stats`` is here or in ``core.figures``
+        (the counters), with PyTorch's meaning read in cupool's terms:
 
         * ``active`` / ``active_bytes`` equal ``allocation`` / ``allocated_bytes``.
           PyTorch's active blocks are the allocated ones plus those freed while a

@@ -183,10 +183,9 @@ class SimDevice(Device):
     def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if not self._in_arena(ptr, nbytes):
-            if self._vm is not None:  # mapped granules: refused (VirtualMemoryError) unless mapped
-                self._vm.bytes_at(ptr, max(nbytes, 1))
-                return np.asarray(HostView(ptr, shape, dtype, owner))
-            raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) lies outside the arena")
+            if self._vm is None:
+                raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) lies outside the arena")
+            self._vm.bytes_at(ptr, max(nbytes, 1))  # mapped granules: refused (VirtualMemoryError) unless mapped
         return np.asarray(HostView(ptr, shape, dtype, owner))
 
     def execute_moves(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
