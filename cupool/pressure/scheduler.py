@@ -101,6 +101,8 @@ class Scheduler:
         self._run_failure = ""
         self._last_progress = False
         self._request: tuple[int, int, Any] | None = None  # (size class, bytes, stream) the ladder is for
+        #: Whether the ladder runs its gc step: a replay's pool holds no Python garbage, and turns it off.
+        self.collect_garbage = True
 
     # ----------------------------------------------------------------- public
     def order(self) -> list[str]:
@@ -210,12 +212,12 @@ class Scheduler:
     # --------------------------------------------------------------- internals
     def _order(self) -> list[str]:
         """``order()`` with the lock held."""
-        names = list(BASE_LADDER)
+        names = [n for n in BASE_LADDER if n != "gc" or self.collect_garbage]
         expander = self._arena.expander
         if expander is not None and expander.stitching and self._request is not None and self._request[0] == LARGE:
             names.insert(names.index("release") + 1, "stitch")
         if self.tier is not None:
-            names.insert(names.index("gc"), "spill")
+            names.insert(names.index("gc") if "gc" in names else len(names), "spill")
         if self.policy == "adaptive":
             usage, frag = self._figures()
             if frag >= self.fragmentation_threshold:

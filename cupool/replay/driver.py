@@ -229,11 +229,15 @@ def check_config(config: dict[str, Any], engine: str) -> None:
 
 
 def _sim_pool(config: dict[str, Any], trace: Trace) -> Pool:
+    """The replay's pool; its reclaim ladder skips ``gc.collect()``, since a replay holds no Python garbage
+    (the recorded program's collections are already in the trace, as frees)."""
     try:
-        return Pool("sim", **config)
+        pool = Pool("sim", **config)
     except (OutOfMemoryError, ValueError, TypeError) as e:
         where = f"{trace.source}: " if trace.source else ""
         raise ValueError(f"{where}cannot make a sim pool with {config}: {e}") from None
+    pool.scheduler.collect_garbage = False
+    return pool
 
 
 def _capacity(pool: Pool) -> int:
