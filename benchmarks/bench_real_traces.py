@@ -15,12 +15,13 @@ The smallest device is searched in 2 MiB steps.  OOMs are not monotone in
 capacity (a caching allocator given more room caches more, and the cache it
 holds can be in the wrong place later), so bisection alone can land on a
 capacity above a smaller one that works, or on one with a failing capacity
-above it.  The search bisects to the neighbourhood, then replays every capacity
-within ``--window`` steps either side of the bisection's answer, and reports the
-smallest capacity in that window with zero OOMs, and whether any larger
-capacity in the window had OOMs ("non-monotone").  A snapshot with no history
-is a still picture: its peaks are the picture, and its smallest device is the
-one that holds its live blocks.
+above it.  The search bisects to a working capacity, then replays every
+capacity below it down to the live peak (below which nothing can work), so the
+answer is the true smallest zero-OOM device, however far below the bisection
+it lies; then ``--window`` steps above the bisection's answer, to report
+whether any capacity above the answer has OOMs ("non-monotone").  A snapshot
+with no history is a still picture: its peaks are the picture, and its
+smallest device is the one that holds its live blocks.
 
 The numba engine is the default (about 10 ms a replay on a 15k-event trace);
 ``--engine pool`` replays through the real ``Pool`` (slower, same numbers on
@@ -61,41 +62,47 @@ class Search:
 
 
 def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 64, step: int = PAGE) -> Search:
-    """Smallest capacity (a multiple of ``step``) with ``ooms(capacity) == 0``, bisected then scanned.
+    """Smallest capacity (a multiple of ``step``) with ``ooms(capacity) == 0``: bisected, then scanned down.
 
     ``lo`` is a capacity known to fail (below the live peak every capacity
     does), never replayed; ``hi`` a first guess that works (doubled until it
     does, at most 20 times).  Bisection keeps ``ooms(lo) > 0`` and
-    ``ooms(hi) == 0``; then every capacity within ``window`` steps of ``hi``
-    either side (none at or below ``lo``) is replayed, and the smallest
-    zero-OOM one is the answer.
+    ``ooms(hi) == 0``; then every capacity from the bisection's answer down to
+    just above ``lo`` is replayed (OOMs are not monotone: a smaller one may
+    work), and ``window`` steps above it; the smallest zero-OOM capacity seen is
+    the answer, and those above it that failed say the OOMs are not monotone.
     """
     calls = 0
+    results: dict[int, int] = {}
 
-    def f(cap: int) -> int:
+    def f(p: int) -> int:
         nonlocal calls
-        calls += 1
-        return ooms(cap)
+        if p not in results:
+            calls += 1
+            results[p] = ooms(p * step)
+        return results[p]
 
     lo_p = floor_p = max(lo // step, 0)
     hi_p = max(math.ceil(hi / step), lo_p + 1)
     for _ in range(20):
-        if f(hi_p * step) == 0:
+        if f(hi_p) == 0:
             break
         lo_p, hi_p = hi_p, hi_p * 2
     else:
         return Search(None, None, False, [], (lo_p * step, hi_p * step), calls)
     while hi_p - lo_p > 1:
         mid = (lo_p + hi_p) // 2
-        if f(mid * step) == 0:
+        if f(mid) == 0:
             hi_p = mid
         else:
             lo_p = mid
-    first, last = max(1, floor_p + 1, hi_p - window), hi_p + window
-    results = {p: f(p * step) for p in range(first, last + 1)}
-    ok = [p for p, n in results.items() if n == 0]
-    best = min(ok)
-    failing = [p * step for p, n in sorted(results.items()) if p > best and n > 0]
+    first, last = max(1, floor_p + 1), hi_p + window
+    for p in range(hi_p, last + 1):
+        f(p)
+    for p in range(hi_p - 1, first - 1, -1):  # down to the floor: the true smallest may lie far below
+        f(p)
+    best = min(p for p in range(first, last + 1) if results[p] == 0)
+    failing = [p * step for p in range(best + 1, last + 1) if results[p] > 0]
     return Search(best * step, hi_p * step, bool(failing), failing, (first * step, last * step), calls)
 
 
@@ -168,7 +175,7 @@ def table(rows: list[dict]) -> str:
             f"{_gib(z['peak_reserved'])} ({z['ooms']} OOMs) | {_gib(sd['smallest'])} | {_gib(sz['smallest'])} | "
             f"{_ratio(sd['smallest'], sz['smallest'])} | {_gib(x['peak_reserved'])} ({x['ooms']} OOMs) | "
             f"{_gib(sx['smallest'])} | {_ratio(sx['smallest'], r['peak_allocated'])} | "
-            f"{'; '.join(nm) or 'none in ±window'} |"
+            f"{'; '.join(nm) or 'none seen'} |"
         )
     return "\n".join(lines)
 
@@ -178,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder", help="folder of traces (*.pickle, *.h5, *.csv)")
     ap.add_argument("--engine", choices=("numba", "pool"), default="numba")
     ap.add_argument("--json", action="store_true", help="one JSON object per trace")
-    ap.add_argument("--window", type=int, default=64, help="2 MiB steps scanned either side (default 64)")
+    ap.add_argument("--window", type=int, default=64,
+                    help="2 MiB steps scanned above the bisection's answer (default 64); below it, every step "
+                         "down to the live peak is scanned")
     args = ap.parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
@@ -195,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
     if not args.json:
-        print(f"engine {args.engine}; devices sized from each trace; smallest device: bisection, then a scan of "
-              f"±{args.window} steps of 2 MiB")
+        print(f"engine {args.engine}; devices sized from each trace; smallest device: bisection, then every "
+              f"2 MiB step down to the live peak and {args.window} steps above")
         print(table(rows))
         for r in rows:
             print(f"{r['trace']}: sized {_gib(r['capacity'])} ({r['capacity_source']}); "

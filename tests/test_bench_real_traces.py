@@ -57,7 +57,24 @@ def test_the_scan_finds_a_smaller_working_capacity_than_bisection(bench):
     assert s.bisected == 65 * PAGE
     assert s.smallest == 50 * PAGE
     assert s.non_monotone and s.failing_above == [p * PAGE for p in range(60, 65)]
-    assert s.window == (49 * PAGE, 81 * PAGE)
+    assert s.window == (2 * PAGE, 81 * PAGE)
+
+
+def test_the_scan_goes_down_to_the_floor_past_any_window(bench):
+    # The trace: 0 OOMs at 21,200 MiB, 1 at 21,866, 0 at 21,868; the working band lies
+    # 333 steps below the bisection's answer, far outside any window around it.
+    def ooms(cap: int) -> int:
+        mib = cap // MiB
+        return 0 if 21_200 <= mib <= 21_210 or mib >= 21_868 else 1
+
+    s = bench.smallest_device(ooms, 21_000 * MiB, 40_000 * MiB, window=4)
+    assert s.bisected == 21_868 * MiB
+    assert s.smallest == 21_200 * MiB
+    assert s.non_monotone and 21_866 * MiB in s.failing_above
+    # Nothing at or below the floor (a capacity known to fail) is replayed, and no capacity twice:
+    # the scanned steps, and a dozen bisection steps above the window.
+    assert s.window == (21_002 * MiB, 21_876 * MiB)
+    assert len(range(21_002, 21_876 + 1, 2)) < s.replays <= len(range(21_002, 21_876 + 1, 2)) + 12
 
 
 def test_the_first_guess_is_doubled_until_it_works(bench):
