@@ -213,6 +213,7 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
         raise TraceError(p, "'device_traces' must be a list of per-device lists of events")
     if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
         raise TraceError(p, "'segments' must be a list of segment dicts")
+    _check_size(p, traces, segments)
     devices = {s.get("device", 0) for s in segments} | set(range(len(traces)))
     if device is None:
         busiest = max(range(len(traces)), key=lambda d: len(traces[d]), default=None)
@@ -304,6 +305,30 @@ def empty_cache_marks(trace: Trace, n: int, seeded: int) -> np.ndarray:
     retried[nxt] = np.isin(kind[ends[nxt] + 1], retries)
     marks[ends[~retried]] = 1
     return marks
+
+
+def _check_size(p: Path, traces: list[list], segments: list[dict]) -> None:
+    """Refuse a snapshot with more events, segments and blocks than its file could hold.
+
+    Each is a dict of its own in an honest snapshot, and a pickled dict costs at
+    least a byte; a pickle can name one dict a million times by reference
+    (a memo lookup is two bytes), so a 12 KB file can claim 9 M blocks and cost
+    minutes of work.  Counting list lengths costs one step per segment, so the
+    work of reading is bounded by the file's size before any block is looked at.
+    """
+    nbytes = p.stat().st_size
+    count = len(segments) + sum(len(t) for t in traces)
+    for j, seg in enumerate(segments):
+        blocks = seg.get("blocks", [])
+        count += len(blocks) if isinstance(blocks, list) else 0
+        if count > nbytes:
+            raise TraceError(p, f"the snapshot claims more events, segments and blocks (over {count:,}, by "
+                                f"segments[{j}]) than a file of {nbytes:,} bytes can hold: it repeats objects "
+                                "by reference, which no PyTorch snapshot does; refusing it")
+    if count > nbytes:
+        raise TraceError(p, f"the snapshot claims {count:,} events, segments and blocks, more than a file of "
+                            f"{nbytes:,} bytes can hold: it repeats objects by reference, which no PyTorch "
+                            "snapshot does; refusing it")
 
 
 def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:
