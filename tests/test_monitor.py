@@ -68,7 +68,8 @@ def test_hysteresis_keeps_a_hovering_pool_quiet(pool):
         del a
 
 
-def test_fragmentation_alert_reports_severity_and_rearms(pool):
+def test_fragmentation_alert_reports_severity_and_rearms():
+    pool = cupool.Pool("sim", capacity="40MiB")  # 24 MiB reserved is usage 0.6: under pressure
     with Monitor(pool, usage_warning=1.0, usage_critical=1.0) as mon:
         got = collect_alerts(mon)
         a = pool.malloc(12 * MiB)
@@ -78,12 +79,97 @@ def test_fragmentation_alert_reports_severity_and_rearms(pool):
         a.free()  # (24 - 12) / 24 = 0.5
         mon.flush()
         assert [(x.metric, x.level, x.severity) for x in got] == [("fragmentation", "warning", "severe")]
-        assert got[0].value == pytest.approx(0.5) and "severe" in got[0].message
+        assert got[0].value == pytest.approx(0.5) and got[0].fragmentation == pytest.approx(0.5)
+        assert "severe, at usage 0.60" in got[0].message
         a = pool.malloc(12 * MiB)  # reuses the cached segment: 0
         a.free()  # 0.5 again: re-armed, fires again
         mon.flush()
         assert [x.level for x in got] == ["warning", "ok", "warning"]
         del b
+
+
+def test_a_fresh_segments_free_tail_raises_no_alert(pool):
+    """Issue 20 #5: one 4 MiB block in a fresh 20 MiB segment is 0.8 "severe" by the ratio alone."""
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        a = pool.malloc(4 * MiB)
+        mon.flush()
+        assert pool.stats()["fragmentation"] == pytest.approx(0.8)  # still the stat
+        assert got == [], [x.message for x in got]
+        assert mon.fragmentation_level == "ok"
+        del a
+
+
+def test_the_same_ratio_warns_once_the_pool_is_under_pressure(pool):
+    """Free bytes matter when the pool nears its limit: the ratio warns from min_usage on."""
+    with Monitor(pool, usage_warning=1.0, usage_critical=1.0, min_usage=0.5) as mon:
+        got = collect_alerts(mon)
+        held = [pool.malloc(12 * MiB) for _ in range(4)]  # 48 MiB reserved: usage 0.48
+        held[0].free()
+        held[2].free()  # fragmentation 0.5, but usage 0.48
+        mon.flush()
+        assert got == []
+        held[0] = pool.malloc(12 * MiB)
+        held[2] = pool.malloc(12 * MiB)  # the cached segments serve them: 0
+        held.append(pool.malloc(12 * MiB))  # 60 MiB reserved: usage 0.60
+        held[0].free()
+        held[2].free()  # 0.4 at usage 0.6
+        mon.flush()
+        assert [(x.metric, x.level) for x in got] == [("fragmentation", "warning")]
+        assert got[0].value == pytest.approx(0.4) and got[0].reserved == 60 * MiB
+        del held
+
+
+def fragmented_pool():
+    """60 MiB, full: three 20 MiB segments of 4 MiB blocks, every other block freed (32 MiB free in 4 MiB holes)."""
+    pool = cupool.Pool("sim", capacity="60MiB", defrag_threshold=None)
+    blocks = [pool.malloc(4 * MiB) for _ in range(15)]
+    for b in blocks[::2]:
+        b.free()
+    assert pool.stats()["reserved_bytes.all.current"] == 60 * MiB
+    return pool, blocks[1::2]
+
+
+def test_a_request_refused_for_fragmentation_is_a_critical_alert():
+    pool, held = fragmented_pool()
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        with pytest.raises(cupool.OutOfMemoryError):
+            pool.malloc(8 * MiB)  # 32 MiB free, but in 4 MiB holes
+        mon.flush()
+    refused = [x for x in got if x.request]
+    assert [(x.metric, x.level, x.request, x.largest_free) for x in refused] == [
+        ("fragmentation", "critical", 8 * MiB, 4 * MiB)
+    ]
+    assert refused[0].value == pytest.approx(32 / 60)
+    assert "fragmentation refused a request of 8 MiB: 32 MiB free" in refused[0].message
+    assert "largest free block is 4 MiB" in refused[0].message
+    del held
+
+
+@pytest.mark.parametrize("request_mib", [40, 200])
+def test_a_request_the_free_bytes_could_not_serve_is_no_fragmentation_alert(request_mib):
+    pool, held = fragmented_pool()  # 28 MiB live of a 60 MiB limit: 32 MiB could be had
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        with pytest.raises(cupool.OutOfMemoryError):
+            pool.malloc(request_mib * MiB)  # more than the live data leaves, or than the limit
+        mon.flush()
+    assert [x for x in got if x.request] == []
+    del held
+
+
+def test_an_injected_refusal_that_a_free_block_could_serve_is_no_fragmentation_alert():
+    from cupool.testing.faults import fail_nth_allocation
+
+    pool, held = fragmented_pool()
+    with Monitor(pool) as mon, fail_nth_allocation(pool, 1):
+        got = collect_alerts(mon)
+        with pytest.raises(cupool.OutOfMemoryError):
+            pool.malloc(4 * MiB)  # a 4 MiB hole was there: the refusal was not fragmentation's
+        mon.flush()
+    assert [x for x in got if x.request] == []
+    del held
 
 
 def test_min_reserved_keeps_small_pools_quiet(pool):
@@ -135,7 +221,7 @@ def test_frees_still_in_the_fast_paths_log_are_seen(pool):
     small = [pool.malloc(MiB) for _ in range(40)]  # 20 small segments, full
     del small  # nobody subscribed: the fast path parks the blocks and only logs the frees
     got = []
-    with Monitor(pool, callbacks=got.append) as mon:
+    with Monitor(pool, callbacks=got.append, min_usage=0) as mon:  # any fragmentation warns
         mon.flush()
         # Read from the tables without the log, the pool would look full (allocated 40 MiB).
         assert [(x.metric, x.level, x.allocated) for x in got] == [("fragmentation", "warning", 0)]
@@ -215,6 +301,8 @@ def test_severity_bands(value, band):
         ({"fragmentation": -0.1}, ValueError, "fragmentation"),
         ({"hysteresis": 1}, ValueError, "hysteresis"),
         ({"history": 0}, ValueError, "history"),
+        ({"min_usage": 1.5}, ValueError, "min_usage"),
+        ({"min_usage": None}, TypeError, "min_usage"),
         ({"callbacks": [42]}, TypeError, "callbacks"),
         ({"min_reserved": "lots"}, ValueError, "min_reserved"),
     ],
@@ -279,9 +367,10 @@ class MonitorMachine(RuleBasedStateMachine):
         elif usage < 0.75:
             assert level == "ok"
         frag_level = self.mon.fragmentation_level
-        if s["fragmentation"] >= 0.30:
+        pressed = s["fragmentation"] if usage >= self.mon.min_usage else 0.0  # the ratio only under pressure
+        if pressed >= 0.30:
             assert frag_level == "warning"
-        elif s["fragmentation"] < 0.25:
+        elif pressed < 0.25:
             assert frag_level == "ok"
 
     @invariant()
@@ -289,6 +378,9 @@ class MonitorMachine(RuleBasedStateMachine):
         last = {}
         for a in self.mon.alerts:
             assert isinstance(a, Alert)
+            if a.request:  # a refused request: an alert of its own, not a crossing
+                assert a.level == "critical" and a.largest_free < a.request
+                continue
             # critical may repeat: a fall into the warning band re-arms it silently
             assert a.level == "critical" or last.get(a.metric) != a.level, "the same alert fired twice in a row"
             if a.level != "ok":

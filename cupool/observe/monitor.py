@@ -10,10 +10,19 @@ hysteresis, so a pool hovering at a threshold does not flood the log.
   are what the device (and every other library on it) has lost, and because the
   pool runs out when *reserved* reaches the limit and it cannot grow.  Defaults:
   warning at 0.8, critical at 0.9.
-* **Fragmentation** is (reserved - allocated) / reserved, alert at 0.30, and its
-  severity band is reported: good < 0.15 <= moderate < 0.30 <= serious < 0.40 <=
-  severe.  A pool holding little memory is all "fragmentation" by that ratio, so
-  ``min_reserved`` can keep small pools from alerting.
+* **Fragmentation** is (reserved - allocated) / reserved, and its severity band
+  is reported: good < 0.15 <= moderate < 0.30 <= serious < 0.40 <= severe.  The
+  ratio alone means little: a fresh 20 MiB segment holding one 4 MiB block is
+  "severe" by it, yet harms nobody while the pool may still grow.  Free bytes
+  hurt only under pressure, so the ratio alerts (a warning, at 0.30) only while
+  usage is at least ``min_usage`` (0.5): free bytes the pool holds while near
+  its limit are bytes no other request can get.  And a request the pool
+  refused although its free bytes, with what it may still grow by, would have
+  served it, had they lain together, is a **critical** fragmentation alert
+  naming the request and the largest free block: fragmentation, not the
+  amount of live data, made that request fail.  ``min_reserved`` keeps pools
+  holding little memory quiet too.  ``Alert.fragmentation`` is the ratio
+  whatever the metric, as a stat.
 
 The monitor subscribes with ``small_blocks=False`` and leaves out the kinds
 emitted mid-operation, so watching a pool does not switch its fast path off: a
@@ -67,7 +76,9 @@ class Alert:
     """One threshold crossing.
 
     ``level`` is ``"warning"`` or ``"critical"`` when a figure rises past a
-    threshold, and ``"ok"`` when it has fallen back below the lowest one.
+    threshold, and ``"ok"`` when it has fallen back below the lowest one.  A
+    request refused for fragmentation is an alert of its own, not a crossing:
+    ``"critical"``, with ``request`` and ``largest_free`` set and threshold 0.
     """
 
     metric: str  # "usage" or "fragmentation"
@@ -79,6 +90,9 @@ class Alert:
     allocated: int
     limit: int
     t_ns: int
+    fragmentation: float = 0.0  # (reserved - allocated) / reserved at the time, whatever the metric
+    request: int = 0  # a refused request's bytes (a critical fragmentation alert), else 0
+    largest_free: int = 0  # the pool's largest free block when that request was refused
 
     @property
     def message(self) -> str:
@@ -88,7 +102,16 @@ class Alert:
         )
         if self.level == "ok":
             return f"cupool: {self.metric} back to {self.value:.3f}, below {self.threshold:.2f} ({figures})"
-        extra = f", {self.severity}" if self.metric == "fragmentation" else ""
+        if self.request:
+            return (
+                f"cupool: {self.level}: fragmentation refused a request of {format_bytes(self.request)}: "
+                f"{format_bytes(self.reserved - self.allocated)} free in the pool and "
+                f"{format_bytes(max(self.limit - self.reserved, 0))} it may still grow by, but its largest free "
+                f"block is {format_bytes(self.largest_free)}; fragmentation {self.value:.3f}, {self.severity} "
+                f"({figures})"
+            )
+        usage = self.reserved / self.limit if self.limit else 0.0
+        extra = f", {self.severity}, at usage {usage:.2f}" if self.metric == "fragmentation" else ""
         return (
             f"cupool: {self.level}: {self.metric} {self.value:.3f} passed {self.threshold:.2f}{extra} ({figures})"
         )
@@ -139,6 +162,7 @@ class Monitor:
         hysteresis: float = 0.05,
         min_reserved: int | str = 0,
         history: int = 1000,
+        min_usage: float = 0.5,
     ) -> None:
         if not isinstance(pool, Pool):
             raise TypeError(f"Monitor watches a cupool.Pool, got {type(pool).__name__}")
@@ -147,8 +171,9 @@ class Monitor:
             ("usage_critical", usage_critical),
             ("fragmentation", fragmentation),
         ):
-            _check_fraction(name, v, low_open=True)
-        _check_fraction("hysteresis", hysteresis, low_open=False)
+            _check_fraction(name, v, "(0, 1]")
+        _check_fraction("hysteresis", hysteresis, "[0, 1)")
+        _check_fraction("min_usage", min_usage, "[0, 1]")
         if usage_critical < usage_warning:
             raise ValueError(
                 f"usage_critical ({usage_critical}) must not be below usage_warning ({usage_warning})"
@@ -161,6 +186,8 @@ class Monitor:
                 raise TypeError(f"callbacks must be callables, got {cb!r}")
         self.pool = pool
         self.min_reserved = parse_size(min_reserved, pool.limit, "min_reserved")
+        #: Fragmentation warns only while reserved / limit is at least this.
+        self.min_usage = min_usage
         self._usage = _Gauge("usage", (usage_warning, usage_critical), hysteresis)
         self._frag = _Gauge("fragmentation", (fragmentation,), hysteresis)
         self._callbacks = cbs
@@ -211,13 +238,15 @@ class Monitor:
         self.close()
 
     # --------------------------------------------------------------- internals
-    def _on_event(self, event: tuple) -> None:
+    def _on_event(self, event: tuple[int, str, int, int, int]) -> None:
         # Under the pool's lock.  The subscription leaves out the events that come in
         # the middle of a pool operation, when the books show a state no caller ever
         # sees: a segment_alloc comes before its block is taken (fresh reserved bytes,
         # nothing allocated yet), and the moves of a compaction or a re-home are
         # emitted while the old segment and its exact-size replacement are both
         # reserved.  The event that ends the operation is evaluated instead.
+        if event[1] == "oom":
+            self._refused(event[3])
         self._evaluate()
 
     def _evaluate(self) -> None:
@@ -227,17 +256,37 @@ class Monitor:
         allocated = books.allocated
         usage = reserved / pool.limit if pool.limit else 0.0
         frag = (reserved - allocated) / reserved if reserved else 0.0
-        crossings = ((self._usage, usage), (self._frag, frag if reserved >= self.min_reserved else 0.0))
+        pressed = reserved >= self.min_reserved and usage >= self.min_usage
+        crossings = ((self._usage, usage), (self._frag, frag if pressed else 0.0))
         for gauge, value in crossings:
             change = gauge.update(value)
             if change is not None:
                 level, threshold = change
-                alert = Alert(
+                self._raise(Alert(
                     gauge.metric, level, value, threshold, severity(frag), reserved, allocated, pool.limit,
-                    time.perf_counter_ns(),
-                )
-                self.alerts.append(alert)
-                self._queue.put(alert)
+                    time.perf_counter_ns(), frag,
+                ))
+
+    def _refused(self, request: int) -> None:
+        """A refused request is fragmentation's doing when the pool's free bytes, and what its limit
+        still allows, add up to it but no free block is that large (an injected refusal finds one)."""
+        pool = self.pool
+        books = pool.view.books
+        reserved, allocated = books.reserved, books.allocated
+        if request == 0 or request > pool.limit - allocated:
+            return  # the live data itself leaves no room (or the request alone is over the limit)
+        largest = max((b.size for seg in pool.view.segments() for b in seg.blocks if b.free), default=0)
+        if largest >= request:
+            return
+        frag = (reserved - allocated) / reserved if reserved else 0.0
+        self._raise(Alert(
+            "fragmentation", "critical", frag, 0.0, severity(frag), reserved, allocated,
+            pool.limit, time.perf_counter_ns(), frag, request, largest,
+        ))
+
+    def _raise(self, alert: Alert) -> None:
+        self.alerts.append(alert)
+        self._queue.put(alert)
 
     def _dispatch(self) -> None:
         while True:
@@ -255,9 +304,11 @@ class Monitor:
                     log.exception("cupool monitor: alert callback %r raised", cb)
 
 
-def _check_fraction(name: str, value: object, low_open: bool) -> None:
+def _check_fraction(name: str, value: object, span: str) -> None:
+    """Refuse ``value`` unless it is a number in ``span``: "(0, 1]", "[0, 1)" or "[0, 1]"."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if not (0 < value <= 1 if low_open else 0 <= value < 1):
-        span = "(0, 1]" if low_open else "[0, 1)"
+    low_ok = value > 0 if span[0] == "(" else value >= 0
+    high_ok = value < 1 if span[-1] == ")" else value <= 1
+    if not (low_ok and high_ok):
         raise ValueError(f"{name} must be in {span}, got {value}")
