@@ -13,6 +13,14 @@ from .device import CudaDevice, Device, SimDevice
 from .errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
 from .hooks import cupy_allocator, default_pool, install, uninstall, using
 from .hooks.routing import sim_device
+from .observe.memory import (
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    reset_peak_memory_stats,
+)
 from .observe.monitor import Alert, Monitor
 from .observe.summary import memory_summary
 from .core.handles import Movable
@@ -58,8 +66,14 @@ __all__ = [
     "format_bytes",
     "install",
     "load_trace",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
     "memory_summary",
     "parse_size",
+    "reset_peak_memory_stats",
     "sim_device",
     "uninstall",
     "using",
