@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
+import pytest
 
 import cupool
 from cupool import workloads
 from cupool.cli import main
 from cupool.replay import plot_report
+from cupool.replay.report import report_data
 from cupool.trace import Trace, load_trace
 
 
@@ -92,3 +95,116 @@ def test_report_refuses_a_format_it_cannot_write_before_replaying(tmp_path, caps
     assert main(["report", str(missing), "-o", str(tmp_path / "r.pgn")]) == 2
     err = capsys.readouterr().err
     assert "cannot write the report" in err and "'.pgn' is not an image format" in err and ".png" in err
+
+
+# ------------------------------------------------------------------ the pictures' data (issue 20 #1)
+MiB = 1 << 20
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _moved(tmp_path):
+    """A recording whose compaction moved buffers: its trace has move_out/move_in pairs."""
+    pool = cupool.Pool("sim", capacity="512MiB", initial_size="36MiB", defrag_threshold=None)
+    path = tmp_path / "moved.h5"
+    with pool.record(path):
+        bufs = [pool.movable(3 << 20) for _ in range(12)]
+        raw = pool.malloc(5 << 20)
+        for m in bufs[::2]:
+            m.free()
+        assert pool.compact().moves > 0
+        bufs.append(pool.movable(1 << 20))
+    del raw, bufs
+    return load_trace(path)
+
+
+def test_curves_hold_their_value_through_recorded_moves(tmp_path):
+    trace = _moved(tmp_path)
+    data = report_data(trace)
+    assert data.engine == "pool"
+    moves = np.flatnonzero(np.isin(trace.kind, [trace.code("move_out"), trace.code("move_in")]))
+    assert len(moves) >= 2
+    # A recorded move changes nothing in the replay's books: the curves hold, they never drop to 0.
+    assert (data.reserved[moves] == data.reserved[moves - 1]).all() and data.reserved[moves].min() > 0
+    assert (data.allocated[moves] == data.allocated[moves - 1]).all() and data.allocated[moves].min() > 0
+
+
+def _check_map(data):
+    """The segment map is the pool at ``peak_index``: the bytes it shows allocated are the curve's."""
+    assert data.mapped_allocated == data.allocated[data.peak_index] > 0
+    assert sum(s["size"] for s in data.segments) == data.reserved[data.peak_index]
+    for seg in data.segments:  # blocks tile their segment
+        assert sum(size for _, size, _ in seg["blocks"]) == seg["size"]
+
+
+def test_segment_map_of_a_movable_trace_shows_its_live_buffers(tmp_path):
+    pool = cupool.Pool("sim", capacity="512MiB")
+    path = tmp_path / "movable.h5"
+    with pool.record(path):
+        workloads.weight_streaming(pool, workloads.mixed_shapes(24, seed=0), movable=True)
+    data = report_data(load_trace(path))
+    assert data.engine == "pool" and data.peak_index == int(np.argmax(data.reserved))
+    assert data.reserved[data.peak_index] == pool.stats()["reserved_bytes.all.peak"]
+    _check_map(data)
+    assert data.live_blocks == 4  # the cache's four layers
+
+
+def _still(path, segments):
+    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [[]]}))
+    return load_trace(path)
+
+
+def _segment(addr, blocks, total, kind="large"):
+    out, at = [], addr
+    for size, live in blocks:
+        out.append({"address": at, "size": size, "requested_size": size if live else 0,
+                    "state": "active_allocated" if live else "inactive"})
+        at += size
+    assert at - addr == total
+    return {"device": 0, "address": addr, "total_size": total, "stream": 0, "segment_type": kind, "blocks": out}
+
+
+def test_a_snapshot_without_history_shows_what_it_holds(tmp_path):
+    A = 1 << 32
+    segments = [_segment(A, [(8 * MiB, True), (4 * MiB, False), (8 * MiB, True)], 20 * MiB),
+                _segment(A + (64 * MiB), [(512, True), (2 * MiB - 512, False)], 2 * MiB, "small"),
+                _segment(A + (128 * MiB), [(32 * MiB, True)], 32 * MiB)]
+    trace = _still(tmp_path / "still.pickle", segments)
+    data = report_data(trace, {"capacity": "1GiB"})
+    assert data.still and data.peak_index == len(trace) - 1
+    assert sorted(s["size"] for s in data.segments) == [2 * MiB, 20 * MiB, 32 * MiB]
+    assert data.live_blocks == 4
+    _check_map(data)
+    out = tmp_path / "still.png"
+    plot_report(trace, out, {"capacity": "1GiB"})
+    assert out.stat().st_size > 0
+
+
+def test_the_map_of_a_window_opened_mid_run_includes_what_was_there_before(tmp_path):
+    # Two segments were full when recording started; the window only frees one block: the peak is the seed.
+    A = 1 << 32
+    segments = [_segment(A, [(10 * MiB, False), (10 * MiB, True)], 20 * MiB),
+                _segment(A + 64 * MiB, [(20 * MiB, True)], 20 * MiB)]
+    free = [{"action": "free_completed", "addr": A, "size": 10 * MiB, "stream": 0, "time_us": 5, "frames": []}]
+    path = tmp_path / "mid.pickle"
+    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [free]}))
+    data = report_data(load_trace(path), {"capacity": "1GiB"})
+    assert not data.still and len(data.segments) == 2
+    assert data.mapped_allocated == 40 * MiB  # the map is after the seed, at peak reserved
+    _check_map(data)
+
+
+def test_untimed_traces_are_drawn_over_the_event_index():
+    events = [(0, "segment_alloc", 1 << 30, 2 << 20, 0), (0, "alloc", 1 << 30, 512, 0), (0, "free", 1 << 30, 512, 0)]
+    data = report_data(Trace.from_events(events, source="untimed"))
+    assert data.x_label == "event" and list(data.x) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"the shared real traces are not here ({SHARED})")
+def test_real_snapshots(tmp_path):
+    still = load_trace(SHARED / "yiyi_6a8eab0_oom_snapshot.pickle")
+    data = report_data(still)
+    assert data.still and len(data.segments) == 176 and data.live_blocks == 460  # as `cupool replay` says
+    _check_map(data)
+    timed = report_data(load_trace(SHARED / "zidongliu_decomfl_memory.pickle"))
+    assert not timed.still and timed.x_label == "time (s)" and timed.x[-1] > 1
+    _check_map(timed)

@@ -363,7 +363,7 @@ class _Books:
 
 
 def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool):
-    """Replay through a real Pool; returns the result and the pool (for ``layout``)."""
+    """Replay through a real Pool; returns the result, the pool and its live handles (for ``layout``)."""
     pool = _sim_pool(cfg, trace)
     books = _Books(pool)
     unsubscribe = pool.subscribe(books)
@@ -427,13 +427,14 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
                 spilled[(size[i], stream[i])].append(held)
             else:
                 held.free()
-        elif k == code["move_out"]:
-            moving = live.pop(addr[i], None)
-            continue
-        elif k == code["move_in"]:
-            if moving is not None:
-                live[addr[i]] = moving
-                moving = None
+        elif k == code["move_out"] or k == code["move_in"]:
+            # A recorded move renames a buffer; the replay's books do not change (nor are they sampled).
+            if k == code["move_out"]:
+                moving = live.pop(addr[i], None)
+            elif moving is not None:
+                live[addr[i]], moving = moving, None
+            if timeline:
+                tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
         elif k == code["oom"]:
             try:
@@ -480,7 +481,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
         capacity=_capacity(pool), seconds=seconds, warnings=warnings,
         timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
     )
-    return result, pool
+    return result, pool, live
 
 
 def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool):
@@ -602,8 +603,10 @@ def layout(
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     out = []
     if engine == "pool":
-        _, pool = _replay_pool(trace, cfg, n, False, False)
-        for seg in pool.snapshot()["segments"]:
+        _, pool, live = _replay_pool(trace, cfg, n, False, False)
+        segments = pool.snapshot()["segments"]  # while the replay's handles live: dropped, they free their blocks
+        del live
+        for seg in segments:
             base = seg["address"]
             out.append({"address": base, "size": seg["total_size"], "kind": seg["segment_type"],
                         "blocks": [(b["address"] - base, b["size"], b["state"] != "inactive")
