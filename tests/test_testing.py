@@ -25,6 +25,7 @@ from cupool.core.sizes import (
 from cupool.device import SimDevice
 from cupool.streaming import LayerCache, build_model_file, layer_values
 from cupool.testing import FaultRules, PoolStateMachine, run_program, strategies
+from cupool.testing.ledger import pointer_of
 from cupool.testing.faults import (
     REASON,
     fail_allocations,
@@ -166,30 +167,104 @@ def test_a_user_subclass_with_an_extra_rule_runs():
 
 
 class UntrackedMachine(PoolStateMachine):
-    """Code under test that keeps memory the ledger never sees: the books are then lower bounds."""
+    """Code under test that allocates through the pool and keeps what it got, never telling the ledger."""
 
-    exact_books = False
+    made = 0
 
     def __init__(self):
         super().__init__()
         self.hidden = []
 
-    @rule(n=st.integers(0, 1 << 16))
-    def my_code_keeps_a_scratch_buffer(self, n):
+    @rule(n=st.integers(0, 1 << 16), array=st.booleans())
+    def my_code_keeps_a_scratch_buffer(self, n, array):
         try:
-            self.hidden.append(self.pool.malloc(n))
+            self.hidden.append(self.pool.empty(n, np.uint8) if array else self.pool.malloc(n))
         except cupool.OutOfMemoryError:
-            pass
+            return
+        type(self).made += 1
+        assert self.hidden[-1] is not None
+
+    @rule(data=st.data())
+    def my_code_drops_one(self, data):
+        if self.hidden:
+            self.hidden.pop(data.draw(st.integers(0, len(self.hidden) - 1)))
+
+    def teardown(self):
+        self.hidden.clear()
+        super().teardown()
 
 
-def test_untracked_memory_needs_exact_books_off():
+def test_a_users_own_allocations_are_allowed_and_counted():
+    """Issue 20 #3: a rule allocating through self.pool without tracking failed "the test holds 0"."""
+    UntrackedMachine.made = 0
     run_state_machine_as_test(UntrackedMachine, settings=QUICK)
+    assert UntrackedMachine.made > 0
+    m = UntrackedMachine()
+    m.my_code_keeps_a_scratch_buffer(5000, True)
+    a = m.malloc(3000, 0)
+    m.stats_match_the_model()
+    m.live_blocks_do_not_overlap_and_are_aligned()
+    assert [b.addr for b in m.ledger.untracked()] == [pointer_of(m.hidden[0])]
+    assert a.ptr not in [b.addr for b in m.ledger.untracked()]
+    m.teardown()
+
+
+def test_exact_books_refuses_untracked_memory():
     UntrackedMachine.exact_books = True
     try:
-        with pytest.raises(AssertionError, match="allocations"):
+        with pytest.raises(AssertionError, match=r"the pool counts \d+ allocations, the test holds \d+"):
             run_state_machine_as_test(UntrackedMachine, settings=BROKEN)
     finally:
         UntrackedMachine.exact_books = False
+
+
+def test_untracked_allocations_are_still_checked(monkeypatch):
+    """A device handing out memory twice is caught through the user's own, untracked, allocations."""
+
+    class Machine(UntrackedMachine):
+        def make_pool(self):
+            return cupool.Pool(_DoubleBookingDevice(), defrag_threshold=None)
+
+        @rule(target=PoolStateMachine.allocations, n=st.just(3 * MiB), stream=st.just(0))
+        def malloc(self, n, stream):  # segments of their own: the double booking shows between them
+            return super().malloc(n, stream)
+
+    with pytest.raises(AssertionError, match="overlap"):
+        run_state_machine_as_test(Machine, settings=BROKEN)
+
+
+def test_books_disagreeing_with_the_layout_are_caught(monkeypatch):
+    """Untracked memory the pool's figures forgot: the books must add up over its live blocks."""
+    m = UntrackedMachine()
+    m.my_code_keeps_a_scratch_buffer(5000, False)
+    real = cupool.Pool.stats
+
+    def one_short(pool):
+        s = real(pool)
+        s["allocation.all.current"] -= 1
+        return s
+
+    monkeypatch.setattr(cupool.Pool, "stats", one_short)
+    with pytest.raises(AssertionError, match="its layout has 1 live blocks"):
+        m.stats_match_the_model()
+
+
+class ExpandableMachine(FaultRules, PoolStateMachine):
+    # No spill tier: with one, the machine finds issue 21 #4 (a zero-byte movable breaks spilling on
+    # expandable pools, a core defect) within seconds; this test is about the machine's own invariants.
+    def make_pool(self):
+        return cupool.Pool("sim", capacity="64MiB", expandable_segments=True)
+
+
+def test_the_machine_runs_on_an_expandable_pool():
+    """Issue 21 #8: the first malloc failed, reserved (mapped granules) compared with device.used (0)."""
+    run_state_machine_as_test(ExpandableMachine, settings=QUICK)
+    m = ExpandableMachine()
+    m.malloc(5 * MiB, 0)
+    m.stats_match_the_model()
+    free, total = m.device.mem_info()
+    assert m.device.used == 0 and total - free == m.pool.stats()["reserved_bytes.all.current"] > 0
+    m.teardown()
 
 
 class FaultyMachine(FaultRules, PoolStateMachine):
@@ -326,6 +401,55 @@ def test_the_nth_allocation_fails_and_changes_nothing():
     assert faults.requests == 4 and faults.refused == [(3, 200, "malloc")]
     pool.check()
     keep.append(pool.movable(MiB))  # after the block, requests are ordinary again
+
+
+def test_fault_blocks_nest_and_each_leaves_the_outer_one_in_place():
+    """Issue 21 #8: leaving a nested fail_nth_allocation turned the outer one off."""
+    pool = cupool.Pool("sim", capacity="32MiB")
+    keep = []
+    with fail_nth_allocation(pool, 3) as outer:
+        keep.append(pool.malloc(100))  # outer's 1st
+        with fail_nth_allocation(pool, 1) as inner:
+            with pytest.raises(cupool.OutOfMemoryError):
+                pool.malloc(100)  # inner's 1st: refused there, the outer never sees it
+            keep.append(pool.malloc(100))  # inner's 2nd, outer's 2nd
+        assert inner.refused == [(1, 100, "malloc")] and inner.requests == 2
+        with pytest.raises(cupool.OutOfMemoryError):
+            pool.malloc(100)  # outer's 3rd: still refused after the inner block ended
+    assert outer.refused == [(3, 100, "malloc")] and outer.requests == 3
+    keep.append(pool.malloc(100))  # and after both, nothing is refused
+    assert pool.stats()["allocation.all.current"] == 3
+
+
+def test_fault_blocks_left_out_of_order_or_entered_twice_are_refused():
+    pool = cupool.Pool("sim", capacity="32MiB")
+    outer, inner = fail_nth_allocation(pool, 1), fail_nth_allocation(pool, 2)
+    outer.__enter__()
+    with pytest.raises(RuntimeError, match="already entered"):
+        outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="left before the fault block entered inside it"):
+        outer.__exit__(None, None, None)
+    with pytest.raises(cupool.OutOfMemoryError):
+        pool.malloc(100)  # the refusal above changed nothing: both still decide (inner lets it by, outer refuses)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    pool.malloc(100).free()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs a public read of the pool's admission check (Pool.admission), a core change asked of the lead",
+)
+def test_leaving_a_fault_block_restores_the_users_own_admission_check():
+    """Issue 21 #8: leaving any fault block removed the check the user had set with Pool.set_admission."""
+    pool = cupool.Pool("sim", capacity="32MiB")
+    pool.set_admission(lambda nbytes, what: "quota" if nbytes > MiB else None)
+    with fail_nth_allocation(pool, 5):
+        with pytest.raises(cupool.OutOfMemoryError, match="quota"):
+            pool.malloc(2 * MiB)  # the user's check still applies inside the block
+    with pytest.raises(cupool.OutOfMemoryError, match="quota"):
+        pool.malloc(2 * MiB)  # and after it
 
 
 def test_faults_can_pick_movables_only_and_cover_empty_and_numba():

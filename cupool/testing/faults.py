@@ -11,6 +11,7 @@ grows no further.  Every fault is a context manager that undoes itself; mix
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,14 +29,23 @@ __all__ = ["REASON", "AllocationFaults", "FaultRules", "fail_allocations", "fail
 REASON = "refused by cupool.testing.faults"
 
 
+#: The fault blocks entered on each pool, innermost last (held weakly: a dropped pool takes its list along).
+_active: weakref.WeakKeyDictionary[Pool, list[AllocationFaults]] = weakref.WeakKeyDictionary()
+
+
 class AllocationFaults:
-    """Refuse the requests ``decide(index, nbytes, what)`` picks, while entered (one at a time per pool).
+    """Refuse the requests ``decide(index, nbytes, what)`` picks, while entered.
 
     ``index`` counts requests from 1 since entering; ``what`` is ``"malloc"`` or
     ``"movable"`` (``empty``, CuPy and Numba allocations are mallocs).
     ``requests`` counts them and ``refused`` lists ``(index, nbytes, what)`` of
     those refused.  A refusal is an ``OutOfMemoryError`` whose ``reason`` is
-    ``REASON``; leaving the block makes every request ordinary again.
+    ``REASON``; leaving the block gives the pool back the check it had before.
+
+    Blocks nest: the innermost decides first, and a request it lets through goes
+    on to the enclosing block (which counts it).  They must be left in the
+    reverse order of entering, as ``with`` does; leaving an outer block first, or
+    entering one block twice, raises ``RuntimeError``.
     """
 
     def __init__(self, pool: Pool, decide: Callable[[int, int, str], bool]) -> None:
@@ -48,19 +58,38 @@ class AllocationFaults:
         self.requests = 0
         self.refused: list[tuple[int, int, str]] = []
 
+        self._outer: Callable[[int, str], str | None] | None = None  # the check in place before entering
+
     def _check(self, nbytes: int, what: str) -> str | None:
         self.requests += 1
-        if not self.decide(self.requests, nbytes, what):
-            return None
-        self.refused.append((self.requests, nbytes, what))
-        return REASON
+        if self.decide(self.requests, nbytes, what):
+            self.refused.append((self.requests, nbytes, what))
+            return REASON
+        return None if self._outer is None else self._outer(nbytes, what)
 
     def __enter__(self) -> AllocationFaults:
+        stack = _active.setdefault(self.pool, [])
+        if self in stack:
+            raise RuntimeError(f"{self!r} is already entered; make a new one to nest")
+        self._outer = stack[-1]._check if stack else None
         self.pool.set_admission(self._check)
+        stack.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.pool.set_admission(None)
+        stack = _active.get(self.pool, [])
+        if self not in stack:
+            return  # left already (FaultRules leaves its faults before teardown)
+        if stack[-1] is not self:
+            raise RuntimeError(
+                f"{self!r} left before the fault block entered inside it ({stack[-1]!r}); leave blocks innermost first"
+            )
+        stack.pop()
+        self.pool.set_admission(self._outer)
+        self._outer = None
+
+    def __repr__(self) -> str:
+        return f"<AllocationFaults on {self.pool!r}: {self.requests} request(s), {len(self.refused)} refused>"
 
 
 def fail_nth_allocation(pool: Pool, n: int, what: tuple[str, ...] = ("malloc", "movable")) -> AllocationFaults:

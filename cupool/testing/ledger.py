@@ -9,14 +9,17 @@ pool's books with what the ledger saw.  It reads the device through
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..core.handles import Allocation, Movable
+from ..core.fast import Allocation
+from ..core.handles import Movable
 from ..core.sizes import ALIGNMENT, round_size
+from ..core.view import BlockInfo
 from ..device import SimDevice
 from ..pool import Pool
 
@@ -74,8 +77,10 @@ class Ledger:
 
     ``track`` fills and records; ``forget`` drops the record (``held_back=True``
     when the pool still counts the memory, as Numba's deferred frees do, until
-    ``release_held_back``).  ``check_*`` raise ``AssertionError`` naming what is
-    wrong.
+    ``release_held_back``).  ``untracked()`` lists the pool's live blocks that
+    hold nothing tracked: memory the code under test keeps on its own, which the
+    checks count and place too.  ``check_*`` raise ``AssertionError`` naming
+    what is wrong.
     """
 
     def __init__(self, pool: Pool) -> None:
@@ -142,8 +147,10 @@ class Ledger:
 
     # ------------------------------------------------------------------ checks
     def check_spans(self) -> None:
-        """Live blocks never overlap, and every address is aligned."""
-        spans = sorted((p, e.span) for e in self.entries.values() if (p := e.ptr) is not None)
+        """Live blocks never overlap (tracked ones, and the code under test's own), and every address is aligned."""
+        spans = [(p, e.span) for e in self.entries.values() if (p := e.ptr) is not None]
+        spans += [(b.addr, b.size) for b in self.untracked()]
+        spans.sort()
         for (p0, n0), (p1, _) in itertools.pairwise(spans):
             assert p0 + n0 <= p1, f"live blocks overlap: {p0:#x}+{n0} reaches past {p1:#x}"
         for p, _ in spans:
@@ -177,26 +184,74 @@ class Ledger:
         finally:
             del view
 
+    def live_blocks(self) -> list[BlockInfo]:
+        """Every live block in the pool, in address order, as its layout lists them (``pool.view.segments()``)."""
+        with self.pool.hold() as view:
+            return [b for seg in view.segments() for b in seg.blocks if not b.free]
+
+    def untracked(self, blocks: list[BlockInfo] | None = None) -> list[BlockInfo]:
+        """The pool's live blocks that hold no tracked memory: what the code under test allocated on its own.
+
+        These are allowed (see ``PoolStateMachine.exact_books``) and checked with
+        the rest: they must not overlap, and the books must count them.  Their
+        bytes are the code's own, so only ``track`` lets the ledger check those.
+        """
+        live = self.live_blocks() if blocks is None else blocks
+        known = {e.address for e in self.held_back}
+        known.update(p for e in self.entries.values() if (p := e.ptr) is not None)
+        starts = [b.addr for b in live]
+        held = set()
+        for p in known:
+            i = bisect.bisect_right(starts, p) - 1
+            if i >= 0 and p < live[i].addr + live[i].size:
+                held.add(i)
+        return [b for i, b in enumerate(live) if i not in held]
+
     def check_books(self, exact: bool = True) -> None:
         """The pool's figures agree with the ledger, and with its own layout.
 
-        ``exact``: the ledger tracks everything alive in the pool, so counts and
-        requested bytes must match; otherwise they are lower bounds.
+        ``exact``: the ledger tracks everything alive in the pool, so the counts
+        and requested bytes must be the ledger's.  Otherwise the code under test
+        may hold blocks of its own (``untracked``): every tracked piece must then
+        be a live block of the pool, and the figures must add up over all of the
+        pool's live blocks.
         """
         s = self.pool.stats()
+        blocks = self.live_blocks()
         counted = [e for e in self.entries.values() if e.on_books] + self.held_back
         n, requested = s["allocation.all.current"], s["requested_bytes.all.current"]
         if exact:
             assert n == len(counted), f"the pool counts {n} allocations, the test holds {len(counted)}"
             want = sum(e.requested for e in counted)
             assert requested == want, f"the pool counts {requested} requested bytes, the test asked for {want}"
-        else:
-            assert n >= len(counted) and requested >= sum(e.requested for e in counted)
-        on_device = sum(1 for e in self.entries.values() if isinstance(e.obj, Movable) and e.on_books)
-        if exact:
+            on_device = sum(1 for e in self.entries.values() if isinstance(e.obj, Movable) and e.on_books)
             assert s["movable.all.current"] == on_device, "movable buffers on the device disagree"
+        else:
+            self._check_tracked_are_live(blocks)
+        assert n == len(blocks), f"the pool counts {n} allocations, its layout has {len(blocks)} live blocks"
+        in_blocks = sum(b.requested for b in blocks)
+        assert requested == in_blocks, f"the pool counts {requested} requested bytes, its live blocks {in_blocks}"
+        movables, counts = sum(b.movable for b in blocks), s["movable.all.current"]
+        assert counts == movables, f"the pool counts {counts} movable buffers on the device, its layout {movables}"
         allocated, reserved = s["allocated_bytes.all.current"], s["reserved_bytes.all.current"]
         assert allocated >= sum(e.span for e in counted), f"allocated {allocated} is less than the live blocks"
         snap = self.pool.snapshot()
         free = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "inactive")
         assert allocated + free == reserved, f"allocated {allocated} + free {free} != reserved {reserved}"
+
+    def _check_tracked_are_live(self, blocks: list[BlockInfo]) -> None:
+        """Every tracked piece on the device lies in a live block; a handle's block is exactly its own."""
+        starts = [b.addr for b in blocks]
+        for e in self.entries.values():
+            p = e.ptr
+            if p is None or not e.on_books or (e.requested == 0 and not isinstance(e.obj, (Allocation, Movable))):
+                continue
+            i = bisect.bisect_right(starts, p) - 1
+            b = blocks[i] if i >= 0 else None
+            assert b is not None and p + e.requested <= b.addr + b.size, (
+                f"{e.obj!r} at {p:#x} is alive in the test, but the pool holds no live block there"
+            )
+            if isinstance(e.obj, (Allocation, Movable)):
+                assert (b.addr, b.requested, b.movable) == (p, e.requested, isinstance(e.obj, Movable)), (
+                    f"{e.obj!r}: the pool's block at {b.addr:#x} is {b}, not the handle's"
+                )
