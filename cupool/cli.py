@@ -11,14 +11,15 @@ import argparse
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from . import streaming, workloads
+from . import demo
 from ._units import format_bytes
-from .device import CudaDevice, SimDevice, VirtualMemoryUnsupported, cuda_available, parse_device
+from .core import build_info
+from .device import CudaDevice, cuda_available, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
@@ -48,6 +49,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _own_version() -> str:
+    try:
+        return version("cupool")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _check_device(args: argparse.Namespace) -> None:
     """Refuse a device that is not there before any work, as a user error rather than a traceback."""
     try:
@@ -67,91 +75,27 @@ def _cmd_info(args: argparse.Namespace) -> int:
         props = cupy.cuda.runtime.getDeviceProperties(pool.device.index)
         print(f"name            {props['name'].decode()}")
     print(f"memory          {format_bytes(free)} free of {format_bytes(total)}")
+    print("fast path       {fast_path} ({reason})".format(**build_info()))
     print("configuration")
-    for k, v in pool.config.items():
-        shown = format_bytes(v) if isinstance(v, int) and k in ("capacity", "initial_size", "limit") else v
-        print(f"  {k:<18}{shown}")
+    _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")
-    for k, v in _versions().items():
-        print(f"  {k:<18}{v}")
+    _print_table(_versions().items())
     return 0
 
 
-def _print_steps(off: list[workloads.Step], on: list[workloads.Step]) -> None:
-    print(f"  {'step':>4}  {'action':<13} {'shape':<12} {'source':>12} {'compaction off':>15} {'compaction on':>14}")
-    print(f"  {'':>4}  {'':<13} {'':<12} {'frag segs':>12} {'frag segs':>15} {'frag segs':>14}")
-    for a, b in zip(off, on):
-        _, _, sfrag, ssegs = workloads.SOURCE_STEPS[a.step - 1]
-        print(
-            f"  {a.step:>4}  {a.action:<13} {str(a.shape):<12} {sfrag:>7.3f} {ssegs:>4} "
-            f"{a.fragmentation:>10.3f} {a.segments:>4} {b.fragmentation:>9.3f} {b.segments:>4}"
-        )
-
-
-def _summary(steps: list[workloads.Step]) -> tuple[float, float, int]:
-    fr = [s.fragmentation for s in steps]
-    return max(fr), sum(fr) / len(fr), max(s.reserved for s in steps)
+def _print_table(rows: Iterable[tuple[str, Any]], sizes: tuple[str, ...] = ()) -> None:
+    """Indented ``key  value`` lines, the values aligned past the longest key (sizes in bytes shown as sizes)."""
+    rows = list(rows)
+    width = max((len(k) for k, _ in rows), default=0) + 2
+    for k, v in rows:
+        shown = format_bytes(v) if k in sizes and isinstance(v, int) and not isinstance(v, bool) else v
+        print(f"  {k:<{width}}{shown}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    # "off": plain arrays, nothing may move.  "on": the layers live in movable buffers
-    # and the pool compacts when fragmentation passes its defrag_threshold (0.3).
-    modes = {"off": dict(movable=False), "on": dict(movable=True)}
+    demo.check_args(args.steps, args.seed)
     _check_device(args)
-
-    def make(cap: int | str | None = None, **pool_kw: Any) -> Pool:
-        return Pool(args.device, capacity=cap if cap is not None else args.capacity, **pool_kw)
-
-    first = make()
-    print(f"cupool demo: weight streaming on {first.device.name} (4 cached layers, 2 evicted at a time, float32)")
-    print("Layers are written when loaded and checked when evicted, so a corrupting move would fail the run.\n")
-    runs = {k: workloads.weight_streaming(first if k == "off" else make(), workloads.source_shapes(), fill=True, **kw)
-            for k, kw in modes.items()}
-    print("The source's ten steps (PyTorch's caching allocator) beside cupool:")
-    _print_steps(runs["off"], runs["on"])
-    print()
-    print(f"  {'':<20} {'source':>8} {'off':>8} {'on':>8}")
-    mx = {k: _summary(v)[0] for k, v in runs.items()}
-    mean = {k: _summary(v)[1] for k, v in runs.items()}
-    print(f"  {'max fragmentation':<20} {workloads.SOURCE_MAX:>8.3f} {mx['off']:>8.3f} {mx['on']:>8.3f}")
-    print(f"  {'mean fragmentation':<20} {workloads.SOURCE_MEAN:>8.3f} {mean['off']:>8.3f} {mean['on']:>8.3f}\n")
-
-    shapes = workloads.mixed_shapes(args.steps, seed=args.seed)
-    peak_live = workloads.peak_live_bytes(shapes)
-    print(f"A longer run: {args.steps} layers of {len(set(shapes))} mixed shapes (seed {args.seed}), "
-          f"peak of live bytes {format_bytes(peak_live)}:")
-    print(f"  {'compaction':<16} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'device allocs':>14} "
-          f"{'smallest device':>22}")
-    vmm = {"expandable_segments": True, "stitch": True}
-    rows: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
-        ("off", {}, modes["off"]), ("on", {}, modes["on"]), ("off, expandable", vmm, modes["off"])
-    )
-    for name, pool_kw, kw in rows:
-        try:
-            pool = make(**pool_kw)
-        except VirtualMemoryUnsupported as e:
-            print(f"  {name:<16} n/a: {e}")
-            continue
-        mx_, mean_, peak_res = _summary(workloads.weight_streaming(pool, shapes, fill=True, **kw))
-        smallest = "n/a on a GPU"
-        if isinstance(pool.device, SimDevice):
-            cap = workloads.smallest_capacity(
-                lambda c: Pool("sim", capacity=c, **pool_kw), shapes, peak_live, 4 * peak_live, 2 << 20, **kw
-            )
-            smallest = "> 4x" if cap is None else f"{format_bytes(cap)} ({cap / peak_live:.2f}x)"
-        print(f"  {name:<16} {mx_:>9.3f} {mean_:>10.3f} {format_bytes(peak_res):>9} "
-              f"({peak_res / peak_live:.2f}x) {pool.stats()['num_device_alloc']:>14} {smallest:>22}")
-    print("\n'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running "
-          "out of memory, as a multiple of the live peak; 1.00x is what a perfect allocator needs.\n"
-          "'device allocs': segments taken from the device; compaction gives emptied segments back, "
-          "so it trades some device allocations for memory.\n"
-          "'off, expandable': plain arrays on expandable segments with stitching (virtual memory: granules "
-          "mapped at a segment's end,\nfree granules of holes remapped side by side for a request no free range "
-          "fits); 'device allocs' counts mappings.")
-
-    print("\nStreaming a synthetic HDF5 model (the ten layer shapes, three passes) through cupool.streaming.LayerCache")
-    print("under the source's four cache settings, cupool's figures beside the source's:")
-    print(streaming.format_table(streaming.settings_table(device=args.device, capacity=args.capacity)))
+    print(demo.format_result(demo.run(args.device, args.capacity, args.steps, args.seed)))
     return 0
 
 
@@ -172,6 +116,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cupool", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"cupool {_own_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def device_args(p: argparse.ArgumentParser) -> None:
@@ -184,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("demo", help="the weight-streaming workload, step by step")
     device_args(p)
     p.add_argument("--steps", type=int, default=200, help="layers in the longer mixed run (default 200)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the longer run's random layer shapes (default 0)")
     p.set_defaults(func=_cmd_demo)
     add_replay_commands(sub.add_parser)
     p = sub.add_parser("export", help="write a trace as a PyTorch memory snapshot, for torch.cuda._memory_viz")

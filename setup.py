@@ -1,0 +1,156 @@
+"""Compiles cupool's fast path with Cython, from the same ``.py`` that runs uncompiled.
+
+Everything else about the package (its name, packages, dependencies) is in
+pyproject.toml; this file only adds the compiled modules, because setuptools takes
+extension modules from ``setup()`` alone.
+
+Which modules are compiled, and the names of the files a build leaves beside each
+one, are read from ``cupool/core/__init__.py`` (without importing cupool, whose
+dependencies a build does not have), so that the build and the run-time choice of
+path read one list.  For each module the build leaves, beside where the extension
+goes, either the extension and ``<extension>.source-sha256`` (the hash of the source
+it was compiled from: at import, an edited source is never shadowed silently by an
+older build), or ``<extension>.build-error`` saying why there is no extension (a line, then details).
+
+Compiling is optional: without Cython, without a working C compiler, or when Cython
+rejects the source, the install still succeeds, says so once on stderr (pip shows
+it with ``-v``), and cupool runs uncompiled; ``cupool info`` gives the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import io
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CORE = ROOT / "cupool" / "core"
+
+
+def _core_constants() -> dict[str, object]:
+    """The literal constants that ``cupool/core/__init__.py`` assigns at its top level."""
+    tree = ast.parse((CORE / "__init__.py").read_text(), "cupool/core/__init__.py")
+    out = {}
+    for node in tree.body:
+        target = getattr(node, "target", None) or (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and getattr(node, "value", None) is not None:
+            try:
+                out[target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+_CONST = _core_constants()
+COMPILED = tuple(f"cupool/core/{name}.py" for name in _CONST["COMPILED_MODULES"])
+SOURCE_HASH = str(_CONST["SOURCE_HASH_SUFFIX"])
+BUILD_ERROR = str(_CONST["BUILD_ERROR_SUFFIX"])
+
+
+def source_sha256(source: Path) -> str:
+    """The hash cupool/core/__init__.py compares at import: the .py, then its augmenting .pxd if any."""
+    h = hashlib.sha256(source.read_bytes())
+    pxd = source.with_suffix(".pxd")
+    if pxd.exists():
+        h.update(pxd.read_bytes())
+    return h.hexdigest()
+
+
+def _warn(message: str) -> None:
+    print(f"WARNING: cupool: {message}", file=sys.stderr)
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that cythonizes each module itself and never fails the install.
+
+    A module that does not build leaves a ``.build-error`` note (and no extension)
+    instead; one that builds leaves its source's hash.  Both are written beside the
+    built extension and, in an in-place or editable build, beside the source too.
+    """
+
+    def run(self) -> None:
+        # full module name -> (built?, the source's hash when built, else why not)
+        self._outcome: dict[str, tuple[bool, str]] = {}
+        try:
+            super().run()
+        except Exception as exc:  # a failure outside any one module: nothing more is built, say why
+            for ext in self.extensions:
+                self._outcome.setdefault(ext.name, (False, f"the build failed\n{exc}"))
+        failed = [f"{name}: {text}" for name, (ok, text) in self._outcome.items() if not ok]
+        if failed:
+            _warn("not compiled, cupool will run uncompiled (slower): " + "; ".join(failed).replace("\n", ": "))
+        self._leave_notes()
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            from Cython.Build import cythonize
+        except ImportError:
+            self._outcome[ext.name] = (False, "Cython is not installed (pip install cython, then reinstall cupool)")
+            return
+        digest = source_sha256(ROOT / ext.sources[0])
+        messages = io.StringIO()
+        try:  # force: a C file left in build/ by an earlier build may look newer than an edited source
+            with contextlib.redirect_stderr(messages):
+                (cext,) = cythonize([ext], build_dir=os.path.join(self.build_temp, "cython"), quiet=True,
+                                    force=True, compiler_directives={"language_level": "3"})
+        except Exception:  # Cython rejected the source: its messages say where
+            self._outcome[ext.name] = (False, f"Cython could not compile {ext.sources[0]}\n{messages.getvalue()}")
+            return
+        finally:
+            sys.stderr.write(messages.getvalue())
+        ext.sources = cext.sources  # the generated C file; ext keeps what setuptools set on it
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # CompileError, LinkError, a missing compiler (DistutilsExecError)
+            self._outcome[ext.name] = (False, self._compiler_failure(exc))
+            return
+        self._outcome[ext.name] = (True, digest)
+
+    def _compiler_failure(self, exc: Exception) -> str:
+        """Why compiling failed: no working C compiler at all, or this module (a bug to report)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = os.path.join(tmp, "probe.c")
+            Path(probe).write_text("int cupool_probe(void) { return 0; }\n")
+            try:
+                self.compiler.compile([probe], output_dir=tmp)
+            except Exception:
+                return f"no working C compiler\n{exc}"
+        return f"the C compiler failed on this module\n{exc}"
+
+    def _leave_notes(self) -> None:
+        """The hash or the reason, beside the extension (and in place); no extension from an older build."""
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            name = self.get_ext_fullname(ext.name)
+            built = os.path.join(self.build_lib, self.get_ext_filename(name))
+            folders = {os.path.dirname(built)}
+            if self.inplace:
+                folders.add(build_py.get_package_dir(name.rpartition(".")[0]))
+            ok, text = self._outcome.get(ext.name, (False, "not built"))
+            for folder in folders:
+                os.makedirs(folder, exist_ok=True)
+                base = os.path.join(folder, os.path.basename(built))
+                for old in (base + SOURCE_HASH, base + BUILD_ERROR) if ok else (base, base + SOURCE_HASH, base + BUILD_ERROR):
+                    if os.path.exists(old):
+                        os.remove(old)
+                Path(base + (SOURCE_HASH if ok else BUILD_ERROR)).write_text(text + "\n")
+
+
+def _extensions() -> list[Extension]:
+    """One extension per listed module whose source exists (a listed module may not be written yet)."""
+    out = []
+    for rel in COMPILED:
+        if (ROOT / rel).exists():
+            out.append(Extension(rel[:-3].replace("/", "."), [rel], optional=True))
+    return out
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})
