@@ -98,7 +98,10 @@ def test_oom_without_spill_does_not_suggest_spilling(pool):
 
 
 def test_failed_spill_loses_nothing_and_says_why(tmp_path):
-    p = cupool.Pool("sim", capacity="16MiB", spill=str(tmp_path / "missing" / "spill.h5"), defrag_threshold=None)
+    folder = tmp_path / "missing"
+    folder.mkdir()  # a missing folder is refused when the pool is made (test_spill_config.py)...
+    p = cupool.Pool("sim", capacity="16MiB", spill=str(folder / "spill.h5"), defrag_threshold=None)
+    folder.rmdir()  # ...so it goes missing after: only the spill can find out
     ms = [tagged(p, i) for i in range(8)]
     before = p.stats()
     with pytest.raises(cupool.OutOfMemoryError) as ei:

@@ -120,14 +120,20 @@ class Scheduler:
             return self._victims_now()
 
     def spill(self, nbytes: int | None) -> int:
-        """Spill victims in policy order until ``nbytes`` (None: all) have left the device; lock held."""
+        """Spill victims in policy order until ``nbytes`` (None: all) have left the device; lock held.
+
+        Each victim is a ``Decision`` of step ``"spill"``, as in the ladder, with the
+        segments it emptied given back at once (its ``bytes_released``).  Being the
+        program's own call, not a ladder step, it emits no ``reclaim:spill`` event:
+        a trace shows it by its ``spill`` events alone.
+        """
         if self.tier is None:
             raise RuntimeError("spill() needs a pool made with Pool(..., spill='host' or 'file.h5')")
         done = 0
         for m in self._victims_now():
             if nbytes is not None and done >= nbytes:
                 break
-            self._spill(m)
+            self._record("spill", functools.partial(self._spill_and_release, m), annotate=False)
             done += m.size
         return done
 
@@ -296,7 +302,14 @@ class Scheduler:
         self.spills += 1
         self.bytes_spilled += m.size
 
-    def _record(self, name: str, step: Callable[[], bool]) -> bool:
+    def _spill_and_release(self, m: Movable) -> bool:
+        """``spill()``'s step: one victim off the device, and the segments that left empty back."""
+        self._spill(m)
+        self._arena.release_free_segments()
+        return True
+
+    def _record(self, name: str, step: Callable[[], bool], annotate: bool = True) -> bool:
+        """Run ``step`` and keep its ``Decision``; ``annotate``: also emit ``reclaim:<name>`` (the ladder's)."""
         books = self._arena.view.books
         usage, frag = self._figures()
         alloc0, res0 = books.allocated, books.reserved
@@ -307,7 +320,7 @@ class Scheduler:
             Decision(name, self.policy, usage, frag, freed, released, progress, time.perf_counter_ns())
         )
         observers = self._arena.observers
-        if observers.active:
+        if annotate and observers.active:
             observers.emit(f"reclaim:{name}", 0, max(freed, 0), 0)
         return progress
 

@@ -433,7 +433,8 @@ class HDF5Tier(_Claim):
 
     The file is created at ``path`` on first use, exclusively: an existing file or
     a symbolic link there is refused, never opened (see the module's "Spill
-    files").  It is removed when the tier and its last spilled buffer are gone.
+    files").  A path whose folder is missing or not writable is refused here, a
+    ``ValueError`` naming it.  The file is removed when the tier and its last spilled buffer are gone.
     Discarded datasets are unlinked; HDF5 reuses their space for later spills.
     A write the disk refuses retires the file and the next spill starts a fresh
     one at the same path; buffers already in the retired file stay readable.
@@ -459,7 +460,7 @@ class HDF5Tier(_Claim):
                 raise TypeError(f"rdcc_nslots must be an int or None, got {rdcc_nslots!r}")
             if rdcc_nslots < 1:
                 raise ValueError(f"rdcc_nslots must be >= 1, got {rdcc_nslots}")
-        self.path = Path(path)
+        self.path = _spill_path(Path(path))
         self.chunk_bytes = chunk
         self.rdcc_nbytes = cache
         self.rdcc_nslots = chunk_cache_slots(cache, chunk) if rdcc_nslots is None else rdcc_nslots
@@ -514,6 +515,25 @@ def chunk_cache_slots(cache_bytes: int, chunk_bytes: int) -> int:
     while any(n % p == 0 for p in range(2, int(n**0.5) + 1)):
         n += 1
     return n
+
+def _spill_path(path: Path) -> Path:
+    """``path`` if a spill file can be made there: its folder exists and this process may write in it.
+
+    Checked when the tier is made, so that ``Pool(spill="/no/such/dir/x.h5")`` fails
+    at once, naming the path, rather than at the first spill, under memory pressure,
+    far from the line that configured it.  What only a write can tell (a full disk,
+    a file that appears at the path later) still fails the spill, losing nothing.
+    """
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"spill path {str(path)!r} is a folder; name a file in it, e.g. {str(path / 'spill.h5')!r}")
+    if not folder.is_dir():
+        why = "is not a folder" if folder.exists() else "does not exist"
+        raise ValueError(f"spill path {str(path)!r}: its folder {str(folder)!r} {why}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"spill path {str(path)!r}: this process may not create files in {str(folder)!r}")
+    return path
+
 
 def make_tier(spill: Any, device: Device, host_pool: Callable[[], Any], owner: object) -> Tier | None:
     """Resolve ``Pool(spill=...)``: None, "host", a path ending in .h5 / .hdf5, or any ``Tier``.
