@@ -192,7 +192,7 @@ class Monitor:
         self._frag = _Gauge("fragmentation", (fragmentation,), hysteresis)
         self._callbacks = cbs
         self.alerts: collections.deque[Alert] = collections.deque(maxlen=history)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Alert | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._dispatch, name="cupool-monitor", daemon=True)
         self._thread.start()
         # small_blocks=False keeps the pool's fast path on: small blocks' allocs and
