@@ -19,9 +19,10 @@ the trace's ``seed`` configuration) describe the segments and live blocks the
 replay starts from.  A PyTorch snapshot whose recording window started mid-run
 gets such a seed from its importer (the blocks older than the window), and one
 with no history is its seed alone: a still picture (``ReplayResult.history``).
-A PyTorch program's own ``torch.cuda.empty_cache()`` calls, read from the
-trace by ``cupool.trace.importers.empty_cache_marks``, are made at the same
-points (the numba engine does what ``Pool.empty_cache`` does).  Frees of
+The program's own ``empty_cache()`` calls (and, in cupool traces,
+``compact()`` calls), read from the trace by ``cupool.replay.calls``, are made
+at the same points (the numba engine does what ``Pool.empty_cache`` does for
+either).  Frees of
 addresses the replay does not hold (an allocation the replay could not serve, a
 foreign trace with no seed) are skipped and counted; an ``alloc`` at an address
 still held frees the old block first (the trace missed that free).
@@ -65,7 +66,8 @@ from ..device.sim import SimDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
-from ..trace.importers import empty_cache_marks, sized_capacity
+from ..trace.importers import sized_capacity
+from .calls import COMPACT, EMPTY_CACHE, program_calls
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
@@ -373,7 +375,7 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
                                 trace.size[:n].tolist(), trace.stream[:n].tolist())
     spills, restores = _spill_marks(trace, n)
     seeded = _seed_count(trace, n)
-    empties = empty_cache_marks(trace, n, seeded).tolist()
+    calls = program_calls(trace, n, seeded).tolist()
     live: dict[int, Any] = {}  # recorded address -> Allocation or Movable
     spilled: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
     moving = None
@@ -442,8 +444,10 @@ def _replay_pool(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, prog
             except OutOfMemoryError:
                 pass
         else:
-            if empties[i]:
+            if calls[i] == EMPTY_CACHE:
                 pool.empty_cache()
+            elif calls[i] == COMPACT:
+                pool.compact()
             if timeline:
                 tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
@@ -498,7 +502,7 @@ def _replay_numba(trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, pro
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
     codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
-    empties = empty_cache_marks(trace, n, seeded)
+    empties = program_calls(trace, n, seeded)  # the numba engine empties its cache at either call
     with eng.compile_notice():
         state = eng.new_state(
             int(trace.stream.max()) + 1 if len(trace) else 1,
