@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import cupool
 from conftest import needs_gpu
-from cupool.kernels.move import MAX_CHUNKS, move_cpu, plan_launch, scratch_needed, word_size
+from cupool.kernels.move import move_cpu, word_size
+from cupool.kernels.plan import KERNEL, MAX_CHUNKS, plan_moves, scratch_needed
 
 
 def reference(buf: bytearray, moves):
@@ -68,8 +69,16 @@ TILE = 4
 
 
 def plan(moves, scratch=-1, window=0):
+    """The kernel's plan for the moves, all of them sent to the kernel: (src, dst, length, tiles, group starts)."""
     src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
-    return plan_launch(src, dst, n, scratch, window, TILE)
+    steps, copies, packed = plan_moves(src, dst, n, scratch, window, TILE, 1 << 62)
+    assert copies.shape == (3, 0) and len(steps) <= 1
+    if not len(steps):
+        return (np.zeros(0, np.int64),) * 3 + (np.zeros(1, np.int64),) * 2
+    kind, a, k, ng = steps[0].tolist()
+    assert kind == KERNEL
+    return (packed[a : a + k], packed[a + k : a + 2 * k], packed[a + 2 * k : a + 3 * k],
+            packed[a + 3 * k : a + 4 * k + 1], packed[a + 4 * k + 1 : a + 4 * k + 2 + ng])
 
 
 def groups(ps, pd, pn, tiles, starts):
@@ -138,7 +147,8 @@ _CUDASIM_SCRIPT = textwrap.dedent(
     """
     import numpy as np
     from numba import cuda
-    from cupool.kernels.move import move_cuda, pack, plan_launch
+    from cupool.kernels.move import move_cuda
+    from cupool.kernels.plan import plan_moves
     rng = np.random.default_rng(0)
     for trial in range(6):
         size = 96
@@ -154,7 +164,9 @@ _CUDASIM_SCRIPT = textwrap.dedent(
             ref[d:d + n] = ref[s:s + n].copy()
         src, dst, cnt = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
         buf = cuda.to_device(words)
-        move_cuda[1, 4](buf, *pack(plan_launch(src, dst, cnt, -1, 0, 16)))  # tiles of 4 threads x 4
+        steps, _, packed = plan_moves(src, dst, cnt, -1, 0, 16, 1 << 62)  # all to the kernel; tiles of 4 x 4
+        (kind, a, k, ngroups), = steps.tolist()
+        move_cuda[1, 4](buf, cuda.to_device(packed[a:]), k, ngroups)  # arrays here, raw pointers on a GPU
         got = buf.copy_to_host()
         assert (got == ref).all(), (trial, moves)
     print("ok")
@@ -198,6 +210,27 @@ def test_cuda_kernel_moves_large_overlapping_blocks():
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     pool.device.from_host(a.ptr, data)
     moves = [(4096, 0, 32 << 20), (0, 1 << 20, 48 << 20), (40 << 20, 8 << 20, 16 << 20)]
+    src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
+    pool.device.execute_moves(src + a.ptr, dst + a.ptr, n)
+    expected = bytearray(data.tobytes())
+    reference(expected, moves)
+    assert bytes(pool.device.to_host(a.ptr, size)) == bytes(expected)
+
+
+@needs_gpu
+def test_copy_path_and_kernel_together_on_the_gpu_match_memmove():
+    """Megabyte moves (the copy path) among small ones and slides (the kernel), dependent on each other."""
+    pool = cupool.Pool("cuda", max_size="256MiB")
+    size = 64 << 20
+    a = pool.malloc(size)
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    pool.device.from_host(a.ptr, data)
+    moves = []
+    for _ in range(64):
+        n = int(rng.choice([4096, 64 << 10, 1 << 20, 2 << 20, 3 << 20])) + 8 * int(rng.integers(0, 4))
+        moves.append((8 * int(rng.integers(0, (size - n) // 8)), 8 * int(rng.integers(0, (size - n) // 8)), n))
+    moves += [(0, 4 << 20, 8 << 20), (1 << 20, 0, 2 << 20)]  # slides the later moves depend on
     src, dst, n = (np.array([m[i] for m in moves], dtype=np.int64) for i in range(3))
     pool.device.execute_moves(src + a.ptr, dst + a.ptr, n)
     expected = bytearray(data.tobytes())
