@@ -75,12 +75,14 @@ class FakeKernel:
     def prepare(self, ws: int) -> None:
         self.prepared.append(ws)
 
-    def launch(self, ws: int, buf: int, plan: int, k: int, ngroups: int, stream: int) -> None:
+    def launch(self, ws, buf, extent, plan, plan_len, k, ngroups, stream) -> None:
         self.launches.append((ws, k, ngroups, stream))
+        assert plan_len >= 4 * k + 2 + ngroups
         p = at(plan, 4 * k + 2 + ngroups, np.int64)
         ps, pd, pn, starts = p[:k], p[k : 2 * k], p[2 * k : 3 * k], p[4 * k + 1 :]
         for g in range(ngroups):
             group = range(starts[g], starts[g + 1])
+            assert all(0 <= ps[i] and ps[i] + pn[i] <= extent and 0 <= pd[i] and pd[i] + pn[i] <= extent for i in group)
             loaded = [(pd[i], at(buf + ws * ps[i], ws * pn[i]).copy()) for i in group]
             for d, b in loaded:
                 at(buf + ws * d, b.size)[:] = b

@@ -52,7 +52,9 @@ class MoveKernel(Protocol):
 
     def prepare(self, ws: int) -> None: ...
 
-    def launch(self, ws: int, buf: int, plan: int, k: int, ngroups: int, stream: int) -> None: ...
+    def launch(self, ws: int, buf: int, extent: int, plan: int, plan_len: int, k: int, ngroups: int,
+               stream: int) -> None:
+        """Run one kernel step: ``extent`` elements of ``ws`` bytes at ``buf``, ``plan_len`` int64 at ``plan``."""
 
 
 class CudaMover:
@@ -109,8 +111,9 @@ class CudaMover:
         try:
             # Offsets from the lowest address any move touches, so that a move may cross segments.
             lo = int(min(src.min(), dst.min()))
+            hi = int(max((src + nbytes).max(), (dst + nbytes).max()))
             if scratch:
-                lo = min(lo, scratch)
+                lo, hi = min(lo, scratch), max(hi, scratch + window)
             steps, copies, packed = plan_moves(
                 (src - lo) // ws, (dst - lo) // ws, nbytes // ws, (scratch - lo) // ws if scratch else -1,
                 window // ws, MOVE_THREADS * UNROLL, -(-self.copy_min // ws),
@@ -127,7 +130,7 @@ class CudaMover:
                 if kind == COPY:
                     self._copy(copies[:, a : a + b], stream)
                 else:
-                    self._kernel.launch(ws, lo, staging + 8 * a, b, c, stream)
+                    self._kernel.launch(ws, lo, (hi - lo) // ws, staging + 8 * a, packed.size - a, b, c, stream)
         finally:
             self._rt.streamSynchronize(stream)
             if scratch:
@@ -172,11 +175,15 @@ class NumbaMoveKernel:
 
     The grid is as many blocks as a cooperative launch may keep resident (it
     depends on the compiled kernel's registers, so it is asked of the driver once
-    per element size).  512 threads a block measured best on an H100.
+    per element size).  512 threads a block measured best on an H100.  A Numba
+    whose launch cannot pass ``CPointer`` arguments (``numba.cuda`` inside Numba
+    itself, before numba-cuda) raises ``NotImplementedError`` before launching:
+    the kernel is then compiled for arrays and launched on views, as before.
     """
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self._raw = True  # pointers; False: array views
         self._compiled: dict[int, tuple[Any, int]] = {}  # element size -> (kernel, blocks)
         self._streams: dict[int, Any] = {}  # stream handle -> Numba's stream object
 
@@ -191,21 +198,41 @@ class NumbaMoveKernel:
             from ..kernels.move import move_cuda
 
             elem = "uint64" if ws == 8 else "uint8"
+            sig = (f"void(CPointer({elem}), CPointer(int64), int64, int64)" if self._raw
+                   else f"void({elem}[::1], int64[::1], int64, int64)")
             with cuda.gpus[self.index]:
-                kernel = move_cuda.compile(f"void(CPointer({elem}), CPointer(int64), int64, int64)")
+                kernel = move_cuda.compile(sig)
                 blocks = max(1, int(kernel.max_cooperative_grid_blocks(MOVE_THREADS)))
             have = self._compiled[ws] = (kernel, blocks)
         return have
 
-    def launch(self, ws: int, buf: int, plan: int, k: int, ngroups: int, stream: int) -> None:
+    def launch(self, ws: int, buf: int, extent: int, plan: int, plan_len: int, k: int, ngroups: int,
+               stream: int) -> None:
         from numba import cuda
 
-        kernel, blocks = self._get(ws)
         with cuda.gpus[self.index]:
             s = self._streams.get(stream)
             if s is None:
                 s = self._streams[stream] = cuda.external_stream(stream)
-            kernel.launch((buf, plan, k, ngroups), (blocks, 1, 1), (MOVE_THREADS, 1, 1), s)
+            if self._raw:
+                kernel, blocks = self._get(ws)
+                try:
+                    kernel.launch((buf, plan, k, ngroups), (blocks, 1, 1), (MOVE_THREADS, 1, 1), s)
+                    return
+                except NotImplementedError:
+                    log.info("cupool: this Numba cannot launch on raw pointers; the move kernel uses array views")
+                    self._raw = False
+                    self._compiled.clear()
+            kernel, blocks = self._get(ws)
+            args = (_view(cuda, buf, extent, "<u8" if ws == 8 else "|u1"), _view(cuda, plan, plan_len, "<i8"), k, ngroups)
+            kernel.launch(args, (blocks, 1, 1), (MOVE_THREADS, 1, 1), s)
+
+
+def _view(cuda: Any, ptr: int, count: int, typestr: str) -> Any:
+    """A Numba view of ``count`` elements at a raw device pointer, allocating nothing."""
+    return cuda.from_cuda_array_interface(
+        {"data": (ptr, False), "shape": (count,), "typestr": typestr, "version": 3}, owner=None, sync=False
+    )
 
 
 def driver_batch_copy(index: int) -> Callable[..., bool] | None:
