@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,37 @@ def test_exporting_a_pool_nobody_records_says_so(tmp_path):
         pool.malloc(1000)
         assert export_snapshot(pool, out) > 0
     del keep
+
+
+# ------------------------------------------------------------------ info, --version, --help (issue 20 #8)
+def test_info_keeps_every_key_apart_from_its_value(capsys):
+    assert main(["info", "--device", "sim", "--capacity", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    section = out.split("configuration\n")[1].split("versions\n")[0]
+    rows = dict(line.split(None, 1) for line in section.splitlines())
+    pool = cupool.Pool("sim", capacity="64MiB")
+    assert set(rows) == set(pool.config)  # e.g. not one key "expandable_segmentsFalse"
+    assert rows["expandable_segments"] == "False" and rows["capacity"] == "64 MiB"
+    starts = {line.index(v) for line, v in zip(section.splitlines(), rows.values())}
+    assert len(starts) == 1  # one column of values
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"cupool {version('cupool')}\n"
+
+
+def test_every_option_has_help(capsys):
+    for cmd in COMMANDS:
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        entries: list[list[str]] = []  # per option: its name, then its help
+        for line in capsys.readouterr().out.split("options:\n")[1].splitlines():
+            if line.strip().startswith("-"):
+                name, _, text = line.strip().partition("  ")
+                entries.append([name, text.strip()])
+            elif entries and line.strip():
+                entries[-1].append(line.strip())
+        assert entries and not [e[0] for e in entries if not "".join(e[1:])], cmd  # e.g. --seed SEED alone
