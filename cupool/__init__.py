@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._units import format_bytes, parse_size
 from .observe.batch import BatchSizer
 from .device import CudaDevice, Device, SimDevice
-from .errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
+from .errors import ClosedError, DoubleFreeError, Error, ForeignAllocationError, InvalidFreeError, OutOfMemoryError
 from .hooks import cupy_allocator, default_pool, install, uninstall, using
 from .hooks.routing import sim_device
 from .observe.memory import (
@@ -24,7 +24,7 @@ from .observe.memory import (
 from .observe.monitor import Alert, Monitor
 from .observe.summary import memory_summary
 from .core.handles import Movable
-from .core.handles import Allocation
+from .core.fast import Allocation
 from .pool import CompactionReport, PinnedPool, Pool
 from .replay import ReplayResult
 from .pressure.scheduler import Decision
@@ -40,12 +40,14 @@ __all__ = [
     "Alert",
     "Allocation",
     "BatchSizer",
+    "ClosedError",
     "CompactionReport",
     "CorruptSpillError",
     "CudaDevice",
     "Decision",
     "Device",
     "DoubleFreeError",
+    "Error",
     "EventRecorder",
     "ForeignAllocationError",
     "HDF5Tier",

@@ -1,6 +1,21 @@
-"""The exceptions cupool raises.
+"""Every exception cupool raises, under one root: ``cupool.Error``.
 
-``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
+Charter: this module knows only units; every other module imports its errors from here.
+
+| error | also a | raised when |
+| --- | --- | --- |
+| ``OutOfMemoryError`` | ``MemoryError`` (and CuPy's ``OutOfMemoryError``) | the reclaim ladder ran and the request still does not fit |
+| ``DeviceOutOfMemory`` | ``MemoryError`` | the device refused a segment (internal to the ladder) |
+| ``LimitReached`` | | growing would pass the pool's limit (internal to the ladder) |
+| ``InvalidFreeError``, ``DoubleFreeError``, ``ForeignAllocationError`` | ``ValueError`` | a free of something that is not a live allocation of this pool |
+| ``ClosedError`` | ``ValueError`` | the pool is closed |
+| ``TraceError`` | ``ValueError`` | a trace file that cannot be used |
+| ``SpillError``, ``CorruptSpillError`` | | a spill tier failed, or gave back other bytes |
+| ``VirtualMemoryUnsupported`` | ``RuntimeError`` | no virtual memory management here |
+| ``VirtualMemoryError`` | ``ValueError`` | a virtual-memory call that breaks its rules (nothing changed) |
+
+The second bases keep code written for plain Python (``except MemoryError``,
+``except ValueError``) working.  ``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
 Python keeps catching it, and, where CuPy is installed, CuPy's
 ``cupy.cuda.memory.OutOfMemoryError`` too, so that code written for CuPy does.
 Every error is picklable so that it crosses process pools.
@@ -10,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +50,17 @@ def _cupy_out_of_memory() -> type[MemoryError]:
     return cupy_oom
 
 
+class Error(Exception):
+    """The root of every exception cupool raises: ``except cupool.Error`` catches them all."""
+
+
 if TYPE_CHECKING:
     _OutOfMemoryBase = MemoryError
 else:
     _OutOfMemoryBase = _cupy_out_of_memory()
 
 
-class OutOfMemoryError(_OutOfMemoryBase):
+class OutOfMemoryError(Error, _OutOfMemoryBase):
     """A request the pool could not serve even after its whole reclaim ladder ran.
 
     A ``MemoryError``; where CuPy is installed, a ``cupy.cuda.memory.OutOfMemoryError``
@@ -55,7 +75,7 @@ class OutOfMemoryError(_OutOfMemoryBase):
         allocated: int = 0,
         limit: int | None = None,
         largest_free_block: int = 0,
-        fragmentation: float = 0.0,
+        fragmentation: float | None = 0.0,
         device: str = "",
         reason: str = "",
     ) -> None:
@@ -71,8 +91,10 @@ class OutOfMemoryError(_OutOfMemoryBase):
         msg = (
             f"cupool: out of memory on {device or 'device'}: tried to allocate {format_bytes(requested)}; "
             f"reserved {format_bytes(reserved)}, allocated {format_bytes(allocated)}, limit {limit_s}, "
-            f"largest free block {format_bytes(largest_free_block)}, fragmentation {fragmentation:.3f}"
+            f"largest free block {format_bytes(largest_free_block)}"
         )
+        if fragmentation is not None:  # None: it has nothing to do with this failure
+            msg += f", fragmentation {fragmentation:.3f}"
         if reason:
             msg += f" ({reason})"
         # Not super(): with CuPy that is CuPy's __init__(size, total, limit), whose message is not ours.
@@ -94,14 +116,14 @@ class OutOfMemoryError(_OutOfMemoryBase):
         )
 
 
-class DeviceOutOfMemory(MemoryError):
+class DeviceOutOfMemory(Error, MemoryError):
     """The device itself refused a segment (cudaErrorMemoryAllocation or the sim arena is full).
 
     Internal to the pool's reclaim ladder: users see ``OutOfMemoryError``.
     """
 
 
-class InvalidFreeError(ValueError):
+class InvalidFreeError(Error, ValueError):
     """Freeing something the pool does not own as a live allocation."""
 
     def __init__(self, ptr: int, why: str) -> None:
@@ -109,7 +131,7 @@ class InvalidFreeError(ValueError):
         self.why = why
         super().__init__(f"cupool: cannot free pointer {ptr:#x}: {why}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[InvalidFreeError], tuple[int, str]]:
         return (type(self), (self.ptr, self.why))
 
 
@@ -127,9 +149,44 @@ class ForeignAllocationError(InvalidFreeError):
         super().__init__(ptr, why)
 
 
-class ClosedError(ValueError):
+class ClosedError(Error, ValueError):
     """The pool was closed (``Pool.close()``, a ``with`` block, or dropped): it gives memory back
     but hands out none."""
+
+
+class LimitReached(Error):
+    """Growing would pass ``max_size`` / ``memory_fraction`` (internal to the reclaim ladder)."""
+
+
+class TraceError(Error, ValueError):
+    """A trace file that cannot be used: unreadable, truncated, or of an unknown format.
+
+    The message names the file and the problem; the CLI prints it and exits with 2.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+    def __reduce__(self) -> tuple[type[TraceError], tuple[str, str]]:
+        return (type(self), (self.path, self.problem))
+
+
+class SpillError(Error):
+    """A tier could not take a buffer's bytes (it stays on the device) or give them back (it stays spilled)."""
+
+
+class CorruptSpillError(SpillError):
+    """A spilled buffer's bytes came back different from what was stored: restoring them would be silent corruption."""
+
+
+class VirtualMemoryUnsupported(Error, RuntimeError):
+    """The device (or this machine, or this installation) offers no virtual memory management."""
+
+
+class VirtualMemoryError(Error, ValueError):
+    """An operation that breaks the rules of virtual memory; nothing was changed."""
 
 
 def add_note(error: BaseException, note: str) -> None:

@@ -20,27 +20,25 @@ from typing import Any
 
 from ._units import MAX_NBYTES, as_nbytes, format_bytes, parse_size
 from .core.arena import Arena
-from .core.books import ALL, ALLOCATED, RESERVED, PeakWindow
+from .core.books import PeakWindow
 from .core.events import Callback
-from .core.expandable import virtual_memory_of
+from .core.expandable import Expander, virtual_memory_of
+from .core.fast import Allocation
 from .core.figures import figures
-from .core.handles import Allocation, Movable, array_nbytes, as_shape
-from .core.heap import Block
+from .core.handles import Movable, array_nbytes, as_shape
+from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
-from .core.sizes import LARGE, PAGE, round_page, round_size, segment_size
+from .core.sizes import LARGE, round_page, round_size
 from .core.view import ArenaView
 from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
-from .errors import ClosedError, DeviceOutOfMemory, OutOfMemoryError
-from .pressure.compact import BackgroundCompactor, CompactionReport, compact, should_defrag
+from .errors import ClosedError
+from .pressure.compact import BackgroundCompactor, CompactionReport, compact
+from .pressure.growth import Growth
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
 
 __all__ = ["Allocation", "CompactionReport", "PinnedPool", "Pool"]
-
-
-class _LimitReached(Exception):
-    """Growing would pass max_size / memory_fraction (internal to the reclaim ladder)."""
 
 
 class Pool:
@@ -96,11 +94,7 @@ class Pool:
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
         if not isinstance(spill_policy, str) or spill_policy not in POLICIES:
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {spill_policy!r}")
-        if defrag_threshold is not None:
-            if isinstance(defrag_threshold, bool) or not isinstance(defrag_threshold, (int, float)):
-                raise TypeError(f"defrag_threshold must be a number or None, got {defrag_threshold!r}")
-            if not 0 <= defrag_threshold < 1:
-                raise ValueError(f"defrag_threshold must be in [0, 1), got {defrag_threshold}")
+        _check_defrag(defrag_threshold)
         if memory_fraction is not None:
             if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
                 raise TypeError(f"memory_fraction must be a number, got {memory_fraction!r}")
@@ -116,28 +110,28 @@ class Pool:
         init = 0 if initial_size is None else round_page(parse_size(initial_size, total, "initial_size"))
         if init > limit:
             raise ValueError(f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}")
+        threshold = None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
         self.device = dev
-        self.limit = limit
-        self.defrag_threshold = defrag_threshold
-        self.release_threshold = (
-            None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
-        )
-        self._config = {
+        # Owns defrag_threshold and release_threshold (the properties below read and set them there).
+        self._growth = growth = Growth(defrag_threshold, None)
+        # The settings as given; ``limit`` and ``release_threshold`` have owners of their own (properties).
+        self._settings = {
             "device": dev.name,
             "capacity": getattr(dev, "capacity", None),
             "initial_size": init,
             "max_size": max_size,
             "memory_fraction": memory_fraction,
-            "limit": limit,
-            "release_threshold": self.release_threshold,
-            "defrag_threshold": defrag_threshold,
             "expandable_segments": expandable_segments, "stitch": stitch,
         }
         vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
-        arena = self._arena = Arena(dev, limit, self.release_threshold, _Growth(self), track_sites, vm, stitch)
+        source = None if vm is None else _expander(vm, stitch)
+        arena = self._arena = Arena(dev, limit, growth, track_sites, source)
+        self._movables = Movables(arena)
         tier = make_tier(spill, dev, lambda: PinnedPool(pinned_device_beside(dev)), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.
-        self.scheduler = Scheduler(arena, tier, spill_policy)
+        self.scheduler = Scheduler(arena, self._movables, tier, spill_policy)
+        growth.attach(arena, self._movables, self.scheduler)
+        self.release_threshold = threshold
         self.malloc_key: Callable[[int, Any], Allocation] = arena.malloc
         self._admission: Callable[[int, str], str | None] | None = None
         self._background: list[BackgroundCompactor | None] = [None]
@@ -188,7 +182,7 @@ class Pool:
             raise TypeError(f"on_move must be callable, got {on_move!r}")
         if self._admission is not None:
             self._admit(n, key, "movable")
-        return self._arena.movable(n, key, on_move)
+        return self._movables.make(n, key, on_move)
 
     def compact(self, max_bytes: int | str | None = None, max_moves: int | None = None) -> CompactionReport:
         """Move unleased movable buffers together and give emptied segments back.
@@ -201,7 +195,7 @@ class Pool:
         if max_moves is not None:
             max_moves = as_nbytes(max_moves, "max_moves")
         with self.hold():
-            report = compact(self._arena, mb, max_moves)
+            report = compact(self._arena, self._movables, mb, max_moves)
         self._arena.notify_moves()
         return report
 
@@ -212,13 +206,13 @@ class Pool:
         budget = parse_size(max_bytes, name="max_bytes")
         if self.defrag_threshold is None:
             raise ValueError("background compaction needs a defrag_threshold to act on")
-        with self._arena.lock:
+        with self.hold():
             if self._background[0] is not None:
                 raise RuntimeError("background compaction is already running for this pool")
-            self._background[0] = BackgroundCompactor(self._arena, self.defrag_threshold, interval, budget)
+            self._background[0] = BackgroundCompactor(self._movables, self.defrag_threshold, interval, budget)
 
     def stop_background_compaction(self) -> None:
-        with self._arena.lock:
+        with self.hold():
             bg, self._background[0] = self._background[0], None
         if bg is None:
             raise RuntimeError("background compaction is not running for this pool")
@@ -228,7 +222,7 @@ class Pool:
         """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap (what they
         mean in cupool's terms: Note [Statistics]).  ``cupool.memory_summary`` prints it."""
         with self.hold():
-            return figures(self._arena, self.limit)
+            return figures(self._arena, self._arena.limit)
 
     def fragmentation(self) -> float:
         """(reserved - allocated) / reserved: the share of reserved memory not in use."""
@@ -302,6 +296,9 @@ class Pool:
         for the lock this thread holds).
         """
         arena = self._arena
+        if arena.holds():  # already ours: inside hold() or a subscriber callback on this thread
+            yield arena.view
+            return
         if not arena.lock.acquire(False):
             arena.enter("hold()")
         try:
@@ -310,7 +307,7 @@ class Pool:
             yield arena.view
         finally:
             arena.holder = None
-            arena.lock.release()
+            arena.unlock()
 
     def peak_window(self) -> PeakWindow:
         """A window whose ``peak`` is the highest allocated bytes since it was made or last reset.
@@ -324,7 +321,47 @@ class Pool:
 
     @property
     def config(self) -> dict[str, Any]:
-        return dict(self._config)
+        """The pool's settings: those given, and the ``limit`` and ``release_threshold`` in force."""
+        out = dict(self._settings)
+        out.update(limit=self.limit, release_threshold=self.release_threshold,
+                   defrag_threshold=self.defrag_threshold)
+        return out
+
+    @property
+    def limit(self) -> int:
+        """The cap on reserved bytes (``max_size`` / ``memory_fraction``, else the device).  Setting it
+        is ``set_limit``."""
+        return self._arena.limit
+
+    @limit.setter
+    def limit(self, max_size: int | str) -> None:
+        self.set_limit(max_size)
+
+    @property
+    def defrag_threshold(self) -> float | None:
+        """Fragmentation above which an allocation that would grow the pool compacts movable buffers
+        first (None: never automatically)."""
+        return self._growth.defrag_threshold
+
+    @defrag_threshold.setter
+    def defrag_threshold(self, value: float | None) -> None:
+        self._growth.defrag_threshold = _check_defrag(value)
+
+    @property
+    def release_threshold(self) -> int | None:
+        """While more than this many bytes are reserved, a segment (or free tail) that empties goes
+        back to the device at once; None caches everything until ``empty_cache``."""
+        return self._growth.release_threshold
+
+    @release_threshold.setter
+    def release_threshold(self, value: int | str | None) -> None:
+        threshold = None if value is None else parse_size(value, self.device.total, "release_threshold")
+        with self.hold() as view:
+            self._growth.release_threshold = threshold
+            self._arena.set_eager(threshold is not None)
+            over = threshold is not None and view.books.reserved > threshold
+        if over:
+            self.empty_cache()
 
     @property
     def closed(self) -> bool:
@@ -340,7 +377,7 @@ class Pool:
         segments go back; live memory stays, and the pool does not grow until enough is freed."""
         limit = min(self.device.total, parse_size(max_size, self.device.total, "max_size"))
         with self.hold() as view:
-            self.limit = self._arena.limit = self._config["limit"] = limit
+            self._arena.limit = limit
             over = view.books.reserved > limit
         if over:
             self.empty_cache()
@@ -362,10 +399,16 @@ class Pool:
         freed; a ``ResourceWarning`` says how many there are (and, with
         ``track_sites``, where they were allocated).  Closing twice is harmless.
         """
-        if self._arena.closed:
+        arena = self._arena
+        if arena.closed:
             return
+        if arena.holds():
+            raise RuntimeError(
+                "cupool: close() inside `with pool.hold():` or a subscriber callback would deadlock; "
+                "close the pool after the block"
+            )
         _stop_background(self._background)
-        live, nbytes = self._arena.close()
+        live, nbytes = arena.close()
         if live:
             where = ""
             if self._arena.sites is not None:
@@ -385,20 +428,20 @@ class Pool:
         self.close()
 
     def __repr__(self) -> str:
-        books = self._arena.books
+        books = self._arena.view.books  # folds the fast path's log first
         state = " closed" if self._arena.closed else ""
         return (
-            f"<cupool.Pool {self.device.name}{state} reserved={format_bytes(books.cur[RESERVED][ALL])} "
-            f"allocated={format_bytes(books.cur[ALLOCATED][ALL])} limit={format_bytes(self.limit)}>"
+            f"<cupool.Pool {self.device.name}{state} reserved={format_bytes(books.reserved)} "
+            f"allocated={format_bytes(books.allocated)} limit={format_bytes(self.limit)}>"
         )
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the figures and a map of the segments (drawn by ``cupool.display``)."""
-        return pool_html(Picture.read(self, self._arena.movables))
+        return pool_html(Picture.read(self, self._movables.live))
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         """IPython's view: a few lines of figures (the one-line repr where IPython reports a cycle)."""
-        write_pretty(p, repr(self) if cycle else Picture.read(self, self._arena.movables))
+        write_pretty(p, repr(self) if cycle else Picture.read(self, self._movables.live))
 
     def collect(self) -> int:
         """Run Python's ``gc.collect()``; returns the bytes that dying owners gave back to the pool.
@@ -434,6 +477,8 @@ class Pool:
         the buffer it was writing stays on the device.
         """
         n = None if nbytes is None else parse_size(nbytes, name="nbytes")
+        if self._arena.closed:
+            raise ClosedError("cupool: spill() on a closed pool: its buffers stay where they are")
         try:
             with self.hold():
                 done = self.scheduler.spill(n)
@@ -468,66 +513,7 @@ class Pool:
         reason = None if check is None or self._arena.closed else check(n, what)
         if reason is not None:
             with self.hold():
-                raise self._oom(round_size(n), key, reason)
-
-    def _grow_or_reclaim(self, kind: int, size: int, key: Any, exact: bool) -> Block:
-        """Grow; else run the reclaim ladder, retrying after each step that made progress."""
-        arena = self._arena
-        if round_page(size) > self.limit:
-            # Nothing the ladder could do would make room: fail now, changing nothing.
-            raise self._oom(size, key, f"the request alone is larger than the pool's limit of {format_bytes(self.limit)}")
-        try:
-            return self._grow(kind, size, key, exact)
-        except (DeviceOutOfMemory, _LimitReached):
-            pass
-        arena.books.retries += 1
-        heap = arena.heaps[kind]
-        for _, step in self.scheduler.ladder((kind, size, key)):
-            if step():
-                block = heap.find(size, key)
-                if block is not None:
-                    return block
-                try:
-                    return self._grow(kind, size, key, exact)
-                except (DeviceOutOfMemory, _LimitReached):
-                    continue
-        raise self._oom(size, key, self.scheduler.oom_reason())
-
-    def _grow(self, kind: int, size: int, key: Any, exact: bool) -> Block:
-        room = (self.limit - self._arena.books.cur[RESERVED][ALL]) // PAGE * PAGE
-        minimum = round_page(size)
-        if minimum > room:
-            raise _LimitReached
-        arena = self._arena
-        if arena.expander is not None:  # map just the granules the stream's segment lacks
-            if arena.expander.need(kind, size, key) <= room:
-                return arena.expander.grow(kind, size, key)
-            raise _LimitReached
-        target = minimum if exact else min(segment_size(kind, size), room)
-        try:
-            seg = arena.new_segment(kind, target, key)
-        except DeviceOutOfMemory:
-            if target == minimum:
-                raise
-            seg = arena.new_segment(kind, minimum, key)
-        assert seg.head is not None
-        return seg.head
-
-    def _oom(self, size: int, key: Any, reason: str) -> OutOfMemoryError:
-        arena = self._arena
-        arena.books.ooms += 1
-        if arena.observers.active:
-            arena.observers.emit("oom", 0, size, key)
-        return OutOfMemoryError(
-            requested=size,
-            reserved=arena.view.books.reserved,
-            allocated=arena.view.books.allocated,
-            limit=self.limit,
-            largest_free_block=arena.largest_free(),
-            fragmentation=arena.fragmentation(),
-            device=self.device.name,
-            reason=reason,
-        )
+                raise self._growth.oom(round_size(n), key, reason)
 
 
 class PinnedPool(Pool):
@@ -573,27 +559,21 @@ class PinnedPool(Pool):
         return allocate
 
 
-class _Growth:
-    """The arena's policy hooks, answered by the pool (held weakly: no pool <-> arena cycle)."""
+def _expander(vm: Any, stitch: bool) -> Callable[..., Expander]:
+    """The arena's segment source over ``vm`` (Note [Virtual memory])."""
+    def make(device: Any, heaps: Any, books: Any, observers: Any) -> Expander:
+        return Expander(vm, device, heaps, books, observers, stitch)
 
-    __slots__ = ("_pool",)
+    return make
 
-    def __init__(self, pool: Pool) -> None:
-        self._pool = weakref.ref(pool)
 
-    def _get(self) -> Pool:
-        pool = self._pool()
-        if pool is None:
-            raise ClosedError("cupool: the pool that owned this memory is gone")
-        return pool
-
-    def before_take(self) -> None:
-        pool = self._get()
-        if should_defrag(pool._arena, pool.defrag_threshold):
-            compact(pool._arena, None, None)
-
-    def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block:
-        return self._get()._grow_or_reclaim(kind, size, key, exact)
+def _check_defrag(value: float | None) -> float | None:
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"defrag_threshold must be a number or None, got {value!r}")
+        if not 0 <= value < 1:
+            raise ValueError(f"defrag_threshold must be in [0, 1), got {value}")
+    return value
 
 
 def _admitted(ref: weakref.ref[Pool], malloc: Callable[[int, Any], Allocation]) -> Callable[[int, Any], Allocation]:

@@ -39,7 +39,7 @@ def test_without_cupy_it_is_a_plain_memory_error_that_pickles():
         sys.modules["cupy"] = None  # as if CuPy were not installed: find_spec says so, import fails
         import cupool
         from cupool.errors import OutOfMemoryError
-        assert OutOfMemoryError.__bases__ == (MemoryError,), OutOfMemoryError.__mro__
+        assert OutOfMemoryError.__bases__ == (cupool.Error, MemoryError), OutOfMemoryError.__mro__
         pool = cupool.Pool("sim", capacity="8MiB")
         try:
             pool.malloc(16 << 20)
@@ -61,7 +61,7 @@ def test_a_cupy_that_fails_to_load_leaves_cupool_working(tmp_path):
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         import cupool
-        print(cupool.OutOfMemoryError.__bases__ == (MemoryError,))
+        print(cupool.OutOfMemoryError.__bases__ == (cupool.Error, MemoryError))
         """
     )
     assert out.strip() == "True"
@@ -104,3 +104,28 @@ def test_with_cupy_made_by_hand_it_keeps_its_own_message():
         "cupool: out of memory on sim: tried to allocate 1000 B; reserved 2 MiB, allocated 1 MiB, limit none, "
         "largest free block 0 B, fragmentation 0.000 (a test)"
     )
+
+
+def test_every_exception_cupool_defines_lives_in_errors_under_one_root():
+    """One root, one module: ``except cupool.Error`` catches whatever cupool raises (issue 18)."""
+    import ast
+    from pathlib import Path
+
+    import cupool.errors
+
+    root = Path(cupool.__file__).parent
+    elsewhere = []
+    for path in root.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                if any(b.endswith(("Error", "Exception", "Warning")) or b == "MemoryError" for b in bases):
+                    elsewhere.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    assert elsewhere == []
+    defined = [v for v in vars(cupool.errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    assert len(defined) >= 12
+    for cls in defined:
+        if cls.__module__ == "cupool.errors" and cls is not cupool.errors.Error:
+            assert issubclass(cls, cupool.Error), cls

@@ -52,8 +52,11 @@ def test_too_big_raises_oom_with_the_figures(pool):
     e = ei.value
     assert isinstance(e, MemoryError)
     msg = str(e)
-    for piece in ("65 MiB", "reserved", "allocated", "limit 64 MiB", "largest free block", "fragmentation"):
+    for piece in ("65 MiB", "reserved", "allocated", "limit 64 MiB", "largest free block"):
         assert piece in msg
+    # Fragmentation has nothing to do with a request above the limit: the error does not
+    # blame it (it said "fragmentation 1.000" for a fresh pool before issue 20).
+    assert "fragmentation" not in msg and e.fragmentation is None
     assert e.requested == 65 * MiB and e.limit == 64 * MiB
     e2 = pickle.loads(pickle.dumps(e))
     assert type(e2) is cupool.OutOfMemoryError and str(e2) == msg
@@ -62,6 +65,15 @@ def test_too_big_raises_oom_with_the_figures(pool):
     assert after == before  # larger than the limit: refused at once, no ladder, no retry
     assert "larger than the pool's limit" in msg
     assert keep.ptr in [b["address"] for s in pool.snapshot()["segments"] for b in s["blocks"]]
+
+
+def test_an_oom_within_the_limit_names_the_fragmentation():
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="40MiB", defrag_threshold=None)
+    keep = [pool.malloc(12 * MiB) for _ in range(3)]
+    with pytest.raises(cupool.OutOfMemoryError) as ei:
+        pool.malloc(8 * MiB)
+    assert "fragmentation 0." in str(ei.value) and ei.value.fragmentation is not None
+    del keep
 
 
 def test_double_free_names_the_pointer_and_changes_nothing(pool):

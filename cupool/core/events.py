@@ -74,8 +74,10 @@ class Observers:
     pool's fast path (parked small blocks, see Note [Fast path]) stay off.
 
     The subscriber list is replaced, never mutated, so ``emit`` reads it without a
-    lock; ``unsubscribe`` only marks a subscription dead, which makes it safe from
-    a finalizer that runs while the pool's lock is held (Note [Finalizers]).
+    lock.  ``unsubscribe`` marks a subscription dead and drops it from the list
+    when the list's own small lock is free (else whoever holds that lock drops
+    it), never waiting: that makes it safe from a finalizer that runs while the
+    pool's lock is held (Note [Finalizers]).
     """
 
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
@@ -85,6 +87,9 @@ class Observers:
         self._stale = False
         self.active = False
         self.exact = False
+        # The thread delivering an event now: a pool call from a callback would wait for
+        # the lock that thread holds (Note [Subscribers]), so the arena refuses it instead.
+        self.running: int | None = None
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[str] | None = None, small: bool = True
@@ -98,16 +103,30 @@ class Observers:
         with self._lock:
             self._subs = tuple(s for s in self._subs if s.live) + (sub,)
             self._refresh()
+        if self._stale:  # an unsubscribe found the lock busy just now
+            self._prune()
 
         def unsubscribe() -> None:
+            # Dropped from the list at once, not at the next event: a pool nobody uses
+            # again must not keep a closed subscriber (and what it holds) alive.
             sub.live = False
             self._stale = True
+            self._prune()
 
         return unsubscribe
 
     def emit(self, kind: str, addr: int, size: int, stream: int, small: bool = False) -> None:
         """Deliver one event.  ``small``: a small-pool block's alloc or free (see ``subscribe``)."""
         ev = (time.perf_counter_ns(), kind, addr, size, stream)
+        outer, self.running = self.running, threading.get_ident()
+        try:
+            self._deliver(ev, kind, small)
+        finally:
+            self.running = outer
+        if self._stale:
+            self._prune()
+
+    def _deliver(self, ev: Event, kind: str, small: bool) -> None:
         for sub in self._subs:
             if not sub.live or (sub.kinds is not None and kind not in sub.kinds) or (small and not sub.small):
                 continue
@@ -117,8 +136,6 @@ class Observers:
                 sub.live = False
                 self._stale = True
                 log_callback_error(f"cupool: subscriber {sub.callback!r} raised on a {kind} event; it is detached")
-        if self._stale:
-            self._prune()
 
     def _prune(self) -> None:
         if self._lock.acquire(False):  # busy: a subscribe is running and prunes anyway

@@ -27,14 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ..device.base import Device
-from ..device.vmm import Chunk, VirtualMemory, VirtualMemoryUnsupported
-from ..errors import DeviceOutOfMemory
+from ..device.vmm import Chunk, VirtualMemory
+from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
+from .segments import execute
 
 
 def virtual_memory_of(device: Device, expandable: bool, stitch: bool) -> VirtualMemory | None:
@@ -71,7 +70,10 @@ class Region:
 
 
 class Expander:
-    """The virtual-memory mechanism of one arena (its lock held for every call)."""
+    """The virtual-memory segment source of one arena (its lock held for every call).
+
+    A ``cupool.core.segments.SegmentSource``: the hooks are numbered there.
+    """
 
     def __init__(
         self, vm: VirtualMemory, device: Device, heaps: tuple[Heap, Heap], books: Books, observers: Observers,
@@ -110,12 +112,16 @@ class Expander:
             return self._round(size)  # the region's addresses ran out: a new one holds the request
         return n
 
-    def grow(self, kind: int, size: int, key: Any) -> Block:
+    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
         """Map granules at the end of stream ``key``'s region; a free block of at least ``size``.
 
-        ``DeviceOutOfMemory`` passes through with nothing changed.
+        None when the granules needed are more than ``room``; ``DeviceOutOfMemory``
+        passes through with nothing changed.  ``exact`` changes nothing here: a
+        region grows by just what the request lacks anyway.
         """
         n = self.need(kind, size, key)
+        if n > room:
+            return None
         chunks = self._create(n)
         region = self.regions.get((kind, key))
         if region is not None and region.frontier + n > region.base + region.size:
@@ -145,7 +151,7 @@ class Expander:
         assert block is not None and block.free and block.size >= size
         return block
 
-    def new_segment(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
+    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
         """A segment of exactly ``nbytes`` in a range of its own (preallocated, or re-homed by compaction)."""
         n = self._round(nbytes)
         chunks = self._create(n)
@@ -173,7 +179,17 @@ class Expander:
         if not region.segments and (self.closing or not region.growable):
             self._forget(region)
 
-    def trim(self, kind: int, seg: Segment) -> int:
+    def trim(self, kind: int, block: Block) -> int:
+        """After a free left ``block`` free: its segment goes if wholly free, else its free tail of granules."""
+        seg = block.segment
+        if seg.keep:
+            return 0
+        if not seg.used:
+            self.drop(kind, seg)
+            return seg.size
+        return self._trim_tail(kind, seg) if block is seg.tail else 0
+
+    def _trim_tail(self, kind: int, seg: Segment) -> int:
         """Unmap the free granules at the end of ``seg`` (all of it if it is free); returns the bytes."""
         last = seg.tail
         assert last is not None
@@ -197,31 +213,30 @@ class Expander:
         return end - lo
 
     def trim_all(self, kept_too: bool) -> int:
-        """Unmap every free tail (``empty_cache``, the ladder's release step); returns the bytes."""
+        """Unmap every free tail (``empty_cache``, the ladder's release step); returns the bytes.
+
+        ``kept_too`` is the closing pool's call: the preallocated segment goes too,
+        and from now on so does every range left empty.
+        """
+        if kept_too:
+            self.closing = True
         released = 0
         for kind, heap in enumerate(self.heaps):
             for seg in list(heap.segments.values()):
                 if seg.region is not None and (kept_too or not seg.keep):
-                    released += self.trim(kind, seg)
+                    released += self._trim_tail(kind, seg)
         if self.closing:
             for region in [r for r in self.ranges.values() if not r.segments]:
                 self._forget(region)
         return released
 
-    def freed(self, kind: int, block: Block, closed: bool, over: bool) -> None:
-        """After a free that left ``block`` free: give back what the rules say must go back now.
-
-        A stitched segment goes back whole once free; with ``closed`` every free
-        segment goes; with ``over`` (reserved above the release threshold) free
-        segments and free tails go, the preallocated segment excepted.
-        """
+    def after_free(self, kind: int, block: Block) -> None:
+        """A stitched segment goes back whole as soon as it is free (Note [Virtual memory])."""
         seg = block.segment
         region = seg.region
         assert isinstance(region, Region)
-        if not seg.used and (closed or region.stitched or (over and not seg.keep)):
+        if region.stitched and not seg.used:
             self.drop(kind, seg)
-        elif over and not seg.keep and block is seg.tail:
-            self.trim(kind, seg)
 
     # ---------------------------------------------------------------- stitching
     def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
@@ -233,6 +248,7 @@ class Expander:
         changes nothing.
         """
         g = self.granule
+        room = room // g * g
         want = self._round(size)
         holes = []
         for k, heap in enumerate(self.heaps):
@@ -289,17 +305,17 @@ class Expander:
         return chunks
 
     # --------------------------------------------------------------- compaction
-    def move(self, moves: Sequence[PlannedMove], device: Any) -> None:
+    def move(self, moves: Sequence[PlannedMove]) -> None:
         """Carry out compaction's moves in order: whole mapped granules trade chunks (no copy), the rest are copied."""
         batch: list[PlannedMove] = []
         for x in moves:
             if self._remappable(x.src, x.dst, x.nbytes):
-                self._copy(batch, device)
+                execute(self.device, batch)
                 batch = []
                 self._remap(x.src, x.dst, x.nbytes)
             else:
                 batch.append(x)
-        self._copy(batch, device)
+        execute(self.device, batch)
 
     def _remappable(self, src: int, dst: int, n: int) -> bool:
         g = self.granule
@@ -329,14 +345,6 @@ class Expander:
             self.vm.set_access(a, g)
             self.chunks[a] = c
         self.remapped_bytes += n
-
-    def _copy(self, batch: list[PlannedMove], device: Any) -> None:
-        if batch:
-            device.execute_moves(
-                np.fromiter((x.src for x in batch), np.int64, len(batch)),
-                np.fromiter((x.dst for x in batch), np.int64, len(batch)),
-                np.fromiter((x.nbytes for x in batch), np.int64, len(batch)),
-            )
 
     # ------------------------------------------------------------------- device
     def _round(self, n: int) -> int:

@@ -1,7 +1,7 @@
 """The flat statistics dict of ``Pool.stats()``: PyTorch's ``memory_stats`` names, then cupool's own.
 
 Kept apart from the pool because it reads only mechanism (the books, the heaps,
-the expander) and is long; the pool holds the lock around it (Note [Statistics]).
+the segment source) and is long; the pool holds the lock around it (Note [Statistics]).
 """
 
 from __future__ import annotations
@@ -36,6 +36,5 @@ def figures(arena: Arena, limit: int) -> dict[str, int | float]:
     n = books.hits + books.misses
     out["cache_hit_rate"] = books.hits / n if n else 0.0
     out["limit"] = limit
-    if arena.expander is not None:
-        out.update(arena.expander.stats())
+    out.update(arena.segments.stats())
     return out

@@ -1,12 +1,10 @@
-"""What the pool hands out: ``Allocation``, ``Movable`` and the ``Lease`` of an array.
+"""The handles of movable buffers: ``Movable`` and the ``Lease`` of an array over one.
 
-Handles talk to their owner (the arena, ``cupool.core.arena``) through a small
-protocol, never to ``Pool``: ``lock`` and ``pending`` for the finalizer rule
-(Note [Finalizers] in docs/design.md), and ``free``, ``release``, ``drain``,
-``finalize_later``, ``lease``, ``unlease``, ``free_movable`` and ``drop_movable``.
-The attributes without an underscore that are not documented for users
-(``block``, ``kind``, ``leases``, ``spilled``) belong to that owner: read them if
-you must, never write them.
+(``Allocation``, the hot handle, lives in ``cupool.core.fast``.)  Handles talk to
+their owner (``cupool.core.movables.Movables``) through a small protocol, never
+to ``Pool``.  The attributes without an underscore that are not documented for
+users (``block``, ``kind``, ``leases``, ``spilled``) belong to that owner: read
+them if you must, never write them (Note [Movable lifecycle]).
 """
 
 from __future__ import annotations
@@ -21,79 +19,13 @@ if TYPE_CHECKING:
 
 
 class Owner(Protocol):
-    """What a handle needs from the arena that made it."""
+    """What a handle needs from the lifecycle that made it."""
 
-    lock: Any
-    pending: Any
-
-    def free(self, a: Allocation) -> None: ...
-    def release(self, a: Allocation | Movable) -> None: ...
-    def drain(self) -> int: ...
-    def finalize_later(self, h: Allocation | Movable | Lease) -> None: ...
+    def finalize_later(self, h: Movable | Lease) -> None: ...
     def lease(self, m: Movable, shape: Any, dtype: Any) -> Any: ...
     def unlease(self, m: Movable) -> int: ...
     def free_movable(self, m: Movable) -> None: ...
     def drop_movable(self, m: Movable) -> int: ...
-
-
-class Allocation:
-    """A live block handed out by ``Pool.malloc``.
-
-    ``size`` is the number of bytes asked for; the block behind it may be larger
-    (``nbytes``).  Dropping the last reference frees it, as CuPy's and Numba's
-    device memory do; ``free()`` frees it now.
-    """
-
-    __slots__ = ("ptr", "size", "stream", "owner", "block", "kind", "__weakref__")
-
-    def __init__(self, owner: Owner, block: Block, size: int, stream: int, kind: int) -> None:
-        self.ptr = block.addr
-        self.size = size
-        self.stream = stream
-        self.owner = owner
-        self.block: Block | None = block
-        self.kind = kind
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the block actually reserved for this allocation (size rounded up)."""
-        b = self.block
-        return 0 if b is None else b.size
-
-    @property
-    def freed(self) -> bool:
-        return self.block is None
-
-    def free(self) -> None:
-        self.owner.free(self)
-
-    def finalize_locked(self) -> int:
-        """Free on behalf of a finalizer whose free was queued; the owner's lock is held."""
-        b = self.block
-        if b is None:
-            return 0
-        self.owner.release(self)
-        return b.size
-
-    def __del__(self) -> None:
-        if self.block is not None:
-            owner = self.owner
-            # The owner's finalize_later, inlined: a finalizer is the hot free of CuPy
-            # arrays, and each call saved shows in the allocate-and-drop loop.
-            lock = owner.lock
-            if lock.acquire(False):
-                try:
-                    owner.release(self)  # parks small blocks: the common case
-                    if owner.pending:
-                        owner.drain()
-                finally:
-                    lock.release()
-            else:
-                owner.pending.append(self)
-
-    def __repr__(self) -> str:
-        state = "freed" if self.block is None else f"stream={self.stream}"
-        return f"<cupool.Allocation ptr={self.ptr:#x} size={self.size} {state}>"
 
 
 class Movable:

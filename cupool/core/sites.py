@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .handles import Allocation, Movable
+from .fast import Allocation
+from .handles import Movable
 
 #: A weak reference to a tracked allocation or movable buffer.
 _Ref = weakref.ref[Allocation | Movable]

@@ -43,18 +43,10 @@ from typing import Any
 from sortedcontainers import SortedDict
 
 from .._units import format_bytes
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, VirtualMemoryError, VirtualMemoryUnsupported
 
 #: What ``cuMemGetAllocationGranularity`` reports on every current NVIDIA GPU.
 GRANULE = 2 << 20
-
-
-class VirtualMemoryUnsupported(RuntimeError):
-    """The device (or this machine, or this installation) offers no virtual memory management."""
-
-
-class VirtualMemoryError(ValueError):
-    """An operation that breaks the rules of virtual memory; nothing was changed."""
 
 
 _chunk_ids = itertools.count()

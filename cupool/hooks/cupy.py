@@ -33,7 +33,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..core.handles import Allocation
+from ..core.fast import Allocation
 from ..errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError
 from ..pool import Pool
 from .routing import default_pool, gpu_available

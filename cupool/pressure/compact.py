@@ -15,6 +15,7 @@ import time
 import weakref
 
 from ..core.arena import Arena
+from ..core.movables import Movables
 from ..core.sizes import PAGE, round_page
 from ..errors import DeviceOutOfMemory
 from .plan import plan
@@ -43,8 +44,9 @@ def should_defrag(arena: Arena, threshold: float | None) -> bool:
     return threshold is not None and arena.compaction_stale and arena.fragmentation() > threshold
 
 
-def compact(arena: Arena, max_bytes: int | None, max_moves: int | None) -> CompactionReport:
+def compact(arena: Arena, movables: Movables, max_bytes: int | None, max_moves: int | None) -> CompactionReport:
     """Plan and carry out one compaction pass within the budget, then release free segments."""
+    live = movables.live()  # held until the moves are done (Note [Movable lifecycle])
     books = arena.view.books
     t0 = time.perf_counter()
     frag0 = books.fragmentation
@@ -55,15 +57,16 @@ def compact(arena: Arena, max_bytes: int | None, max_moves: int | None) -> Compa
     segments0 = books.segments
     moves = []
     for heap in arena.heaps:
-        mv, _ = plan(heap, arena.can_move, max_bytes, max_moves)
+        mv, _ = plan(heap, movables.can_move, max_bytes, max_moves)
         moves += mv
         if max_bytes is not None:
             max_bytes -= sum(x.nbytes for x in mv)
         if max_moves is not None:
             max_moves -= len(mv)
     t_move = time.perf_counter()
-    arena.apply_moves(moves)
+    movables.apply_moves(moves)
     t_move = time.perf_counter() - t_move
+    del live
     released = arena.release_free_segments()
     arena.books.compactions += 1
     nbytes = sum(x.nbytes for x in moves)
@@ -86,7 +89,7 @@ def compact(arena: Arena, max_bytes: int | None, max_moves: int | None) -> Compa
     )
 
 
-def rehome(arena: Arena) -> bool:
+def rehome(arena: Arena, movables: Movables) -> bool:
     """Give segment tails back: move each all-movable segment into an exact-size one.
 
     Largest tail first, while the limit and the device have room for the copy;
@@ -95,12 +98,13 @@ def rehome(arena: Arena) -> bool:
     if not arena.books.movables:
         return False
     arena.device.prepare_moves()
+    live = movables.live()  # held until the moves are done (Note [Movable lifecycle])
     gained = False
     for kind, heap in enumerate(arena.heaps):
         segs = [
             s for s in heap.segments.values()
             if s.used and not s.keep and s.size - s.used >= PAGE
-            and all(b.free or arena.can_move(b) for b in s.blocks())
+            and all(b.free or movables.can_move(b) for b in s.blocks())
         ]
         for seg in sorted(segs, key=lambda s: s.used - s.size):
             exact = round_page(seg.used)
@@ -110,34 +114,39 @@ def rehome(arena: Arena) -> bool:
                 new = arena.new_segment(kind, exact, None)
             except DeviceOutOfMemory:
                 continue
-            arena.apply_moves(plan_rehome(heap, seg, new))
+            movables.apply_moves(plan_rehome(heap, seg, new))
             arena.drop_segment(kind, seg)
             gained = True
+    del live
     return gained
 
 
 class BackgroundCompactor:
     """Compacts in a daemon thread, at most ``budget`` bytes per pass, while fragmentation is high.
 
-    Holds the arena weakly, so a dropped pool stops it.
+    Holds the pool's movable buffers weakly, so a dropped pool stops it.
     """
 
-    def __init__(self, arena: Arena, threshold: float, interval: float, budget: int) -> None:
+    def __init__(self, movables: Movables, threshold: float, interval: float, budget: int) -> None:
         self._stop = threading.Event()
-        ref = weakref.ref(arena)
+        ref = weakref.ref(movables)
         stop = self._stop
 
         def run() -> None:
             while not stop.wait(interval):
-                a = ref()
-                if a is None:
+                m = ref()
+                if m is None:
                     return
-                with a.lock:
+                a = m.arena
+                a.lock.acquire()
+                try:
                     a.drain()
-                    report = compact(a, budget, None) if should_defrag(a, threshold) else None
+                    report = compact(a, m, budget, None) if should_defrag(a, threshold) else None
+                finally:
+                    a.unlock()
                 if report is not None:
                     a.notify_moves()
-                del a
+                del a, m
 
         self._thread = threading.Thread(target=run, name="cupool-compaction", daemon=True)
         self._thread.start()

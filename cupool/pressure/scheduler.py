@@ -33,6 +33,7 @@ accounting log, so small blocks freed a moment ago count as freed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import time
@@ -43,12 +44,12 @@ from typing import Any
 
 from .._units import format_bytes
 from ..core.arena import Arena
-from ..core.books import ALL, RESERVED
 from ..core.events import LADDER_STEPS
-from ..core.sizes import LARGE
 from ..core.handles import Movable
+from ..core.movables import Movables
+from ..core.sizes import LARGE
+from ..errors import SpillError
 from .compact import compact, rehome
-from .spill import SpillError
 
 POLICIES = ("lru", "fifo", "adaptive")
 #: The ladder without spilling or stitching, in the order lru and fifo run it (spill goes before gc
@@ -80,6 +81,7 @@ class Scheduler:
     def __init__(
         self,
         arena: Arena,
+        movables: Movables,
         tier: Any = None,
         policy: str = "lru",
         usage_threshold: float = 0.8,
@@ -96,6 +98,7 @@ class Scheduler:
         self.spills = 0
         self.bytes_spilled = 0
         self._arena = arena
+        self._movables = movables
         self._victims: collections.deque[weakref.ref[Movable]] | None = None
         self._run_spilled = 0
         self._run_failure = ""
@@ -107,16 +110,12 @@ class Scheduler:
     # ----------------------------------------------------------------- public
     def order(self) -> list[str]:
         """The order the ladder would run in now (adaptive: for the pool as it is)."""
-        arena = self._arena
-        with arena.lock:
-            arena.drain()  # frees queued by finalizers and the fast path's log count
+        with self._locked("scheduler.order()"):
             return self._order()
 
     def victims(self) -> list[Movable]:
         """Movable buffers that may spill now (on the device, unleased), first victim first."""
-        arena = self._arena
-        with arena.lock:
-            arena.drain()
+        with self._locked("scheduler.victims()"):
             return self._victims_now()
 
     def spill(self, nbytes: int | None) -> int:
@@ -196,19 +195,18 @@ class Scheduler:
     def _compact(self) -> bool:
         if not self._arena.books.movables:
             return False
-        report = compact(self._arena, None, None)
+        report = compact(self._arena, self._movables, None, None)
         return bool(report.moves or report.bytes_released)
 
     def _stitch(self) -> bool:
-        expander, request = self._arena.expander, self._request
-        if expander is None or request is None:
+        request = self._request
+        if request is None:
             return False
         kind, size, key = request
-        room = (self._arena.limit - self._arena.books.cur[RESERVED][ALL]) // expander.granule * expander.granule
-        return expander.stitch(kind, size, key, room)
+        return self._arena.segments.stitch(kind, size, key, self._arena.room())
 
     def _rehome(self) -> bool:
-        return rehome(self._arena)
+        return rehome(self._arena, self._movables)
 
     def _gc(self) -> bool:
         # Finalizers that run now find the lock held and queue their frees; drain them.
@@ -216,11 +214,25 @@ class Scheduler:
         return self._arena.drain() > 0
 
     # --------------------------------------------------------------- internals
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """The arena's lock, queued frees applied; refused where it would deadlock (Note [Finalizers])."""
+        arena = self._arena
+        if arena.holds():
+            yield  # inside hold() or a subscriber on this thread: the lock is ours already
+            return
+        if not arena.lock.acquire(False):
+            arena.enter(what)
+        try:
+            arena.drain()
+            yield
+        finally:
+            arena.unlock()
+
     def _order(self) -> list[str]:
         """``order()`` with the lock held."""
         names = [n for n in BASE_LADDER if n != "gc" or self.collect_garbage]
-        expander = self._arena.expander
-        if expander is not None and expander.stitching and self._request is not None and self._request[0] == LARGE:
+        if self._arena.segments.stitching and self._request is not None and self._request[0] == LARGE:
             names.insert(names.index("release") + 1, "stitch")
         if self.tier is not None:
             names.insert(names.index("gc") if "gc" in names else len(names), "spill")
@@ -238,7 +250,7 @@ class Scheduler:
         return names
 
     def _victims_now(self) -> list[Movable]:
-        found = [m for m in self._arena.movables() if _spillable(m)]
+        found = [m for m in self._movables.live() if _spillable(m)]
         if self.policy == "fifo":
             found.sort(key=lambda m: m.seq)
         else:
@@ -247,7 +259,7 @@ class Scheduler:
 
     def _holders(self) -> str:
         """What holds the device when spilling cannot help: leased movables and raw allocations."""
-        on_device = self._arena.movables()
+        on_device = self._movables.live()
         leased = [m for m in on_device if m.leases]
         raw = self._arena.view.books.allocated - sum(m.block.size for m in on_device if m.block is not None)
         parts = []
@@ -298,7 +310,7 @@ class Scheduler:
         arena.device.synchronize()
         assert m.block is not None, "a victim is on the device"
         handle = self.tier.store(arena.device, m.block.addr, m.size)  # the block is untouched if this raises
-        arena.unplace(m, handle)
+        self._movables.unplace(m, handle)
         self.spills += 1
         self.bytes_spilled += m.size
 

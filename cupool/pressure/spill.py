@@ -64,17 +64,9 @@ import numpy as np
 
 from .._units import format_bytes, parse_size
 from ..device import Device
-from ..errors import OutOfMemoryError
+from ..errors import CorruptSpillError, OutOfMemoryError, SpillError
 
 log = logging.getLogger("cupool")
-
-
-class SpillError(Exception):
-    """A tier could not take a buffer's bytes (it stays on the device) or give them back (it stays spilled)."""
-
-
-class CorruptSpillError(SpillError):
-    """A spilled buffer's bytes came back different from what was stored: restoring them would be silent corruption."""
 
 
 class SpillHandle(Protocol):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.handles import Allocation, Movable
+from ..core.fast import Allocation
+from ..core.handles import Movable
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from .ledger import Ledger

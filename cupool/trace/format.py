@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..core.events import KINDS
+from ..errors import TraceError
 
 FORMAT = "cupool-trace"
 VERSION = 1
@@ -44,21 +45,6 @@ _PAGE = 4096
 #: A new trace file's room, in events and stack bytes (each full generation doubles it).
 _FIRST_ROWS = 1 << 14
 _FIRST_STACK_BYTES = 1 << 20
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be used: unreadable, truncated, or of an unknown format.
-
-    The message names the file and the problem; the CLI prints it and exits with 2.
-    """
-
-    def __init__(self, path: str | Path, problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.problem))
 
 
 @dataclass

@@ -1,0 +1,333 @@
+"""The fast path: the handle CuPy and Numba hold, the parked-block stacks, the lock and the finalizer queue.
+
+Charter: this module knows sizes, streams, pointers and blocks.  It never
+grows, never reclaims, never places a block in the heap and never emits an
+event: a request it cannot serve from a stack, and a free it cannot park, go to
+the two methods the arena provides (``take_new`` and ``release_block``).
+
+It is the one module that runs compiled: ``pip install`` builds it with Cython
+from this very file (its types are declared beside it in ``fast.pxd``), and
+``CUPOOL_PURE_PYTHON=1`` runs this file as it is (``cupool.core.build_info()``
+says which runs).  The same suites run both ways.  So everything here must be
+plain Python that means the same compiled or not.
+
+Note [Fast path]
+~~~~~~~~~~~~~~~~
+A small block freed while nobody needs exact events is *parked* on an
+exact-size stack per (size, stream): still allocated in the heap's eyes, and
+handed to the next request of that size on that stream without best fit, split
+or coalesce.  Its accounting goes to a log (``+/-(requested + 1)``), which the
+books fold in, peaks exactly, before anything reads or changes them.  Parked
+blocks go back to the heap (``unpark``) before any other heap operation.
+
+Parking is off while some subscriber wants every small block's ``alloc`` and
+``free`` (``Observers.exact``), while the pool releases memory eagerly
+(``release_threshold``: empty segments must be noticed at once), and after
+``close()``.  A subscriber made with ``kinds=`` that leaves out ``alloc``/``free``,
+or with ``small_blocks=False``, keeps it on.
+
+Note [Finalizers]
+~~~~~~~~~~~~~~~~~
+Python's garbage collector can run any finalizer at any allocation, including
+one made while this thread holds the pool's lock in the middle of a ``malloc``.
+A finalizer that frees pool memory (an array dying, a user's ``__del__``) must
+then neither re-enter the heap (corruption) nor wait for the lock (deadlock): it
+queues its free on ``pending``, and the lock holder applies the queue before it
+releases the lock (``unlock``).  ``Allocation.__del__`` inlines the common case
+(lock free: free now).  An *allocation* from a finalizer during a collection
+that interrupted a pool operation would deadlock; it raises instead, naming the
+call.  So does any pool call from the thread that holds the lock (inside
+``Pool.hold()``, or from a subscriber callback): it raises a ``RuntimeError``
+naming the call instead of waiting for itself, and reads (``stats()``) work there.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+from typing import Any
+
+from ..errors import DoubleFreeError, ForeignAllocationError
+from .books import LOG_MAX
+from .sizes import ALIGNMENT, SMALL
+
+# The thread Python's garbage collector is running in, if any (Note [Finalizers]).
+_collecting: list[int | None] = [None]
+
+
+def _gc_phase(phase: str, info: dict[str, Any]) -> None:
+    _collecting[0] = threading.get_ident() if phase == "start" else None
+
+
+gc.callbacks.append(_gc_phase)
+
+
+def _probe() -> None:
+    """Compiled by Cython, this is not a plain Python function: that is how ``COMPILED`` is told."""
+
+
+#: Whether this module runs compiled (Cython) or as plain Python.
+COMPILED: bool = type(_probe).__name__ != "function"
+
+
+class Allocation:
+    """A live block handed out by ``Pool.malloc``.
+
+    ``size`` is the number of bytes asked for; the block behind it may be larger
+    (``nbytes``).  Dropping the last reference frees it, as CuPy's and Numba's
+    device memory do; ``free()`` frees it now.  ``block`` and ``kind`` belong
+    to the arena: read them if you must, never write them.
+    """
+
+    def __init__(self, owner: FastPath, block: Any, size: int, stream: Any, kind: int) -> None:
+        self.ptr = block.addr
+        self.size = size
+        self.stream = stream
+        self.owner = owner
+        self.block = block  # None once freed (invariant: the owner's lock is held to change it)
+        self.kind = kind
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block actually reserved for this allocation (size rounded up)."""
+        b = self.block
+        return 0 if b is None else int(b.size)
+
+    @property
+    def freed(self) -> bool:
+        return self.block is None
+
+    def free(self) -> None:
+        self.owner.free(self)
+
+    def finalize_locked(self) -> int:
+        """Free on behalf of a finalizer whose free was queued; the owner's lock is held."""
+        b = self.block
+        if b is None:
+            return 0
+        self.owner.release(self)
+        return int(b.size)
+
+    def __del__(self) -> None:
+        if self.block is not None:
+            owner = self.owner
+            # The owner's finalize_later, inlined: a finalizer is the hot free of CuPy
+            # arrays, and each call saved shows in the allocate-and-drop loop.
+            lock = owner.lock
+            if lock.acquire(False):
+                try:
+                    owner.release(self)  # parks small blocks: the common case
+                    if owner.pending:
+                        owner.drain()
+                finally:
+                    lock.release()
+            else:
+                owner.pending.append(self)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.block is None else f"stream={self.stream}"
+        return f"<cupool.Allocation ptr={self.ptr:#x} size={self.size} {state}>"
+
+
+class FastPath:
+    """The lock, the finalizer queue, the parked stacks and the accounting log of one arena.
+
+    The arena (``cupool.core.arena.Arena``) derives from it and provides the slow
+    path: ``take_new(n, key) -> Allocation`` (lock held, queue drained, stacks
+    empty: place a new block, growing or reclaiming as the policy says),
+    ``release_block(handle)`` (lock held: give a block to the heap), and
+    ``notify_moves()`` (lock free: run queued ``on_move`` callbacks).
+
+    Invariants (the lock held to change any of these):
+    - a block on a stack is allocated in the heap and free in the books;
+    - ``fast`` is ``parking and not observers.exact`` (``refresh_fast``);
+    - ``pending`` holds handles whose ``finalize_locked()`` the lock holder owes.
+    """
+
+    def __init__(self, books: Any, parking: bool) -> None:
+        self.lock = threading.Lock()
+        # Frees queued by finalizers that found the lock held (Note [Finalizers]): anything
+        # with ``finalize_locked() -> int`` (an Allocation, a Movable, a Lease, a close).
+        self.pending: collections.deque[Any] = collections.deque()
+        self.stacks: dict[tuple[int, Any], list[Any]] = {}
+        self.books = books
+        self.log: list[int] = books.log  # the books fold it (Note [Fast path])
+        self.parking = parking
+        self.fast = parking
+        self.exact = False  # some subscriber wants every small block's events
+        # The thread that holds the lock for a caller (``Pool.hold()``, or while subscribers
+        # run): a pool call from it would wait for itself.
+        self.holder: int | None = None
+        self.sites: Any = None  # a SiteTracker, or None
+        # on_move callbacks to run outside the lock: (movable, old pointer, new pointer or None).
+        self.moved: collections.deque[Any] = collections.deque()
+
+    # ------------------------------------------------------------------ locking
+    def enter(self, what: str) -> None:
+        """Take the lock for ``what`` after a failed try, refusing to deadlock (Note [Finalizers])."""
+        me = threading.get_ident()
+        if self.holder == me:
+            raise RuntimeError(
+                f"cupool: {what} while this thread holds the pool's lock (inside `with pool.hold():` "
+                "or a subscriber callback) would deadlock; read pool.view there instead"
+            )
+        if _collecting[0] != me:
+            self.lock.acquire()
+            return
+        raise RuntimeError(
+            f"cupool: {what} was called from a finalizer while a garbage collection had "
+            "interrupted a pool operation; it would deadlock.  Free memory in finalizers, "
+            "but allocate outside them."
+        )
+
+    def enter_to_free(self, what: str) -> bool:
+        """Wait for the lock to free, after a failed try; False when a collection interrupted
+        this thread (the caller queues instead)."""
+        me = threading.get_ident()
+        if self.holder == me:
+            raise RuntimeError(
+                f"cupool: {what} while this thread holds the pool's lock (inside `with pool.hold():` "
+                "or a subscriber callback) would deadlock"
+            )
+        if _collecting[0] != me:
+            self.lock.acquire()
+            return True
+        return False
+
+    def holds(self) -> bool:
+        """Whether this thread holds the lock for a caller (inside ``hold()``, or a subscriber)."""
+        return self.holder == threading.get_ident()
+
+    def unlock(self) -> None:
+        """Release the lock, applying the finalizers' queue first (Note [Finalizers]).
+
+        A finalizer that finds the lock held between the last drain and the release
+        queues its free; the loop takes the lock back for it if nobody else has.
+        """
+        lock = self.lock
+        while True:
+            if self.pending:
+                self.drain()
+            lock.release()
+            if not self.pending or not lock.acquire(False):
+                return
+
+    def finalize_later(self, h: Any) -> None:
+        """Free on behalf of a finalizer, which may run inside the arena's own critical section."""
+        if self.lock.acquire(False):
+            try:
+                h.finalize_locked()
+                if self.pending:
+                    self.drain()
+            finally:
+                self.lock.release()
+        else:
+            self.pending.append(h)
+
+    def drain(self) -> int:
+        """Apply queued finalizations and parked blocks and fold the log; returns bytes freed."""
+        freed = 0
+        pending = self.pending
+        while pending:
+            freed += pending.popleft().finalize_locked()
+        if self.stacks:
+            freed += self.unpark()
+        if self.log:
+            self.books.fold()
+        return freed
+
+    def refresh_fast(self) -> None:
+        self.fast = self.parking and not self.exact
+
+    # ------------------------------------------------------------ allocation
+    def malloc(self, n: int, key: Any) -> Allocation:
+        """Allocate ``n`` validated bytes on stream ``key``: the hot path of every hook."""
+        lock = self.lock
+        if not lock.acquire(False):
+            self.enter("malloc()")
+        try:
+            stack = self.stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, key))
+            if stack and self.fast and not self.pending:
+                block = stack.pop()
+                a = Allocation(self, block, n, key, SMALL)
+                block.payload = n
+                log = self.log
+                log.append(n + 1)
+                if len(log) > LOG_MAX:
+                    self.books.fold()
+            else:
+                if self.pending or self.stacks:
+                    self.drain()
+                a = self.take_new(n, key)
+                if self.pending:
+                    self.drain()
+        finally:
+            lock.release()
+        if self.moved:
+            self.notify_moves()
+        if self.sites is not None:
+            self.sites.add(a)
+        return a
+
+    def take_new(self, n: int, key: Any) -> Allocation:
+        raise NotImplementedError("the arena provides the slow path")
+
+    # ----------------------------------------------------------------- freeing
+    def free(self, a: Allocation) -> None:
+        """Free ``a`` now (``Allocation.free``); a finalizer during a collection queues it."""
+        if not isinstance(a, Allocation):
+            raise TypeError(f"free() takes an Allocation from Pool.malloc, got {type(a).__name__}")
+        if a.owner is not self:
+            raise ForeignAllocationError(a.ptr)
+        if not self.lock.acquire(False) and not self.enter_to_free("free()"):
+            if a.block is None:
+                raise DoubleFreeError(a.ptr)
+            self.pending.append(a)  # a finalizer during a collection: the lock holder frees it
+            return
+        try:
+            if a.block is None:
+                raise DoubleFreeError(a.ptr)
+            self.release(a)
+            if self.pending:
+                self.drain()
+        finally:
+            self.lock.release()
+
+    def release(self, a: Any) -> None:
+        """Give ``a``'s block back (lock held): park it, or free it into the heap."""
+        if type(a) is Allocation and a.kind == SMALL and self.fast:
+            block = a.block
+            a.block = None
+            key = (block.size, a.stream)
+            stack = self.stacks.get(key)
+            if stack is None:
+                self.stacks[key] = [block]
+            else:
+                stack.append(block)
+            self.log.append(-1 - a.size)  # folded at the next malloc past LOG_MAX, or any read
+            return
+        self.release_block(a)
+
+    def release_block(self, a: Any) -> None:
+        raise NotImplementedError("the arena provides the slow path")
+
+    def unpark(self) -> int:
+        """Give every parked block to the heap; returns their bytes."""
+        stacks, self.stacks = self.stacks, {}
+        moved = 0
+        for (size, key), blocks in stacks.items():
+            if blocks:
+                self.give_parked(key, blocks)
+                moved += size * len(blocks)
+        return moved
+
+    def give_parked(self, key: Any, blocks: list[Any]) -> None:
+        raise NotImplementedError("the arena gives parked blocks to its heap")
+
+    def parked(self) -> set[int]:
+        """Addresses of parked blocks: allocated in the heap's eyes, free in the books' (Note [Fast path])."""
+        return {b.addr for stack in self.stacks.values() for b in stack}
+
+    def notify_moves(self) -> None:
+        raise NotImplementedError("the arena runs on_move callbacks")

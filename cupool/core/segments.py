@@ -1,0 +1,171 @@
+"""Where an arena's segments come from: one interface, two sources.
+
+Charter: a segment source turns device memory into heap segments and back, and
+keeps the books' ``segment``/``reserved`` rows and the segment events with it.
+It never places blocks (that is the heap's) and never decides *when* to give
+memory back (that is the pool's policy): it is told.
+
+The arena holds exactly one source and never asks which kind it has, as RMM's
+``stream_ordered_memory_resource`` never asks what its upstream is.  A source
+implements these hooks, each called with the arena's lock held:
+
+1. ``new(kind, nbytes, key, keep) -> Segment``: a segment of exactly ``nbytes``
+   (rounded to the source's page), ``keep`` for the preallocated one.
+   ``DeviceOutOfMemory`` passes through with nothing changed.
+2. ``grow(kind, size, key, room, exact) -> Block | None``: a free block of at
+   least ``size`` for stream ``key``, reserving at most ``room`` more bytes;
+   None when ``room`` is too small (the limit), nothing changed.
+3. ``drop(kind, seg)``: give a wholly free segment back.
+4. ``trim(kind, block) -> int``: after a free left ``block`` free, give back
+   what can go at once around it (its segment if wholly free and not kept; a
+   free tail of granules); returns the bytes.
+5. ``trim_all(kept_too) -> int``: the same for every segment (``empty_cache``).
+6. ``after_free(kind, block) -> None``: the source's own rule after any free
+   (a stitched segment goes back as soon as it is wholly free).
+7. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
+8. ``stitch(kind, size, key, room) -> bool``: serve a large request from holes
+   (sources without virtual memory: False).
+9. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
+   everything back when the arena dies (its finalizer).
+
+``DeviceSegments`` (this module) allocates each segment from the device;
+``Expander`` (``cupool.core.expandable``) maps 2 MiB granules of virtual memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import DeviceOutOfMemory
+from .books import RESERVED, SEGMENTS, Books
+from .events import Observers
+from .heap import Block, Heap, PlannedMove, Segment
+from .sizes import round_page, segment_size
+
+log = logging.getLogger("cupool")
+
+
+class SegmentSource(Protocol):
+    """The hooks an arena calls on its segment source (numbered in the module's docstring)."""
+
+    #: Whether ``stitch`` can ever succeed (the scheduler's ladder has a stitch step only then).
+    stitching: bool
+
+    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment: ...
+    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None: ...
+    def drop(self, kind: int, seg: Segment) -> None: ...
+    def trim(self, kind: int, block: Block) -> int: ...
+    def trim_all(self, kept_too: bool) -> int: ...
+    def after_free(self, kind: int, block: Block) -> None: ...
+    def move(self, moves: Sequence[PlannedMove]) -> None: ...
+    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    def check(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def execute(device: Any, moves: Sequence[PlannedMove]) -> None:
+    """Copy ``moves`` on ``device`` in order, as memmove would (the device's batched move)."""
+    if moves:
+        device.execute_moves(
+            np.fromiter((x.src for x in moves), np.int64, len(moves)),
+            np.fromiter((x.dst for x in moves), np.int64, len(moves)),
+            np.fromiter((x.nbytes for x in moves), np.int64, len(moves)),
+        )
+
+
+class DeviceSegments:
+    """Segments allocated one by one from the device (``cudaMalloc``, the sim arena)."""
+
+    stitching = False
+
+    def __init__(self, device: Any, heaps: tuple[Heap, Heap], books: Books, observers: Observers) -> None:
+        self.device = device
+        self.heaps = heaps
+        self.books = books
+        self.observers = observers
+        # Set by close(): the device has every segment back, so a late drop must not free again.
+        self.closed = False
+
+    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
+        nbytes = round_page(nbytes)
+        ptr = self.device.malloc(nbytes)
+        self.books.device_allocs += 1
+        seg = self.heaps[kind].add_segment(ptr, nbytes, key, keep=keep)
+        self.books.account(kind, SEGMENTS, 1)
+        self.books.account(kind, RESERVED, nbytes)
+        if self.observers.active:
+            self.observers.emit("segment_alloc", ptr, nbytes, 0 if key is None else key)
+        return seg
+
+    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
+        """A new segment: the size class's (Note [Size classes]) within ``room``, else just ``size``."""
+        minimum = round_page(size)
+        if minimum > room:
+            return None
+        target = minimum if exact else min(segment_size(kind, size), room)
+        try:
+            seg = self.new(kind, target, key, False)
+        except DeviceOutOfMemory:
+            if target == minimum:
+                raise
+            seg = self.new(kind, minimum, key, False)
+        assert seg.head is not None
+        return seg.head
+
+    def drop(self, kind: int, seg: Segment) -> None:
+        self.heaps[kind].remove_segment(seg)
+        if not self.closed:
+            self.device.free(seg.addr, seg.size)
+        self.books.device_frees += 1
+        self.books.account(kind, SEGMENTS, -1)
+        self.books.account(kind, RESERVED, -seg.size)
+        if self.observers.active:
+            self.observers.emit("segment_free", seg.addr, seg.size, 0 if seg.stream is None else seg.stream)
+
+    def trim(self, kind: int, block: Block) -> int:
+        seg = block.segment
+        if seg.used or seg.keep:
+            return 0
+        self.drop(kind, seg)
+        return seg.size
+
+    def trim_all(self, kept_too: bool) -> int:
+        released = 0
+        for kind, heap in enumerate(self.heaps):
+            for seg in heap.free_segments():
+                if kept_too or not seg.keep:
+                    released += seg.size
+                    self.drop(kind, seg)
+        return released
+
+    def after_free(self, kind: int, block: Block) -> None:
+        return None
+
+    def move(self, moves: Sequence[PlannedMove]) -> None:
+        execute(self.device, moves)
+
+    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
+        return False
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def check(self) -> None:
+        return None
+
+    def close(self) -> None:
+        """Give every segment back (the arena's finalizer: the heaps are forgotten with it)."""
+        if self.closed:
+            return
+        self.closed = True
+        for heap in self.heaps:
+            for seg in list(heap.segments.values()):
+                try:
+                    self.device.free(seg.addr, seg.size)
+                except Exception:  # noqa: BLE001 - a finalizer must not raise; say what leaked
+                    log.exception("cupool: could not give segment %#x back to %r", seg.addr, self.device)

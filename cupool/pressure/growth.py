@@ -1,0 +1,121 @@
+"""The arena's policy: when to compact before placing, how to find room, when to give memory back.
+
+Charter: this module answers the three questions of ``cupool.core.arena.Policy``
+for a pool.  It owns the pool's ``defrag_threshold`` and ``release_threshold``
+(``Pool``'s properties read and set them here); the limit is the arena's.  It
+knows the arena, the movable buffers and the scheduler, never the ``Pool``.
+
+| question | answer |
+| --- | --- |
+| ``before_take()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
+| ``expand(kind, size, key, exact)``: no free block fits | a request larger than the limit fails at once; else grow within the limit; else run the scheduler's ladder, retrying after each step that made progress; else ``OutOfMemoryError`` (Note [Out of memory]) |
+| ``freed(kind, block)``: a free emptied memory while the pool releases eagerly | above ``release_threshold``, the segment (or free tail) goes back now |
+
+Everything here holds the arena, the buffers and the scheduler weakly: the
+arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from .._units import format_bytes
+from ..core.arena import Arena
+from ..core.books import ALL, RESERVED
+from ..core.heap import Block
+from ..core.movables import Movables
+from ..core.sizes import round_page
+from ..errors import ClosedError, DeviceOutOfMemory, LimitReached, OutOfMemoryError
+from .compact import compact, should_defrag
+from .scheduler import Scheduler
+
+
+class Growth:
+    """The ``Policy`` a pool gives its arena (see the module's table)."""
+
+    def __init__(self, defrag_threshold: float | None, release_threshold: int | None) -> None:
+        self.defrag_threshold = defrag_threshold
+        self.release_threshold = release_threshold
+        self._arena: weakref.ref[Arena] | None = None
+        self._movables: weakref.ref[Movables] | None = None
+        self._scheduler: weakref.ref[Scheduler] | None = None
+
+    def attach(self, arena: Arena, movables: Movables, scheduler: Scheduler) -> None:
+        """Made before the arena that calls it; told what to act on once they exist."""
+        self._arena = weakref.ref(arena)
+        self._movables = weakref.ref(movables)
+        self._scheduler = weakref.ref(scheduler)
+
+    def _parts(self) -> tuple[Arena, Movables, Scheduler]:
+        arena = None if self._arena is None else self._arena()
+        movables = None if self._movables is None else self._movables()
+        scheduler = None if self._scheduler is None else self._scheduler()
+        if arena is None or movables is None or scheduler is None:
+            raise ClosedError("cupool: the pool that owned this memory is gone")
+        return arena, movables, scheduler
+
+    # ------------------------------------------------------------ the questions
+    def before_take(self) -> None:
+        arena, movables, _ = self._parts()
+        if should_defrag(arena, self.defrag_threshold):
+            compact(arena, movables, None, None)
+
+    def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block:
+        arena, _, scheduler = self._parts()
+        if round_page(size) > arena.limit:
+            # Nothing the ladder could do would make room: fail now, changing nothing.
+            raise self.oom(size, key, f"the request alone is larger than the pool's limit of "
+                           f"{format_bytes(arena.limit)}", fragmentation=None)
+        try:
+            return self._grow(arena, kind, size, key, exact)
+        except (DeviceOutOfMemory, LimitReached):
+            pass
+        arena.books.retries += 1
+        heap = arena.heaps[kind]
+        for _, step in scheduler.ladder((kind, size, key)):
+            if step():
+                block = heap.find(size, key)
+                if block is not None:
+                    return block
+                try:
+                    return self._grow(arena, kind, size, key, exact)
+                except (DeviceOutOfMemory, LimitReached):
+                    continue
+        raise self.oom(size, key, scheduler.oom_reason())
+
+    def freed(self, kind: int, block: Block) -> None:
+        arena = None if self._arena is None else self._arena()
+        threshold = self.release_threshold
+        if arena is not None and threshold is not None and arena.books.cur[RESERVED][ALL] > threshold:
+            arena.segments.trim(kind, block)
+
+    # -------------------------------------------------------------- helpers
+    @staticmethod
+    def _grow(arena: Arena, kind: int, size: int, key: Any, exact: bool) -> Block:
+        block = arena.segments.grow(kind, size, key, arena.room(), exact)
+        if block is None:
+            raise LimitReached
+        return block
+
+    def oom(self, size: int, key: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
+        """The error for a request of ``size`` bytes that cannot be served (lock held); counted and emitted.
+
+        ``fragmentation=None`` leaves it out of the error when it has nothing to do
+        with the failure: a request above the limit fails whatever the free blocks
+        look like (the default, -1, reads the pool's).
+        """
+        arena, _, _ = self._parts()
+        arena.books.ooms += 1
+        if arena.observers.active:
+            arena.observers.emit("oom", 0, size, key)
+        return OutOfMemoryError(
+            requested=size,
+            reserved=arena.view.books.reserved,
+            allocated=arena.view.books.allocated,
+            limit=arena.limit,
+            largest_free_block=arena.largest_free(),
+            fragmentation=arena.fragmentation() if fragmentation == -1.0 else fragmentation,
+            device=arena.device.name,
+            reason=reason,
+        )
