@@ -1,0 +1,160 @@
+"""The compiled fast path: built from its one source, chosen at import, never stale.
+
+Each test installs a copy of the checkout with ``pip install --target`` (no build
+isolation, so Cython and setuptools come from this environment: the test extra
+has both), then imports it in a fresh interpreter, as a user would.  Two installs
+are made for the whole module, one with the C compiler and one with ``CC=false``,
+and the stale cases edit copies of the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from cupool.core import BUILD_ERROR_SUFFIX, COMPILED_MODULES, PURE_ENV, SOURCE_HASH_SUFFIX, build_info
+
+ROOT = Path(__file__).resolve().parent.parent
+EXT = sysconfig.get_config_var("EXT_SUFFIX")
+NAMES = [n for n in COMPILED_MODULES if (ROOT / "cupool" / "core" / f"{n}.py").exists()]
+
+pytestmark = pytest.mark.skipif(not NAMES, reason="none of cupool.core.COMPILED_MODULES is written yet")
+
+#: What a user's first run does; prints what the test reads, as JSON.
+_RUN = r"""
+import json, sys
+import cupool, cupool.core
+pool = cupool.Pool("sim", capacity="16MiB")
+blocks = [pool.malloc(n) for n in (1, 100, 4096, 100_000) * 8]
+del blocks
+stats = pool.stats()
+print(json.dumps({
+    "info": cupool.core.build_info(),
+    "files": {n: sys.modules[f"cupool.core.{n}"].__file__ for n in cupool.core.COMPILED_MODULES},
+    "allocated": stats["allocated_bytes.all.current"],
+    "cupool": cupool.__file__,
+}))
+"""
+
+
+def _copy_checkout(dest: Path) -> Path:
+    """The files ``pip install .`` reads, without build products or caches."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", f"*{SOURCE_HASH_SUFFIX}", f"*{BUILD_ERROR_SUFFIX}")
+    for name in ("cupool", "kernels"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    return dest
+
+
+def _install(src: Path, target: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-v",
+         "--target", str(target), str(src)],
+        env={**os.environ, **env}, check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _run(site: Path, tmp: Path, **env: str) -> tuple[dict, str]:
+    """Run a short pool in a fresh interpreter that imports cupool from ``site``; (its report, its stderr)."""
+    environ = {k: v for k, v in os.environ.items() if k != PURE_ENV}
+    environ.update(PYTHONPATH=str(site), **env)
+    r = subprocess.run([sys.executable, "-c", _RUN], cwd=tmp, env=environ,
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert Path(out["cupool"]).is_relative_to(site), out["cupool"]
+    assert out["allocated"] == 0
+    return out, r.stderr
+
+
+def _has_compiler() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(os.environ.get("CC", cc).split()[0]) is not None
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    pytest.importorskip("Cython", reason="the test extra installs Cython, which these builds need")
+    return _copy_checkout(tmp_path_factory.mktemp("build") / "src")
+
+
+@pytest.fixture(scope="module")
+def compiled_site(src, tmp_path_factory) -> Path:
+    if not _has_compiler():
+        pytest.skip("no C compiler on this machine: only the uncompiled install can be tested")
+    site = tmp_path_factory.mktemp("compiled") / "site"
+    _install(src, site)
+    return site
+
+
+def test_with_a_compiler_the_install_builds_each_module_and_runs_it(compiled_site, tmp_path):
+    for name in NAMES:
+        assert (compiled_site / "cupool" / "core" / f"{name}{EXT}").is_file()
+        assert (compiled_site / "cupool" / "core" / f"{name}{EXT}{SOURCE_HASH_SUFFIX}").is_file()
+        assert not (compiled_site / "cupool" / "core" / f"{name}{EXT}{BUILD_ERROR_SUFFIX}").exists()
+    out, err = _run(compiled_site, tmp_path)
+    assert out["info"]["fast_path"] == "compiled", out["info"]
+    assert all(f.endswith(EXT) for f in out["files"].values()), out["files"]
+    assert "uncompiled" not in err, err
+
+
+def test_the_environment_variable_forces_the_uncompiled_path(compiled_site, tmp_path):
+    out, err = _run(compiled_site, tmp_path, **{PURE_ENV: "1"})
+    assert out["info"] == {"fast_path": "pure", "reason": "; ".join(f"{n}: {PURE_ENV}=1" for n in NAMES)}
+    assert all(f.endswith(".py") for f in out["files"].values()), out["files"]
+    assert "uncompiled" not in err, err
+    out, _ = _run(compiled_site, tmp_path, **{PURE_ENV: "0"})
+    assert out["info"]["fast_path"] == "compiled"
+
+
+@pytest.mark.parametrize("change", ["edit the source", "lose the record"])
+def test_a_stale_build_is_never_used_and_says_how_to_rebuild(compiled_site, tmp_path, change):
+    """As after editing fast.py in an editable install without rebuilding."""
+    site = tmp_path / "site"
+    shutil.copytree(compiled_site, site)
+    name = NAMES[0]
+    if change == "edit the source":
+        with open(site / "cupool" / "core" / f"{name}.py", "a") as f:
+            f.write("\n# an edit after the build\n")
+    else:
+        (site / "cupool" / "core" / f"{name}{EXT}{SOURCE_HASH_SUFFIX}").unlink()
+    out, err = _run(site, tmp_path)
+    assert out["info"]["fast_path"] == "pure" and "stale build" in out["info"]["reason"], out["info"]
+    assert out["files"][name] == str(site / "cupool" / "core" / f"{name}.py")
+    warnings = [line for line in err.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and "pip install" in warnings[0], err
+
+
+def test_without_a_compiler_the_install_succeeds_and_runs_uncompiled(src, tmp_path):
+    site = tmp_path / "site"
+    r = _install(src, site, CC="false", CXX="false")
+    assert "not compiled, cupool will run uncompiled" in r.stdout + r.stderr  # said once, at install
+    core = site / "cupool" / "core"
+    for name in NAMES:
+        assert not (core / f"{name}{EXT}").exists()
+        assert (core / f"{name}{EXT}{BUILD_ERROR_SUFFIX}").read_text().startswith("no working C compiler\n")
+    out, err = _run(site, tmp_path)
+    assert out["info"]["fast_path"] == "pure" and "no working C compiler" in out["info"]["reason"], out["info"]
+    assert all(f.endswith(".py") for f in out["files"].values()), out["files"]
+    assert "uncompiled" not in err, err  # not being compiled is said by build_info and `cupool info`, not at import
+
+
+def test_build_info_and_cupool_info_say_which_path_runs(capsys):
+    from cupool.cli import main
+
+    info = build_info()
+    assert info["fast_path"] in ("compiled", "pure") and info["reason"]
+    assert main(["info"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fast path")]
+    assert line.split()[2:] == f"{info['fast_path']} ({info['reason']})".split()
