@@ -41,12 +41,23 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int]) -> None:
-    """Give back address space and the memfd; unmapping a range takes its mappings with it."""
-    for addr, nbytes in reserved.items():
-        libc.munmap(addr, nbytes)
-    reserved.clear()
-    os.close(fd)
+def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int], lock: Any) -> None:
+    """Give back address space and the memfd; unmapping a range takes its mappings with it.
+
+    Runs at ``close()``, when the object dies, or at exit (a pool still alive then
+    never closes its virtual memory itself).  Under the object's lock, so no
+    operation is half way through; but not waiting for ever for it, since a daemon
+    thread may hold it when the interpreter exits.
+    """
+    locked = lock.acquire(timeout=1.0)
+    try:
+        for addr, nbytes in reserved.items():
+            libc.munmap(addr, nbytes)
+        reserved.clear()
+        os.close(fd)
+    finally:
+        if locked:
+            lock.release()
 
 
 def _check(rc: int, what: str) -> None:
@@ -84,7 +95,7 @@ class SimVirtualMemory(VirtualMemory):
         self._holes: SortedDict = SortedDict()  # free file offset -> nbytes
         self._punch = True
         self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
-        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
+        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved, self._lock)
 
     # -- host access (tests and the sim pool read and write through this) --------
     def bytes_at(self, addr: int, nbytes: int) -> np.ndarray:
@@ -95,6 +106,7 @@ class SimVirtualMemory(VirtualMemory):
         """
         if nbytes <= 0:
             raise VirtualMemoryError(f"bytes_at: nbytes must be positive, got {nbytes}")
+        self._check_live("bytes_at")
         pos = addr
         while pos < addr + nbytes:
             m = self.mapping_at(pos)
@@ -104,6 +116,25 @@ class SimVirtualMemory(VirtualMemory):
                 raise VirtualMemoryError(f"bytes_at: [{m.addr:#x}, +{format_bytes(m.nbytes)}) has no access set")
             pos = m.end
         return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(addr)), dtype=np.uint8)
+
+    # -- after the memory was given back ---------------------------------------------
+    @property
+    def _disposed(self) -> bool:
+        """Whether the address space and the memfd are gone: closed, or given back at exit.
+
+        At exit the finalizer gives everything back while pools may still be alive;
+        their late frees (an ``Allocation`` dying during shutdown) then reach the
+        hooks below.  Those that give memory back do nothing, as ``cuMemFree`` after
+        the context is gone may: the addresses may already be someone else's, and
+        mapping over them (``MAP_FIXED``) or punching the memfd's number, which the
+        process may have reused, would corrupt that owner.  Those that would take
+        memory refuse.
+        """
+        return not self._finalizer.alive
+
+    def _check_live(self, op: str) -> None:
+        if self._disposed:
+            raise VirtualMemoryError(f"{op}: this virtual memory was given back (closed, or at interpreter exit)")
 
     # -- hooks ------------------------------------------------------------------
     def _outside(self) -> int:
@@ -117,6 +148,7 @@ class SimVirtualMemory(VirtualMemory):
         return p
 
     def _reserve(self, nbytes: int) -> int:
+        self._check_live("reserve")
         # mmap aligns to pages only: over-reserve by a granule and trim both ends.
         g = self.granularity
         raw = self._mmap(0, nbytes + g, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
@@ -128,10 +160,13 @@ class SimVirtualMemory(VirtualMemory):
         return addr
 
     def _free_range(self, addr: int, nbytes: int) -> None:
+        if self._disposed:
+            return  # unmapped with everything else by the finalizer
         _check(self._libc.munmap(addr, nbytes), "munmap")
         del self._reserved[addr]
 
     def _create(self, nbytes: int) -> int:
+        self._check_live("create")
         off: int
         size: int
         for off, size in self._holes.items():
@@ -152,6 +187,8 @@ class SimVirtualMemory(VirtualMemory):
         return off
 
     def _release(self, handle: int, nbytes: int) -> None:
+        if self._disposed:
+            return  # the memfd is closed, and its number may be another file's now
         if self._punch:
             rc = self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle, nbytes)
             self._punch = rc == 0  # a kernel without hole punching keeps the pages until close
@@ -169,12 +206,16 @@ class SimVirtualMemory(VirtualMemory):
         self._holes[off] = size
 
     def _map(self, addr: int, handle: Any, nbytes: int) -> None:
+        self._check_live("map")
         self._mmap(addr, nbytes, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, self._fd, handle)
 
     def _set_access(self, addr: int, nbytes: int) -> None:
+        self._check_live("set_access")
         _check(self._libc.mprotect(addr, nbytes, _PROT_RW), "mprotect")
 
     def _unmap(self, addr: int, nbytes: int) -> None:
+        if self._disposed:
+            return  # the range is gone: mapping over its addresses could hit whoever has them now
         # Keep the addresses reserved: map inaccessible anonymous memory back over them.
         self._mmap(addr, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
 
