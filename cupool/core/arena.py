@@ -19,6 +19,7 @@ from ..errors import ClosedError
 from .books import ALL, ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
 from .events import Observers, log_callback_error
 from .fast import Allocation, FastPath
+from . import interrupts
 from .heap import Block, Heap, Segment
 from .segments import DeviceSegments, SegmentSource
 from .sites import SiteTracker
@@ -78,6 +79,7 @@ class Arena(FastPath):
         # the process's end returns device memory, and CUDA may already be gone.
         fin = weakref.finalize(self, _give_back, self.segments)
         fin.atexit = False
+        interrupts.install()  # Note [Interrupts]
 
     def set_eager(self, eager: bool) -> None:
         """Whether each free that leaves a block free asks the policy (``freed``) at once.

@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .interrupts import defer
+
 log = logging.getLogger("cupool")
 
 #: The steps of the reclaim ladder, in the pool's default order (the scheduler adds "spill").
@@ -132,6 +134,8 @@ class Observers:
                 continue
             try:
                 sub.callback(ev)
+            except KeyboardInterrupt as e:  # raised at the operation's end (Note [Interrupts])
+                defer(e)
             except Exception:  # noqa: BLE001 - Note [Subscribers]: a raising subscriber is detached
                 sub.live = False
                 self._stale = True

@@ -50,6 +50,7 @@ from typing import Any
 
 from ..errors import DoubleFreeError, ForeignAllocationError
 from .books import LOG_MAX
+from .interrupts import OWED, deliver
 from .sizes import ALIGNMENT, SMALL
 
 # The thread Python's garbage collector is running in, if any (Note [Finalizers]).
@@ -200,7 +201,8 @@ class FastPath:
         return self.holder == threading.get_ident()
 
     def unlock(self) -> None:
-        """Release the lock, applying the finalizers' queue first (Note [Finalizers]).
+        """Release the lock, applying the finalizers' queue first (Note [Finalizers]); then raise
+        an interrupt deferred to the end of this operation (Note [Interrupts]).
 
         A finalizer that finds the lock held between the last drain and the release
         queues its free; the loop takes the lock back for it if nobody else has.
@@ -211,7 +213,9 @@ class FastPath:
                 self.drain()
             lock.release()
             if not self.pending or not lock.acquire(False):
-                return
+                break
+        if OWED:  # a Ctrl-C deferred to the end of this operation (Note [Interrupts])
+            deliver()
 
     def finalize_later(self, h: Any) -> None:
         """Free on behalf of a finalizer, which may run inside the arena's own critical section."""
@@ -268,6 +272,8 @@ class FastPath:
             self.notify_moves()
         if self.sites is not None:
             self.sites.add(a)
+        if OWED:  # a Ctrl-C deferred to the end of this operation (Note [Interrupts])
+            deliver()
         return a
 
     def take_new(self, n: int, key: Any) -> Allocation:
@@ -293,6 +299,8 @@ class FastPath:
                 self.drain()
         finally:
             self.lock.release()
+        if OWED:  # Note [Interrupts]
+            deliver()
 
     def release(self, a: Any) -> None:
         """Give ``a``'s block back (lock held): park it, or free it into the heap."""

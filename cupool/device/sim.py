@@ -219,7 +219,12 @@ class SimDevice(Device):
         np.copyto(out, self.bytes_at(ptr, out.nbytes))
 
     def bytes_at(self, ptr: int, nbytes: int) -> np.ndarray:
-        """A uint8 view of raw sim memory (tests and checksums use it); mapped granules' through their mapping."""
+        """A uint8 view of raw sim memory (tests and checksums use it); mapped granules' through their mapping.
+
+        Zero bytes are no bytes anywhere, as a zero-byte cudaMemcpy is (a zero-byte movable spills).
+        """
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
         if self._vm is not None and not self._in_arena(ptr, nbytes):
             return self._vm.bytes_at(ptr, nbytes)
         off = ptr - self.base
