@@ -40,11 +40,10 @@ def _core_constants() -> dict[str, object]:
     tree = ast.parse((CORE / "__init__.py").read_text(), "cupool/core/__init__.py")
     out = {}
     for node in tree.body:
-        target = getattr(node, "target", None) or (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and getattr(node, "value", None) is not None:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             try:
-                out[target.id] = ast.literal_eval(node.value)
-            except ValueError:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:  # not a literal: not one of the constants read here
                 continue
     return out
 
@@ -84,9 +83,10 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # a failure outside any one module: nothing more is built, say why
             for ext in self.extensions:
                 self._outcome.setdefault(ext.name, (False, f"the build failed\n{exc}"))
-        failed = [f"{name}: {text}" for name, (ok, text) in self._outcome.items() if not ok]
+        failed = [f"{name}: {text.splitlines()[0]}" for name, (ok, text) in self._outcome.items() if not ok]
         if failed:
-            _warn("not compiled, cupool will run uncompiled (slower): " + "; ".join(failed).replace("\n", ": "))
+            _warn(f"not compiled, cupool will run uncompiled (slower): {'; '.join(failed)} (the {BUILD_ERROR} "
+                  "file beside each module says more)")
         self._leave_notes()
 
     def build_extension(self, ext: Extension) -> None:
@@ -138,7 +138,7 @@ class OptionalBuildExt(build_ext):
             for folder in folders:
                 os.makedirs(folder, exist_ok=True)
                 base = os.path.join(folder, os.path.basename(built))
-                for old in (base + SOURCE_HASH, base + BUILD_ERROR) if ok else (base, base + SOURCE_HASH, base + BUILD_ERROR):
+                for old in [base + SOURCE_HASH, base + BUILD_ERROR] + ([] if ok else [base]):
                     if os.path.exists(old):
                         os.remove(old)
                 Path(base + (SOURCE_HASH if ok else BUILD_ERROR)).write_text(text + "\n")
