@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import demo
+from ._files import refuse_overwriting_input
 from ._units import format_bytes
 from .core import build_info
 from .device import CudaDevice, cuda_available, parse_device
@@ -24,6 +25,7 @@ from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
 from .trace import load_trace
+from .trace.rmm_log import write_rmm_log
 
 #: What ``cupool --help`` says above the list of commands.
 DESCRIPTION = ("One GPU device-memory pool for CuPy and Numba.  Show the device and configuration (info), run the "
@@ -99,13 +101,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``cupool export --format``: what each writes, and the file it writes by default.
+EXPORT_FORMATS = {"torch": "snapshot.pickle", "rmm-csv": "rmm_log.csv"}
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     if args.index < 0:
         raise ValueError(f"--index must be a device index >= 0, got {args.index}")
-    out = Path(args.output)
+    fmt = args.format or ("rmm-csv" if args.output and args.output.lower().endswith(".csv") else "torch")
+    out = Path(args.output or EXPORT_FORMATS[fmt])
+    what = "RMM log" if fmt == "rmm-csv" else "snapshot"
     if not out.resolve().parent.is_dir():
-        raise OSError(f"cannot write the snapshot {out}: the folder {out.resolve().parent} does not exist")
+        raise OSError(f"cannot write the {what} {out}: the folder {out.resolve().parent} does not exist")
+    refuse_overwriting_input(out, args.trace, what)
     trace = load_trace(args.trace)
+    if fmt == "rmm-csv":
+        n = write_rmm_log(trace, out)
+        print(f"wrote {out}: {n} RMM log rows from {len(trace)} events ({trace.format}) of {args.trace}")
+        return 0
     n = export_trace(trace, out, args.index)
     if n:
         print(f"wrote {out}: {n} PyTorch trace entries from {len(trace)} events ({trace.format}) of {args.trace}")
@@ -132,10 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the longer run's random layer shapes (default 0)")
     p.set_defaults(func=_cmd_demo)
     add_replay_commands(sub.add_parser)
-    p = sub.add_parser("export", help="write a trace as a PyTorch memory snapshot, for torch.cuda._memory_viz")
+    p = sub.add_parser("export", help="write a trace as a PyTorch memory snapshot (for torch.cuda._memory_viz) "
+                                      "or an RMM log (for RMM's replay benchmark)")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("-o", "--output", default="snapshot.pickle", help="pickle to write (default snapshot.pickle)")
-    p.add_argument("--index", type=int, default=0, help="the device index the snapshot names (default 0)")
+    p.add_argument("-o", "--output", default=None,
+                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv); written "
+                        "whole or not at all, and never over the input")
+    p.add_argument("--format", choices=tuple(EXPORT_FORMATS), default=None,
+                   help="torch: a PyTorch memory snapshot pickle; rmm-csv: an RMM logging_resource_adaptor CSV "
+                        "(default: rmm-csv for an output ending in .csv, else torch)")
+    p.add_argument("--index", type=int, default=0, help="the device index the snapshot names (default 0; torch only)")
     p.set_defaults(func=_cmd_export)
     args = parser.parse_args(argv)
     try:

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
+from .._files import atomic_output
 from ..core.sizes import SMALL_MAX, SMALL_SEGMENT
 from ..trace import Trace, active_recorder
 
@@ -113,7 +114,7 @@ def export_trace(trace: Trace, path: str | Path, device: int = 0) -> int:
 
 
 def _write(data: dict[str, Any], path: str | Path) -> int:
-    with open(path, "wb") as fh:
+    with atomic_output(path, "the snapshot") as fh:  # whole or not at all: a full disk leaves no torn pickle
         pickle.dump(data, fh, protocol=4)
     return sum(len(t) for t in data["device_traces"])
 

@@ -173,10 +173,13 @@ def _show_config(cfg: dict[str, Any]) -> str:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from .._files import refuse_overwriting_input
+
     out = _report_path(args.output)
     folder = out.resolve().parent
     if not folder.is_dir():  # before the replay, which can take a while
         raise OSError(f"cannot write the report {out}: the folder {folder} does not exist")
+    refuse_overwriting_input(out, args.trace, "report")
     trace = load_trace(args.trace)
     config = _base_config(args)
     summary = plot_report(trace, out, config)

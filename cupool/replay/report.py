@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .._files import atomic_output
 from .._units import format_bytes
 from ..trace import Trace
 from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
@@ -140,9 +141,8 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
         when = f"at peak reserved ({'t = ' + format(at, '.3g') + ' s' if data.x_label != 'event' else 'event ' + str(int(at))})"
     _segment_map(fig.add_subplot(gs[-1]), data.segments, when)
     try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise OSError(f"cannot write the report {path}: {e.strerror or e}") from None
+        with atomic_output(path, "the report") as fh:  # a full disk leaves no empty or torn image
+            fig.savefig(fh, format=Path(path).suffix[1:].lower() or "png", dpi=110)
     finally:
         plt.close(fig)
     return data.summary
