@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import pytest
 from conftest import HAS_GPU
 from cupool.device import SimDevice
 from cupool.validate import CHECKS, FAILED, PASSED, SKIPPED, Check, Context, Result, Table, main, run_checks
-from cupool.validate import bench, memory, suites, workload
+from cupool.validate import bench, extras, memory, moves, suites, workload
 from cupool.validate.report import environment, render
+from cupool.validate.results import TARGETS, to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -358,11 +360,14 @@ def test_hook_paths_measures_each_allocator_and_names_the_fastest_that_passed(tm
     r = bench.hook_paths(ctx)
     assert cupy.cuda.get_allocator() is before
     assert r.status == PASSED
-    assert [row[0] for row in r.tables[0].rows] == ["CuPy MemoryPool", "cupool path='pointer'"]
-    assert [row[-1] for row in r.tables[0].rows] == ["yes (reference)", "yes"]
+    assert [row[0] for row in r.tables[0].rows] == ["CuPy MemoryPool", bench.FLOOR, "cupool path='pointer'"]
+    assert [row[-1] for row in r.tables[0].rows] == ["yes (reference)", "not run", "yes"]
     assert r.summary.startswith("fastest path that passed the workload: 'pointer', ")
     f = r.figures
     assert f["pointer / CuPy (x)"] == pytest.approx(f["pointer (us)"] / f["CuPy MemoryPool (us)"])
+    assert f["cupool / CuPy MemoryPool (x)"] == f["pointer / CuPy (x)"]  # the issue's ratio, for the JSON
+    assert f["floor / CuPy MemoryPool (x)"] == pytest.approx(f[f"{bench.FLOOR} (us)"] / f["CuPy MemoryPool (us)"])
+    assert "cupool / RMM (x)" not in f
     assert "RMM is not importable" in r.details
     ctx.passing_paths = None
     assert bench.hook_paths(ctx).summary == "cupy-workload did not run before it, so no path is chosen"
@@ -372,6 +377,9 @@ def test_malloc_free_reports_flatness_and_the_ratio_to_cupy(tmp_path, no_gpu_sta
     r = bench.malloc_free(sim(tmp_path))
     assert r.status == PASSED and [row[0] for row in r.tables[0].rows] == ["1,000", "100,000"]
     assert r.figures["cupool 100k/1k (x)"] > 0 and r.figures["cupool/CuPy at 100,000 live (x)"] > 0
+    f = r.figures
+    assert f["cupool malloc+free / CuPy malloc+drop at 1,000 live (x)"] == pytest.approx(
+        f["cupool malloc+free at 1,000 live (us)"] / f["CuPy malloc+drop at 1,000 live (us)"])
 
 
 def test_workload_check_runs_install_and_each_path_and_flags_a_mismatch(tmp_path, no_gpu_stand_ins, monkeypatch):
@@ -472,8 +480,9 @@ def test_environment_names_versions_and_the_device(monkeypatch):
 
 def test_every_check_has_a_unique_name_and_a_title():
     names = [c.name for c in CHECKS]
-    assert len(set(names)) == len(names) == 11 and all(c.title for c in CHECKS)
-    assert {c.name for c in CHECKS if c.on_sim} == {"move-kernel", "compaction-bandwidth", "pinned", "spill", "trace"}
+    assert len(set(names)) == len(names) == 15 and all(c.title for c in CHECKS)
+    assert {c.name for c in CHECKS if c.on_sim} == {"move-kernel", "compaction-bandwidth", "compaction-moves", "vmm-latency",
+                                                    "torch-summary", "pinned", "spill", "trace"}
 
 
 def test_a_rehearsal_on_sim_writes_the_report_and_the_trace(tmp_path, capsys):
@@ -485,6 +494,10 @@ def test_a_rehearsal_on_sim_writes_the_report_and_the_trace(tmp_path, capsys):
     assert "2 passed, 0 failed, 1 skipped." in printed.out
     assert "[3/3] trace: passed" in printed.err
     assert (tmp_path / "nested" / "run-trace.h5").exists()
+    doc = json.loads((tmp_path / "nested" / "run.json").read_text())  # the same run, as JSON, beside the report
+    assert doc["complete"] and doc["counts"] == {"passed": 2, "failed": 0, "skipped": 1}
+    assert [c["name"] for c in doc["checks"]] == ["gpu-tests", "move-kernel", "trace"]
+    assert doc["checks"][1]["figures"]["different"] == 0
 
 
 def test_unknown_check_names_are_an_error(capsys):
@@ -505,3 +518,129 @@ def test_without_a_gpu_it_says_so_skips_everything_and_exits_0(tmp_path):
     assert f"0 passed, 0 failed, {len(CHECKS)} skipped." in report
     assert report.count("| skipped | no usable CUDA GPU |") == len(CHECKS)
     assert "| python |" in report and "| cupool |" in report and "| numba |" in report
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["gpu"] is False and doc["gpu_problem"].startswith("no usable CUDA GPU") and doc["complete"]
+    assert doc["counts"] == {"passed": 0, "failed": 0, "skipped": len(CHECKS)}
+    assert {c["status"] for c in doc["checks"]} == {"skipped"}
+    assert all(c["summary"] == "no usable CUDA GPU" for c in doc["checks"])
+    assert len(doc["targets"]) == len(TARGETS) and all(t["value"] is None for t in doc["targets"])
+    assert all(t["why_not"] == f"the check {t['check']} was skipped: no usable CUDA GPU" for t in doc["targets"])
+
+
+# ------------------------------------------------------------------- JSON beside the report
+def test_json_has_each_check_and_the_issues_targets_with_bounds_and_reasons():
+    results = fake_results() + [
+        Result(PASSED, figures={"128 MiB in 32 moves: copy/moves (x)": 0.91, "1 GiB in 32 moves: copy/moves (x)": 0.7,
+                                "4,096 moves of 4 KiB: moves (ms)": 0.41},
+               name="compaction-moves", title="Moves", seconds=3.0),
+        Result(PASSED, figures={"cupool / CuPy MemoryPool (x)": 1.3}, name="malloc-free", title="malloc"),
+    ]
+    doc = json.loads(to_json(results, {"python": "3.11"}, datetime(2026, 11, 24, 22, 0), 12.34, "cmd", None, 9))
+    assert doc["schema"] == 1 and doc["started"] == "2026-11-24T22:00:00" and doc["seconds"] == 12.3
+    assert doc["complete"] is False and doc["gpu"] is True and doc["environment"] == {"python": "3.11"}
+    assert doc["counts"] == {"passed": 3, "failed": 1, "skipped": 1}
+    hook = doc["checks"][1]
+    assert hook["name"] == "hook-paths" and hook["status"] == "failed" and hook["figures"] == {"pointer / CuPy (x)": 1.12}
+    assert hook["tables"] == [{"columns": ["allocator", "median"], "rows": [["CuPy MemoryPool", "1.102 us"],
+                                                                          ["pointer", 1.2345]]}]
+    targets = {t["name"]: t for t in doc["targets"]}
+    assert targets["compaction, 128 MiB in 32 moves: moves / CuPy copy (x)"] | {} == {
+        "name": "compaction, 128 MiB in 32 moves: moves / CuPy copy (x)", "check": "compaction-moves",
+        "figure": "128 MiB in 32 moves: copy/moves (x)", "target": ">= 0.8", "value": 0.91, "met": True}
+    assert targets["compaction, 1 GiB in 32 moves: moves / CuPy copy (x)"]["met"] is False
+    assert targets["4,096 moves of 4 KiB (ms)"]["met"] is True
+    floor = targets["cp.empty + drop: floor Python allocator / CuPy MemoryPool (x)"]
+    assert floor["target"] is None and floor["met"] is None
+    assert floor["why_not"] == "the check hook-paths failed without this figure"
+    raw = targets["raw malloc + free: cupool / CuPy MemoryPool malloc (x)"]
+    assert raw["value"] is None and "passed without this figure" in raw["why_not"]
+    assert targets["pool.compact(), moves only / CuPy copy (x)"]["why_not"] == (
+        "the check compaction-bandwidth did not run")
+
+
+# ------------------------------------------------------------ the checks pending from the first GPU run
+def test_compaction_moves_check_on_sim_times_each_pattern_and_checks_the_bytes(tmp_path):
+    r = moves.compaction_moves(sim(tmp_path))
+    assert r.status == PASSED, r.details
+    labels = [p.label for p in moves.QUICK]
+    assert [row[0] for row in r.tables[0].rows] == labels and all(row[-1] == "intact" for row in r.tables[0].rows)
+    for label in labels:
+        f = r.figures
+        assert f[f"{label}: copy/moves (x)"] == pytest.approx(f[f"{label}: copy (ms)"] / f[f"{label}: moves (ms)"])
+
+
+def test_compaction_moves_check_catches_moves_that_get_it_wrong(tmp_path, monkeypatch):
+    real = SimDevice.execute_moves
+
+    def drops_the_last_move(self, src, dst, nbytes):
+        real(self, src[:-1], dst[:-1], nbytes[:-1])
+
+    monkeypatch.setattr(SimDevice, "execute_moves", drops_the_last_move)
+    r = moves.compaction_moves(sim(tmp_path))
+    assert r.status == FAILED and r.details.startswith("moves left wrong bytes: 8 MiB in 32 moves, ")
+
+
+def test_the_issues_patterns_and_targets():
+    assert [(p.size * p.count, p.count, p.min_ratio, p.max_ms) for p in moves.PATTERNS] == [
+        (128 << 20, 32, 0.8, None), (1 << 30, 32, 0.9, None), (16 << 20, 4096, None, 0.5)]
+
+
+def test_vmm_latency_runs_bench_vmm_on_the_device_beside_malloc_and_free(tmp_path):
+    ctx = sim(tmp_path, tests=ROOT / "tests")
+    r = extras.vmm_latency(ctx)
+    assert r.status == PASSED, r.details
+    assert r.commands == ["python benchmarks/bench_vmm.py --device sim --granules 1 4 --repeats 3"]
+    assert [row[0] for row in r.tables[0].rows] == [1, 4]
+    f = r.figures
+    assert f["(map+unmap)/(malloc+free), 1 granule(s) (x)"] == pytest.approx(
+        (f["map, 1 granule(s) (us)"] + f["unmap, 1 granule(s) (us)"])
+        / (f["malloc, 1 granule(s) (us)"] + f["free, 1 granule(s) (us)"]))
+    assert extras.vmm_latency(sim(tmp_path, tests=tmp_path)).summary.startswith("the benchmarks are not available")
+
+
+def test_expandable_runs_the_gpu_tests_of_virtual_memory_and_says_why_when_it_cannot(tmp_path, monkeypatch):
+    root = tmp_path / "checkout" / "tests"
+    root.mkdir(parents=True)
+    (root / "conftest.py").write_text("")
+    (root / "test_expandable.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_smoke():\n    pass\n\n"
+                                             "def test_on_sim():\n    pass\n")
+    (root / "test_vmm.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_real():\n    assert 0\n")
+    monkeypatch.setattr(extras, "has_bindings", lambda: True)
+    r = extras.expandable(sim(tmp_path, tests=root))
+    assert r.status == FAILED and r.summary.startswith("1 passed, 1 failed")  # only the gpu-marked tests ran
+    assert "test_vmm.py::test_real" in r.details and "-m gpu" in r.commands[0]
+    monkeypatch.setattr(extras, "has_bindings", lambda: False)
+    r = extras.expandable(sim(tmp_path, tests=root))
+    assert r.status == SKIPPED and "pip install 'cupool[vmm]'" in r.summary
+    assert extras.expandable(sim(tmp_path)).status == SKIPPED  # no test suite
+
+
+def test_torch_summary_says_why_without_torch(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    r = extras.torch_summary(sim(tmp_path))
+    assert r.status == SKIPPED and r.summary.startswith("torch is not importable here")
+
+
+def test_torch_summary_reads_pool_stats_through_torchs_module_and_puts_it_back(tmp_path, monkeypatch):
+    """A stand-in for torch.cuda.memory (torch is not in the test extra): its summary reads memory_stats."""
+    from cupool import memory_summary
+
+    class TorchMemory:
+        @staticmethod
+        def memory_stats(device=None):
+            raise AssertionError("the check must have replaced memory_stats")
+
+        def memory_summary(self, device=None):
+            return "preamble from torch\n" + memory_summary(self.memory_stats(device))
+
+    fake = TorchMemory()
+    original = fake.memory_stats
+    torch = type(sys)("torch")
+    torch.cuda = type(sys)("torch.cuda")
+    torch.cuda.memory = fake
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.cuda", torch.cuda)
+    monkeypatch.setitem(sys.modules, "torch.cuda.memory", fake)
+    r = extras.torch_summary(sim(tmp_path))
+    assert r.status == PASSED, r.details
+    assert fake.memory_stats is original

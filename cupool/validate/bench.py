@@ -68,6 +68,7 @@ def malloc_free(ctx: Context) -> Result:
         for key, label in _PAIR_LABELS.items():
             figures[f"{label} at {live:,} live (us)"] = med[key] * 1e6
         figures[f"cupool/CuPy at {live:,} live (x)"] = ratio
+        figures[f"cupool malloc+free / CuPy malloc+drop at {live:,} live (x)"] = med["free"] / med["cupy"]
     flat = figures["cupool malloc+free at 100,000 live (us)"] / figures["cupool malloc+free at 1,000 live (us)"]
     cupy_flat = figures["CuPy malloc+drop at 100,000 live (us)"] / figures["CuPy malloc+drop at 1,000 live (us)"]
     figures["cupool 100k/1k (x)"] = flat
@@ -104,6 +105,22 @@ def _us(seconds: float) -> str:
 
 
 # ------------------------------------------------------------ cp.empty + drop per path
+#: The cheapest possible Python allocator: one fixed device pointer, what any Python allocator costs CuPy at least.
+FLOOR = "floor (fixed pointer)"
+RMM = "RMM rmm_cupy_allocator"
+
+
+def floor_allocator(cp: Any) -> Callable[[int], Any]:
+    """An allocator handing CuPy the same 1 MiB of device memory every time (``cp.empty((256,))`` fits)."""
+    fixed = cp.cuda.MemoryPool().malloc(1 << 20)
+    pointer, unowned, ptr, device = cp.cuda.MemoryPointer, cp.cuda.UnownedMemory, fixed.ptr, fixed.device_id
+
+    def floor(nbytes: int) -> Any:
+        return pointer(unowned(ptr, nbytes, fixed, device), 0)
+
+    return floor
+
+
 def rmm_allocator() -> tuple[Callable[[int], Any] | None, str]:
     """RMM's ``rmm_cupy_allocator`` over a pool resource (as RMM's users run it), or None; and a note saying which."""
     try:
@@ -127,12 +144,13 @@ def hook_paths(ctx: Context) -> Result:
     import cupy as cp
 
     number, repeat = (2000, 3) if ctx.quick else (20_000, 15)
-    allocators: dict[str, Callable[[int], Any]] = {"CuPy MemoryPool": cp.cuda.MemoryPool().malloc}
+    allocators: dict[str, Callable[[int], Any]] = {"CuPy MemoryPool": cp.cuda.MemoryPool().malloc,
+                                                   FLOOR: floor_allocator(cp)}
     for path in PATHS:
         allocators[path] = cupy_allocator(Pool(ctx.device), path=path)
     rmm, rmm_note = rmm_allocator()
     if rmm is not None:
-        allocators["RMM rmm_cupy_allocator"] = rmm
+        allocators[RMM] = rmm
     previous = cp.cuda.get_allocator()
     empty, f32 = cp.empty, cp.float32
 
@@ -163,7 +181,14 @@ def hook_paths(ctx: Context) -> Result:
         table.rows.append((name if name not in PATHS else f"cupool path={name!r}", _us(m), f"{m / base:.2f}x", ok))
     figures = {f"{name} (us)": m * 1e6 for name, m in med.items()}
     figures |= {f"{name} / CuPy (x)": m / base for name, m in med.items() if name != "CuPy MemoryPool"}
+    if RMM in med:
+        figures |= {f"{name} / RMM (x)": m / med[RMM] for name, m in med.items() if name in PATHS}
     best = fastest_passing(med, passing or ())
+    chosen = best or "pointer"  # the default path, when no run of the workload chose one
+    figures["cupool / CuPy MemoryPool (x)"] = med[chosen] / base
+    figures["floor / CuPy MemoryPool (x)"] = med[FLOOR] / base
+    if RMM in med:
+        figures["cupool / RMM (x)"] = med[chosen] / med[RMM]
     if passing is None:
         verdict = "cupy-workload did not run before it, so no path is chosen"
     elif best is None:

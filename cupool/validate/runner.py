@@ -1,4 +1,4 @@
-"""``python -m cupool.validate``: every check in one run, and a dated markdown report.
+"""``python -m cupool.validate``: every check in one run, and a dated markdown report with a JSON twin.
 
 GPU minutes are scarce, so the run never stops at the first problem: a check
 that raises is recorded as failed with its traceback and the next one runs, and
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from . import bench, memory, suites, workload
+from . import bench, extras, memory, moves, suites, workload
 from .records import FAILED, Context, Result, skipped
 from .report import default_report_path, environment, probe_gpu, render
+from .results import to_json
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ CHECKS = (
     Check("gpu-tests", "The test suite's GPU tests", suites.gpu_tests),
     Check("conformance", "Conformance suites, cuda parameters included", suites.conformance),
     Check("numba-tests", "Numba's EMM and device-array tests: cupool.numba beside Numba's default", suites.numba_tests),
+    Check("expandable", "Expandable segments on the GPU: smoke test, state machine, driver aliasing", extras.expandable),
     Check(
         "cupy-workload", "CuPy workload, bit for bit against CuPy's pool, per hook path", workload.cupy_workload_check
     ),
@@ -44,6 +46,10 @@ CHECKS = (
     Check(
         "compaction-bandwidth", "Compaction bandwidth against a plain copy", memory.compaction_bandwidth, on_sim=True
     ),
+    Check("compaction-moves", "Compaction's moves at the issue's sizes against a plain copy", moves.compaction_moves,
+          on_sim=True),
+    Check("vmm-latency", "bench_vmm.py: map/unmap latency beside cudaMalloc/cudaFree", extras.vmm_latency, on_sim=True),
+    Check("torch-summary", "PyTorch's own memory_summary over pool.stats()", extras.torch_summary, on_sim=True),
     Check("malloc-free", "malloc + free among 1k and 100k live blocks, beside CuPy's MemoryPool", bench.malloc_free),
     Check("hook-paths", "cp.empty + drop through each CuPy hook path, beside CuPy's pool and RMM", bench.hook_paths),
     Check("pinned", "Pinned memory (PinnedPool)", memory.pinned, on_sim=True),
@@ -98,7 +104,8 @@ def _select(only: str | None, skip: str | None) -> list[Check]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cupool.validate",
-        description="Run cupool's GPU checks in one go and write a dated markdown report (stdout and --out).",
+        description="Run cupool's GPU checks in one go and write a dated markdown report (stdout and --out) "
+        "and the same results as JSON beside it (--out's name with .json).",
         epilog="checks: " + ", ".join(c.name for c in CHECKS),
     )
     p.add_argument("--out", type=Path, default=None, help="report file (default: gpu-validation-YYYY-MM-DD.md here)")
@@ -137,8 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
 
     def write(planned: int | None) -> str:
-        text = render(results, env, started, time.perf_counter() - t0, command, gpu_problem, planned)
+        """The markdown report, and beside it the same run as JSON (``<report>.json``)."""
+        seconds = time.perf_counter() - t0
+        text = render(results, env, started, seconds, command, gpu_problem, planned)
         out.write_text(text)
+        out.with_suffix(".json").write_text(to_json(results, env, started, seconds, command, gpu_problem, planned))
         return text
 
     def done(result: Result) -> None:
@@ -155,5 +165,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     run_checks(ctx, checks, gpu_problem, done)
     print(write(None), end="")
-    print(f"report written to {out}", file=sys.stderr)
+    print(f"report written to {out} (and {out.with_suffix('.json').name} beside it)", file=sys.stderr)
     return 1 if any(r.status == FAILED for r in results) else 0

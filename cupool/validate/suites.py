@@ -147,7 +147,7 @@ def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
-def _suite_result(run: SuiteRun) -> Result:
+def suite_result(run: SuiteRun) -> Result:
     """On a GPU machine no test may skip for want of a GPU: such a skip means a GPU condition is wrong.
 
     A test that skips for another reason (a check that means something only on the
@@ -191,7 +191,7 @@ def find_tests(given: Path | None = None) -> Path | None:
     return here if (here / "conformance" / "test_device_conformance.py").exists() else None
 
 
-def _no_tests() -> Result:
+def no_tests() -> Result:
     return skipped(
         "the test suite is not available: cupool was installed without its tests "
         "(run from a source checkout, or pass --tests PATH)"
@@ -201,20 +201,20 @@ def _no_tests() -> Result:
 def gpu_tests(ctx: Context) -> Result:
     """Every test of the suite that needs a GPU (see ``cupool.validate.gpu_only``); on a GPU none may skip."""
     if ctx.tests is None:
-        return _no_tests()
+        return no_tests()
     # The conformance suites run whole in their own check.
     args = ["-p", "cupool.validate.gpu_only", f"--ignore={ctx.tests.name}/conformance", ctx.tests.name]
     run = run_pytest(args, ctx.tests.parent, ctx.timeout)
-    return _suite_result(run)
+    return suite_result(run)
 
 
 def conformance(ctx: Context) -> Result:
     """The device and placement conformance suites; on a GPU their cuda parameters run like sim's."""
     if ctx.tests is None:
-        return _no_tests()
+        return no_tests()
     folder = ctx.tests / "conformance"
     run = run_pytest([str(folder.relative_to(ctx.tests.parent))], ctx.tests.parent, ctx.timeout)
-    return _suite_result(run)
+    return suite_result(run)
 
 
 def available_modules(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
