@@ -3,9 +3,11 @@
 ``CupoolSetup`` is a ``distributed.WorkerPlugin`` in the shape of dask-cuda's
 ``RMMSetup``: each worker builds a ``Pool`` from the plugin's arguments and
 installs it (``cupool.install``) for CuPy and Numba, so every task's arrays come
-from its worker's pool.  ``stats``, ``empty_cache`` and ``record`` reach every
-worker through ``Client.run``.  Needs ``distributed`` (``pip install "cupool[dask]"``);
-``import cupool`` never imports this module.
+from its worker's pool.  ``dask worker ... --preload cupool.dask --cupool-max-size 80%``
+sets the same up from the command line (``dask_setup``).  ``stats``,
+``empty_cache`` and ``record`` reach every worker through ``Client.run``.  Needs
+``distributed`` (``pip install "cupool[dask]"``); ``import cupool`` never imports
+this module.
 
 A bad argument must fail where the user typed it, not as a log line in every
 worker, so ``CupoolSetup(...)`` checks its arguments on the client by building a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -28,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._units import parse_size
 from .device import SimDevice, parse_device
 from .errors import add_note
 from .hooks import existing_pool, install, installed, uninstall
@@ -35,11 +39,15 @@ from .pool import Pool
 from .trace import EventRecorder
 
 try:
+    import click
     from distributed import Client, Worker, WorkerPlugin
+    from distributed.core import Status
 except ImportError as e:  # pragma: no cover - exercised only where distributed is missing
     raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
 
-__all__ = ["ClusterRecording", "ClusterStats", "CupoolSetup", "empty_cache", "record", "stats", "worker_pool"]
+__all__ = [
+    "ClusterRecording", "ClusterStats", "CupoolSetup", "dask_setup", "empty_cache", "record", "stats", "worker_pool",
+]
 
 #: The sim device a GPU configuration is checked against on the client: larger than
 #: any GPU, so that a percentage never makes an absolute size look too big there.
@@ -47,6 +55,8 @@ __all__ = ["ClusterRecording", "ClusterStats", "CupoolSetup", "empty_cache", "re
 #: (``expandable_segments`` with a large ``initial_size`` maps it granule by granule:
 #: about a second per 30 GB).
 _GPU_STAND_IN = 1 << 40
+
+logger = logging.getLogger("cupool")
 
 #: In a spill path, replaced by the worker's name: workers on one machine must not share a file.
 WORKER_FIELD = "{worker}"
@@ -57,6 +67,12 @@ def _pool_keywords() -> tuple[str, ...]:
     params = inspect.signature(Pool).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(p.name for p in params if p.kind in kinds and p.name != "device")
+
+
+def _pool_defaults() -> dict[str, Any]:
+    """``Pool``'s keyword arguments with their defaults."""
+    params = inspect.signature(Pool).parameters
+    return {name: params[name].default for name in _pool_keywords()}
 
 
 def _file_name(address: str) -> str:
@@ -71,12 +87,18 @@ class _Installed:
     pool: Pool
     key: tuple[Any, ...]
     workers: set[str] = field(default_factory=set)
+    #: Workers torn down whose pool closes once their event loop turns: Dask tears a plugin down
+    #: just before setting up the one registered again, and an identical one keeps the pool.
+    leaving: set[str] = field(default_factory=set)
     #: Tells pools apart across processes, so that workers sharing one are counted once.
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-_lock = threading.Lock()  # guards _installed: setups of in-process workers may race
+_lock = threading.Lock()  # guards _installed and _retired: setups of in-process workers may race
 _installed: _Installed | None = None
+#: Pools closed (replaced or torn down) while arrays still held their memory: reported by ``stats``
+#: until the last of those arrays dies (Note [Lifetimes]).
+_retired: list[Pool] = []
 
 
 class CupoolSetup(WorkerPlugin):
@@ -98,13 +120,23 @@ class CupoolSetup(WorkerPlugin):
     larger than its memory) fails in the worker, and ``register_plugin`` then
     raises that error on the client.
 
-    Registering again (the plugin's ``name`` is fixed) replaces the pool: Dask
-    tears the old plugin down first, so a worker whose new pool then fails is
-    left with none.  Setting up twice in one worker keeps the one pool; a second
-    setup with other arguments is refused (workers sharing a process: unregister
-    the old plugin before registering one with other arguments).  ``teardown``
-    uninstalls the hooks and closes the pool; arrays still alive stay valid
-    (Note [Lifetimes]).
+    Registering again (the plugin's ``name`` is fixed, so the last registration
+    is the one new workers get):
+
+    - an identical setup (equal ``key``: device, pool arguments, hooks), as
+      re-running a notebook cell gives, changes nothing: each worker keeps its
+      pool, its cached memory and its figures;
+    - a different setup replaces the pool in every worker.  The old pool is
+      closed: arrays still alive stay valid, and the memory they hold is reported
+      by ``stats`` (``retired_*`` figures) until they die.  A worker whose new
+      pool fails is left with none, and ``register_plugin`` raises the error.
+
+    Workers sharing one process (``LocalCluster(processes=False)``) share its one
+    installed pool, and a replacement replaces it for all of them.  A pool that
+    ``cupool.install()`` made is never replaced (``RuntimeError``).  ``teardown``
+    (``client.unregister_worker_plugin("cupool")``, or the worker closing)
+    uninstalls the hooks and closes the pool.  distributed's ``idempotent=True``
+    is not used: it would ignore a different setup as well as an identical one.
     """
 
     name = "cupool"
@@ -132,12 +164,16 @@ class CupoolSetup(WorkerPlugin):
 
     def __repr__(self) -> str:
         args = [repr(self.device), *(f"{k}={v!r}" for k, v in self.options.items())]
+        args += [f"{k}={v!r}" for k, v in (("cupy", self.cupy), ("numba", self.numba)) if v != _HOOK_DEFAULTS[k]]
         return f"CupoolSetup({', '.join(args)})"
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """What makes two setups the same pool: the device and the pool's arguments."""
-        return (self.device, sorted(self.options.items()))
+        """What makes two setups the same: the device, the pool's arguments (leaving out those given
+        as their defaults, so ``expandable_segments=False`` is no change) and the hooks."""
+        defaults = _pool_defaults()
+        options = sorted((k, v) for k, v in self.options.items() if k not in defaults or defaults[k] != v)
+        return (self.device, options, self.cupy, self.numba)
 
     def make_pool(self, worker_name: str) -> Pool:
         """The pool this plugin builds for the worker named ``worker_name`` (its spill path filled in)."""
@@ -152,44 +188,68 @@ class CupoolSetup(WorkerPlugin):
         with _lock:
             current = _installed
             if current is not None:
-                if current.key != self.key:
-                    raise RuntimeError(
-                        f"cupool.dask: this worker process already has the pool of another CupoolSetup "
-                        f"({current.pool!r}); unregister that plugin before setting up {self!r}"
-                    )
-                current.workers.add(worker.address)
-                return
-            if installed():
+                if current.key == self.key:
+                    current.leaving.discard(worker.address)
+                    current.workers.add(worker.address)
+                    return
+                _installed = None  # replaced: the process's other workers move to the new pool with this one
+                workers = (current.workers - current.leaving) | {worker.address}
+                _retire(current.pool)
+            elif installed():
                 raise RuntimeError(
                     "cupool.dask: cupool is already installed in this worker process (cupool.install()); "
                     "CupoolSetup does not replace a pool it did not make"
                 )
+            else:
+                workers = {worker.address}
             pool = self.make_pool(_file_name(worker.address))
             try:
                 install(pool, cupy=self._hook_cupy(), numba=self.numba)
             except BaseException:
                 pool.close()
                 raise
-            _installed = _Installed(pool, self.key, {worker.address})
+            _installed = _Installed(pool, self.key, workers)
 
     def teardown(self, worker: Worker) -> None:
-        global _installed
         with _lock:
             current = _installed
             if current is None or worker.address not in current.workers:
                 return
-            current.workers.discard(worker.address)
-            if current.workers:
+            if worker.status in (Status.running, Status.paused):  # maybe registered again: decide after setup
+                current.leaving.add(worker.address)
+                worker.loop.add_callback(_leave, current, worker.address)
                 return
-            _installed = None
-            pool = current.pool
-            if installed() and existing_pool(pool.device.index) is pool:
-                uninstall()
-            pool.close()
+        _leave(current, worker.address, now=True)
 
     def _hook_cupy(self) -> bool:
         """Whether to hook CuPy: as asked, else when the worker has it."""
         return self.cupy if self.cupy is not None else importlib.util.find_spec("cupy") is not None
+
+
+_HOOK_DEFAULTS: dict[str, bool | None] = {"cupy": None, "numba": True}
+
+
+def _leave(entry: _Installed, address: str, now: bool = False) -> None:
+    """``address`` stops using ``entry``'s pool (unless set up again meanwhile); the last one closes it."""
+    global _installed
+    with _lock:
+        if not now and address not in entry.leaving:
+            return  # set up again with the same arguments: it kept the pool
+        entry.leaving.discard(address)
+        entry.workers.discard(address)
+        if entry.workers or _installed is not entry:
+            return
+        _installed = None
+        _retire(entry.pool)
+
+
+def _retire(pool: Pool) -> None:
+    """Uninstall and close ``pool`` (under ``_lock``); keep it for ``stats`` while arrays hold its memory."""
+    if installed() and existing_pool(pool.device.index) is pool:
+        uninstall()
+    pool.close()
+    if pool.stats()["reserved_bytes.all.current"]:
+        _retired.append(pool)
 
 
 def _spill_template(spill: Any) -> str:
@@ -261,7 +321,7 @@ def worker_pool() -> Pool:
 #: (workers peak at different times, so their sum is no peak), and so are ratios
 #: and maxima (fragmentation, cache_hit_rate, largest_free_block).
 _SUMMED_SUFFIXES = (".current", ".allocated", ".freed")
-_SUMMED_NAMES = ("compaction_bytes_moved", "limit")
+_SUMMED_NAMES = ("compaction_bytes_moved", "limit", "retired_allocated_bytes", "retired_reserved_bytes")
 
 
 def _summed(name: str) -> bool:
@@ -273,12 +333,17 @@ def _summed(name: str) -> bool:
 class ClusterStats:
     """Each worker's ``pool.stats()`` by address, and the cluster's totals.
 
+    Each worker's figures add two of cupool.dask's own:
+    ``retired_allocated_bytes`` and ``retired_reserved_bytes``, the memory still
+    held by the worker's earlier pools (replaced by a different ``CupoolSetup``)
+    through arrays that are still alive; they drop to 0 as those arrays die.
+
     ``total`` sums what adds up across workers: every ``*.current``,
     ``*.allocated`` and ``*.freed`` figure (bytes and counts), the ``num_*``
-    counters, ``compaction_bytes_moved`` and ``limit`` (the cluster's cap).
-    Peaks, ``fragmentation``, ``cache_hit_rate`` and ``largest_free_block`` are
-    per worker only.  Workers that share a process (``processes=False``) share
-    its pool, which the totals count once.
+    counters, ``compaction_bytes_moved``, ``limit`` (the cluster's cap) and the
+    ``retired_*`` bytes.  Peaks, ``fragmentation``, ``cache_hit_rate`` and
+    ``largest_free_block`` are per worker only.  Workers that share a process
+    (``processes=False``) share its pool, which the totals count once.
     """
 
     workers: dict[str, dict[str, int | float]]
@@ -287,7 +352,13 @@ class ClusterStats:
 
 def _worker_stats() -> tuple[str, dict[str, int | float]]:
     current = _current()
-    return current.token, current.pool.stats()
+    figures = current.pool.stats()
+    with _lock:
+        old = [(p, p.stats()) for p in _retired]
+        _retired[:] = [p for p, f in old if f["reserved_bytes.all.current"]]  # all back: forget the pool
+    figures["retired_allocated_bytes"] = sum(int(f["allocated_bytes.all.current"]) for _, f in old)
+    figures["retired_reserved_bytes"] = sum(int(f["reserved_bytes.all.current"]) for _, f in old)
+    return current.token, figures
 
 
 def stats(client: Client) -> ClusterStats:
@@ -348,6 +419,12 @@ class ClusterRecording:
     streams its trace to a file in its local directory; ``stop()`` brings the
     files over through ``Client.run``.  Workers that join after ``start()`` are
     not recorded; those that leave before ``stop()`` lose their trace.
+
+    ``start()`` claims every worker's file name in ``folder`` (an empty file,
+    created exclusively), so a second recording into the same folder, running
+    or finished, is refused there with ``FileExistsError``, before anything is
+    recorded.  ``stop()`` replaces each claim with its trace; a trace it cannot
+    write stays in ``unsaved`` (address -> the file's bytes) and the error says so.
     """
 
     def __init__(self, client: Client, folder: str | Path, **options: Any) -> None:
@@ -363,7 +440,10 @@ class ClusterRecording:
         self.options = options
         #: The collected traces by worker address, filled in by ``stop()``.
         self.paths: dict[str, Path] = {}
+        #: Traces ``stop()`` could not write, by worker address: the trace file's bytes.
+        self.unsaved: dict[str, bytes] = {}
         self._token: str | None = None
+        self._claimed: dict[str, Path] = {}
 
     def path_of(self, address: str) -> Path:
         return self.folder / f"{_file_name(address)}.h5"
@@ -373,23 +453,48 @@ class ClusterRecording:
             raise RuntimeError("cupool.dask.record: this recording is already started")
         self.folder.mkdir(parents=True, exist_ok=True)
         # Client.run's answer names every worker in all versions (scheduler_info() lists only some in a few).
-        taken = [str(p) for a in self.client.run(_nothing) if (p := self.path_of(a)).exists()]
-        if taken:
-            raise FileExistsError(f"cupool.dask.record: will not overwrite {', '.join(taken)}")
+        self._claim(sorted(self.client.run(_nothing)))
         token = uuid.uuid4().hex
         try:
             self.client.run(_start_recording, token, self.options)
         except BaseException:
             self.client.run(_stop_recording, token, on_error="ignore")  # those that did start
+            self._unclaim(list(self._claimed))
             raise
         self._token = token
         return self
 
+    def _claim(self, addresses: list[str]) -> None:
+        """Create each worker's trace file empty and exclusively, or none of them (naming those taken)."""
+        taken = []
+        for address in addresses:
+            path = self.path_of(address)
+            try:
+                with open(path, "xb"):
+                    pass
+            except FileExistsError:
+                taken.append(str(path))
+            else:
+                self._claimed[address] = path
+        if taken:
+            self._unclaim(list(self._claimed))
+            raise FileExistsError(
+                f"cupool.dask.record: will not overwrite {', '.join(taken)} (traces of another recording into "
+                f"{self.folder}, finished or still running); record into another folder"
+            )
+
+    def _unclaim(self, addresses: list[str]) -> None:
+        for address in addresses:
+            path = self._claimed.pop(address)
+            if path.exists() and path.stat().st_size == 0:  # still our empty claim
+                path.unlink()
+
     def stop(self) -> dict[str, Path]:
         """Stop every worker's recorder and write its trace into ``folder``; returns ``paths``.
 
-        A worker whose recorder fails does not stop the others' traces from being
-        collected; the failures are raised afterwards, naming the workers.
+        A worker whose recorder fails, or whose trace cannot be written, does not
+        stop the others' traces from being collected; the failures are raised
+        afterwards, naming the workers.
         """
         token, self._token = self._token, None
         if token is None:
@@ -399,17 +504,33 @@ class ClusterRecording:
         for address, data in sorted(results.items()):
             if isinstance(data, BaseException):
                 failed[address] = data
-            elif data is not None:
-                path = self.path_of(address)
-                with open(path, "xb") as fh:
-                    fh.write(data)
-                self.paths[address] = path
+            elif data is not None and address in self._claimed:
+                try:
+                    self._write(self._claimed[address], data)
+                except OSError as e:
+                    self.unsaved[address] = data
+                    failed[address] = e
+                else:
+                    self.paths[address] = self._claimed.pop(address)
+        self._unclaim(list(self._claimed))  # workers that left or failed: no empty file stays behind
         if failed:
+            kept = f"; their traces are in .unsaved ({len(self.unsaved)})" if self.unsaved else ""
             detail = "; ".join(f"{a}: {e}" for a, e in failed.items())
-            raise RuntimeError(f"cupool.dask.record: recording failed on {len(failed)} worker(s): {detail}") from next(
-                iter(failed.values())
-            )
+            raise RuntimeError(
+                f"cupool.dask.record: recording failed on {len(failed)} worker(s): {detail}{kept}"
+            ) from next(iter(failed.values()))
         return dict(self.paths)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write ``data`` over the claim at ``path`` whole or not at all (a temporary file, then a rename)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def __enter__(self) -> ClusterRecording:
         return self.start()
@@ -431,3 +552,84 @@ def record(client: Client, folder: str | Path, **options: Any) -> ClusterRecordi
     ``batch``, ``flush_interval``) and are checked here.  See ``ClusterRecording``.
     """
     return ClusterRecording(client, folder, **options)
+
+
+# ---------------------------------------------------------- dask worker --preload cupool.dask
+class _Size(click.ParamType):
+    """A size as ``Pool`` takes it ("80%", "20GiB", bytes), checked as the command line is read."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        try:
+            parse_size(text, _GPU_STAND_IN, "size")
+        except ValueError as e:
+            self.fail(str(e).removeprefix("size: "), param, ctx)  # click names the option
+        return text
+
+
+_SIZE = _Size()
+
+
+class _SetupCommand(click.Command):
+    """``dask_setup``'s command: the options are checked together as soon as they are read.
+
+    distributed reads a preload's options in the ``dask worker`` process before
+    any worker starts (and again in the worker), so an ``initial_size`` above
+    ``max_size`` stops the command with a usage error there, not as a log line.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        _setup_from(ctx.params)
+        return rest
+
+
+def _setup_from(params: dict[str, Any]) -> CupoolSetup:
+    """The ``CupoolSetup`` that ``dask_setup``'s options (``--cupool-NAME`` for its ``NAME``) describe."""
+    args = {name.removeprefix("cupool_"): value for name, value in params.items() if value is not None}
+    device, cupy, numba = args.pop("device"), args.pop("cupy", None), args.pop("numba")
+    try:
+        return CupoolSetup(device, cupy=cupy, numba=numba, **args)
+    except (TypeError, ValueError) as e:
+        raise click.UsageError(f"--preload cupool.dask: {e}") from e
+
+
+@click.command(name="dask_setup", cls=_SetupCommand)
+@click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
+@click.option("--cupool-max-size", type=_SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
+@click.option("--cupool-initial-size", type=_SIZE, help="Reserved when the worker starts, and kept.")
+@click.option("--cupool-release-threshold", type=_SIZE, help="Free bytes kept cached; the rest goes back.")
+@click.option("--cupool-capacity", type=_SIZE, help="The sim device's memory (sim only).")
+@click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact above it.")
+@click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=False, show_default=True)
+@click.option("--cupool-stitch/--no-cupool-stitch", default=False, show_default=True)
+@click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
+@click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports).")
+@click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba.")
+async def dask_setup(worker: Worker, **params: Any) -> None:
+    """``dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%``: the worker's pool from its command line.
+
+    The options are ``CupoolSetup``'s (``--cupool-NAME`` for its ``NAME``), and
+    the pool is set up as that plugin, under its name: a ``CupoolSetup``
+    registered later from a client keeps it when identical, and replaces it
+    otherwise.  Bad options stop ``dask worker`` with a usage error before any
+    worker starts.  What only the worker can find wrong (no GPU for
+    ``--cupool-device cuda``) closes the worker, naming it: distributed would
+    otherwise log a failed preload and let the worker run without its pool.
+    """
+    plugin = _setup_from(params)
+    try:
+        await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+    except Exception as e:
+        reason = f"--preload cupool.dask: this worker cannot make its pool: {e}"
+        logger.error("%s; closing the worker", reason)
+        worker.loop.add_callback(_close_once_started, worker, reason)
+        raise
+
+
+async def _close_once_started(worker: Worker, reason: str) -> None:
+    """Close ``worker`` after its start (in progress: it runs the preloads) ends; close() skips one starting."""
+    await worker.start()  # waits on the start in progress, then returns at once
+    await worker.close(reason=reason)

@@ -81,13 +81,11 @@ def _setup_again(dask_worker) -> dict:
     plugin.setup(dask_worker)
     pickle.loads(pickle.dumps(plugin)).setup(dask_worker)  # a copy, as a second registration would bring
     same = cdask.worker_pool() is before and not before.closed
-    other = cdask.CupoolSetup(**{**CONFIG, "max_size": "25%"})
-    try:
-        other.setup(dask_worker)
-        refused = ""
-    except RuntimeError as e:
-        refused = str(e)
-    return {"same": same, "refused": refused, "unchanged": cdask.worker_pool() is before, "limit": before.limit}
+    cdask.CupoolSetup(**{**CONFIG, "max_size": "25%"}).setup(dask_worker)  # other arguments: a new pool
+    after = cdask.worker_pool()
+    replaced = {"old_closed": before.closed, "limit": after.limit, "routed": hooks.current_pool() is after}
+    plugin.setup(dask_worker)  # and back, for the tests that follow
+    return {"same": same, "replaced": replaced, "limit": cdask.worker_pool().limit}
 
 
 def _keep_pool(dask_worker) -> None:
@@ -199,6 +197,38 @@ def test_a_recording_will_not_overwrite_traces(client, workers, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in paths.values()} == stamps
 
 
+def test_a_second_recording_into_one_folder_is_refused_up_front_and_loses_nothing(client, workers, tmp_path):
+    """Issue 21 #9: the second stop() raised a raw FileExistsError, and its other traces were gone."""
+    first = cdask.record(client, tmp_path)
+    first.start()
+    second = cdask.record(client, tmp_path)
+    with pytest.raises(FileExistsError, match="another recording into"):
+        second.start()
+    distributed.wait([client.submit(_malloc_and_free, 2, workers=[w], pure=False) for w in workers])
+    paths = first.stop()
+    assert sorted(paths) == workers and sorted(tmp_path.iterdir()) == sorted(paths.values())
+    for path in paths.values():
+        assert cupool.load_trace(path).counts()["alloc"] == 2
+    assert second.stop() == {}  # it never started
+
+
+def test_a_trace_that_cannot_be_written_is_kept_and_the_others_are_written(client, workers, tmp_path, monkeypatch):
+    rec = cdask.record(client, tmp_path).start()
+    write = cdask.ClusterRecording._write
+
+    def full_disk_for_the_first(self, path, data):
+        if path == self.path_of(workers[0]):
+            raise OSError(28, "No space left on device")
+        write(self, path, data)
+
+    monkeypatch.setattr(cdask.ClusterRecording, "_write", full_disk_for_the_first)
+    with pytest.raises(RuntimeError, match=r"1 worker\(s\).*No space left.*in \.unsaved"):
+        rec.stop()
+    assert list(rec.paths) == [workers[1]] and list(rec.unsaved) == [workers[0]]
+    assert rec.unsaved[workers[0]][:8] == b"\x89HDF\r\n\x1a\n"  # the whole trace file, to write elsewhere
+    assert sorted(tmp_path.iterdir()) == [rec.paths[workers[1]]]  # no empty claim, no temporary file left
+
+
 @pytest.mark.parametrize(
     "options, error, match",
     [
@@ -267,20 +297,54 @@ def test_the_worker_fills_in_its_spill_file(tmp_path):
         pool.close()
 
 
-def test_setting_up_twice_in_a_worker_keeps_one_pool(client, workers):
+def test_setting_up_twice_in_a_worker_keeps_one_pool_and_other_arguments_replace_it(client, workers):
     got = client.run(_setup_again)
-    for w in workers:
-        assert got[w]["same"] and got[w]["unchanged"] and got[w]["limit"] == 128 * MiB
-        assert "already has the pool of another CupoolSetup" in got[w]["refused"]
+    replaced = {"old_closed": True, "limit": 64 * MiB, "routed": True}
+    assert got == {w: {"same": True, "replaced": replaced, "limit": 128 * MiB} for w in workers}
+
+
+def test_registering_an_identical_setup_again_changes_nothing(client, workers):
+    """Issue 20 #4: re-running a notebook cell replaced every pool; stats() then said 0 with arrays alive."""
+    before = client.run(_pool_id)
+    futures = [client.submit(_hold, 3 * MiB, workers=[w], pure=False) for w in workers]
+    distributed.wait(futures)
+    reserved = {w: s["reserved_bytes.all.current"] for w, s in cdask.stats(client).workers.items()}
+    client.register_plugin(cdask.CupoolSetup(**CONFIG))
+    client.register_plugin(cdask.CupoolSetup(**{**CONFIG, "expandable_segments": False}))  # a default: the same
+    assert client.run(_pool_id) == before
+    s = cdask.stats(client)
+    assert {w: f["allocated_bytes.all.current"] for w, f in s.workers.items()} == {w: 3 * MiB for w in workers}
+    assert {w: f["reserved_bytes.all.current"] for w, f in s.workers.items()} == reserved
+    assert s.total["retired_allocated_bytes"] == 0
+    del futures
+    assert _wait_for(client, _live_bytes, {w: 0 for w in workers}) == {w: 0 for w in workers}
+
+
+def _retired_total(client) -> tuple[int, int]:
+    total = cdask.stats(client).total
+    return total["retired_allocated_bytes"], total["retired_reserved_bytes"]
 
 
 def test_teardown_closes_the_pool_and_registering_again_replaces_it(client, workers, tmp_path):
     client.run(_keep_pool)
+    held = client.submit(_hold, 5 * MiB, workers=[workers[0]], pure=False)
+    distributed.wait(held)
     try:
         client.register_plugin(cdask.CupoolSetup(**{**CONFIG, "max_size": "25%"}))
         state = client.run(_state)
         alive = {"kept_closed": True, "installed": True, "pool": True, "new": True, "routed": True, "limit": 64 * MiB}
         assert state == {w: alive for w in workers}
+        # The old pool's memory that an array still holds stays in the figures until the array dies.
+        s = cdask.stats(client)
+        assert s.workers[workers[0]]["retired_allocated_bytes"] == 5 * MiB
+        assert s.workers[workers[0]]["retired_reserved_bytes"] >= 5 * MiB
+        assert s.workers[workers[1]]["retired_allocated_bytes"] == 0
+        assert s.total["retired_allocated_bytes"] == 5 * MiB and s.total["allocated_bytes.all.current"] == 0
+        del held
+        deadline = time.monotonic() + 10
+        while _retired_total(client) != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _retired_total(client) == (0, 0)
         client.run(_keep_pool)
         client.unregister_worker_plugin("cupool")
         state = client.run(_state)
@@ -322,5 +386,14 @@ def test_workers_sharing_a_process_share_its_pool_and_count_it_once():
         s = cdask.stats(c)
         assert len(s.workers) == 2 and all(w["allocated_bytes.all.current"] == MiB for w in s.workers.values())
         assert s.total["allocated_bytes.all.current"] == MiB and s.total["limit"] == 64 * MiB
+        c.register_plugin(cdask.CupoolSetup("sim", capacity="64MiB"))  # identical: nothing changes
+        assert cdask.worker_pool() is pool and not pool.closed
+        # Issue 21 #9: other arguments raised RuntimeError on the client, yet both workers got the new pool.
+        c.register_plugin(cdask.CupoolSetup("sim", capacity="64MiB", max_size="50%"))
+        new = cdask.worker_pool()
+        assert new is not pool and pool.closed and hooks.current_pool() is new and new.limit == 32 * MiB
+        assert set(c.run(_pool_id).values()) == {id(new)}
+        s = cdask.stats(c)
+        assert s.total["limit"] == 32 * MiB and s.total["retired_allocated_bytes"] == MiB
         del x
-    assert pool.closed and not hooks.installed()
+    assert new.closed and not hooks.installed()

@@ -1,0 +1,96 @@
+"""``dask worker ... --preload cupool.dask --cupool-max-size 80%``: real ``dask worker`` processes against a
+local scheduler on 127.0.0.1, each bounded in time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install 'cupool[dask]')")
+
+cloudpickle = pytest.importorskip("cloudpickle", reason="distributed ships functions with cloudpickle")
+
+from conftest import HAS_GPU
+
+import cupool
+import cupool.dask as cdask
+
+# The workers cannot import this file, so its functions travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MiB = 1 << 20
+WORKER = [sys.executable, "-m", "distributed.cli.dask_worker"]
+#: Worker processes are started with this, and killed if they outlive it.
+LIMIT = 90
+
+
+def _worker_command(address: str, *options: str, nanny: bool = True) -> list[str]:
+    extra = [] if nanny else ["--no-nanny"]
+    return [*WORKER, address, "--nthreads", "1", "--no-dashboard", *extra, "--preload", "cupool.dask", *options]
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    with distributed.LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as cluster:
+        yield cluster.scheduler_address
+
+
+def test_a_worker_started_with_the_preload_has_its_pool(scheduler):
+    options = ["--cupool-device", "sim", "--cupool-capacity", "256MiB", "--cupool-max-size", "50%",
+               "--cupool-release-threshold", "4MiB", "--cupool-expandable-segments"]
+    proc = subprocess.Popen(_worker_command(scheduler, *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        with distributed.Client(scheduler, timeout=LIMIT) as client:
+            client.wait_for_workers(1, timeout=LIMIT)
+            (worker,) = client.scheduler_info()["workers"]
+            config = client.run(lambda: cdask.worker_pool().config)[worker]
+            assert config["limit"] == 128 * MiB and config["device"].startswith("sim")
+            assert config["release_threshold"] == 4 * MiB and config["expandable_segments"] is True
+            assert client.run(lambda: cdask.worker_pool() is cupool.hooks.current_pool())[worker]
+            before = client.run(lambda: id(cdask.worker_pool()))
+            # The same setup from a client (a notebook's) keeps the pool; another one replaces it.
+            client.register_plugin(cdask.CupoolSetup(
+                "sim", capacity="256MiB", max_size="50%", release_threshold="4MiB", expandable_segments=True
+            ))
+            assert client.run(lambda: id(cdask.worker_pool())) == before
+            client.register_plugin(cdask.CupoolSetup("sim", capacity="256MiB", max_size="25%"))
+            assert client.run(lambda: cdask.worker_pool().limit) == {worker: 64 * MiB}
+            client.unregister_worker_plugin("cupool")
+            client.retire_workers([worker], close_workers=True)
+        out = proc.communicate(timeout=LIMIT)[0]
+    finally:
+        proc.kill()
+    assert "Run preload setup: cupool.dask" in out
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--cupool-max-size", "lots"], "Invalid value for '--cupool-max-size': cannot parse 'lots' as a size"),
+        (["--cupool-defrag-threshold", "2"], "Invalid value for '--cupool-defrag-threshold'"),
+        (["--cupool-bogus", "1"], "No such option '--cupool-bogus'"),
+        (["--cupool-device", "sim", "--cupool-capacity", "64MiB", "--cupool-initial-size", "128MiB"],
+         "--preload cupool.dask: CupoolSetup: initial_size 128 MiB is above the pool's limit 64 MiB"),
+        (["--cupool-spill", "/scratch/spill.h5"], r"spill path '/scratch/spill.h5' has no {worker}"),
+    ],
+)
+def test_bad_options_stop_dask_worker_before_it_starts(options, message):
+    # No scheduler listens there: the command must fail reading its options, before it tries to connect.
+    r = subprocess.run(_worker_command("tcp://127.0.0.1:9", *options), capture_output=True, text=True, timeout=LIMIT,
+                       check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr
+    assert "Start worker" not in r.stderr
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the worker must lack a GPU for --cupool-device cuda to fail there")
+def test_a_worker_that_cannot_make_its_pool_closes_naming_why(scheduler):
+    start = time.monotonic()
+    r = subprocess.run(_worker_command(scheduler, "--cupool-device", "cuda", nanny=False), capture_output=True,
+                       text=True, timeout=LIMIT, check=False)
+    assert "this worker cannot make its pool: device='cuda', but no usable CUDA GPU" in r.stderr
+    assert "End worker" in r.stderr and time.monotonic() - start < LIMIT
