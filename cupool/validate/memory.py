@@ -65,6 +65,16 @@ def random_moves(rng: np.random.Generator, size: int, count: int, unit: int) -> 
     return moves
 
 
+def mixed_moves(rng: np.random.Generator, size: int, count: int) -> list[Move]:
+    """Word-aligned moves of 4 KiB to 3 MiB inside ``size`` bytes (the larger ones take the GPU's copy path),
+    depending on one another, then two slides over themselves."""
+    moves = []
+    for _ in range(count):
+        n = int(rng.choice([4096, 256 << 10, MiB, 2 * MiB, 3 * MiB])) + 8 * int(rng.integers(0, 4))
+        moves.append((8 * int(rng.integers(0, (size - n) // 8)), 8 * int(rng.integers(0, (size - n) // 8)), n))
+    return moves + [(0, size // 16, size // 8), (size // 64, 0, size // 32)]
+
+
 def move_kernel(ctx: Context) -> Result:
     """Random move lists and large overlapping slides through ``device.execute_moves``, against memmove."""
     rng = np.random.default_rng(14)
@@ -75,6 +85,8 @@ def move_kernel(ctx: Context) -> Result:
         unit = 8 if i % 2 else 1
         moves = random_moves(rng, small, int(rng.integers(1, 17)), unit)
         cases.append((f"random {unit}-byte moves #{i}", small, moves))
+    for i in range(2 if ctx.quick else 6):  # both paths in one list: megabyte copies among small moves and slides
+        cases.append((f"copies, small moves and slides #{i}", big, mixed_moves(rng, big, 24)))
     f = big // 64  # the large slides of tests/test_kernels.py, scaled to ``big``
     cases.append(("large overlapping slides", big, [(4096, 0, 32 * f), (0, f, 48 * f), (40 * f, 8 * f, 16 * f)]))
     pool = _pool(ctx, 2 * big)
@@ -95,7 +107,8 @@ def move_kernel(ctx: Context) -> Result:
             moved, big_seconds = int(n.sum()), seconds
         a.free()
     pool.check()
-    grid = "one cooperative launch, as many blocks of 512 threads as stay resident"
+    grid = ("the copy path (large disjoint moves) and one cooperative launch for the rest, as many blocks of 512 "
+            "threads as stay resident")
     if ctx.device == "sim":
         grid = "the sim device's @njit twin"
     bandwidth = _gbps(moved, big_seconds)
