@@ -41,23 +41,16 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int], lock: Any) -> None:
+def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int]) -> None:
     """Give back address space and the memfd; unmapping a range takes its mappings with it.
 
     Runs at ``close()``, when the object dies, or at exit (a pool still alive then
-    never closes its virtual memory itself).  Under the object's lock, so no
-    operation is half way through; but not waiting for ever for it, since a daemon
-    thread may hold it when the interpreter exits.
+    never closes its virtual memory itself: see ``SimVirtualMemory._disposed``).
     """
-    locked = lock.acquire(timeout=1.0)
-    try:
-        for addr, nbytes in reserved.items():
-            libc.munmap(addr, nbytes)
-        reserved.clear()
-        os.close(fd)
-    finally:
-        if locked:
-            lock.release()
+    for addr, nbytes in reserved.items():
+        libc.munmap(addr, nbytes)
+    reserved.clear()
+    os.close(fd)
 
 
 def _check(rc: int, what: str) -> None:
@@ -95,7 +88,7 @@ class SimVirtualMemory(VirtualMemory):
         self._holes: SortedDict = SortedDict()  # free file offset -> nbytes
         self._punch = True
         self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
-        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved, self._lock)
+        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
 
     # -- host access (tests and the sim pool read and write through this) --------
     def bytes_at(self, addr: int, nbytes: int) -> np.ndarray:
