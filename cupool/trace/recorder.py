@@ -20,6 +20,13 @@ how many events it holds, at ``stop()`` (the end of the ``with`` block).  The
 writer never leaves h5py a file to close after a failed write, which would
 crash the process (see ``Hdf5Writer``).
 
+A recording keeps its pool alive only for the length of a ``with`` block (and a
+recorder not yet started, so that ``Pool(...).record(path)`` works).  Otherwise it
+holds the pool weakly (Note [Lifetimes]): a finished recording keeps nothing
+alive, and one started and never stopped ends with its pool: the recorder
+detaches, its flush thread writes what the ring holds and closes the file, and a
+``ResourceWarning`` says that ``stop()`` was never called.
+
 The recorder reaches the pool only through the ``Recordable`` surface below, and
 never imports ``cupool.pool``: the pool imports this module in ``Pool.record()``.
 """
@@ -33,6 +40,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -105,6 +113,10 @@ class EventRecorder:
     is smaller) and every ``flush_interval`` seconds.  If writing the file fails,
     recording to the file stops (the ring buffer goes on), the pool is unaffected,
     and ``stop()`` raises the ``TraceError``.
+
+    Between ``start()`` and ``stop()`` (outside a ``with`` block) the recorder holds
+    its pool weakly: ``pool`` is None once the pool is gone, and a recording that
+    was never stopped is flushed and closed then.
     """
 
     def __init__(
@@ -124,7 +136,9 @@ class EventRecorder:
             raise ValueError(f"batch must be an int in [1, capacity={capacity}], got {batch!r}")
         if not 0 < flush_interval < math.inf:
             raise ValueError(f"flush_interval must be a finite number of seconds > 0, got {flush_interval!r}")
-        self.pool = pool
+        self._pool = weakref.ref(pool)
+        self._held: Recordable | None = pool  # strong only before start() and inside `with`
+        self._death: weakref.ref | None = None  # calls _pool_died while started
         self.capacity = capacity
         self.stacks = bool(stacks)
         self._ring: list[tuple[Any, ...]] = [()] * capacity  # a slot is read only once written
@@ -139,6 +153,7 @@ class EventRecorder:
         self._timer: threading.Thread | None = None
         self._stopping = threading.Event()
         self._unsubscribe: Callable[[], None] | None = None
+        self._finished = False  # the file is flushed and closed (or abandoned)
         self._config: dict[str, Any] = {}
         self.error: TraceError | None = None
 
@@ -146,7 +161,9 @@ class EventRecorder:
     def start(self) -> EventRecorder:
         if self._unsubscribe is not None:
             raise RuntimeError("this recorder is already started")
-        pool = self.pool
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError("this recorder's pool is gone")
         self._config = recording_config(pool)
         # One hold of the pool's lock for reading the live state and subscribing:
         # an event between the two would be in neither.  subscribe() does not take
@@ -159,6 +176,8 @@ class EventRecorder:
             for ev in seed:
                 self._on_event(ev)
             self._unsubscribe = pool.subscribe(self._on_event)
+        self._death = weakref.ref(pool, self._pool_died)
+        self._held = None
         with _active_lock:
             _active.setdefault(pool, []).append(self)
         if self._writer is not None:
@@ -171,31 +190,68 @@ class EventRecorder:
         """Detach from the pool, flush and close the file; raise the ``TraceError`` of a failed write."""
         if self._unsubscribe is None:
             return
-        # Under the pool's lock, so that no event is still being delivered when the ring is flushed below.
-        with self.pool.hold():
+        pool = self._pool()
+        if pool is not None:
+            # Under the pool's lock, so that no event is still being delivered when the ring is flushed below.
+            with pool.hold():
+                self._unsubscribe()
+            with _active_lock:
+                recs = _active.get(pool, [])
+                if self in recs:
+                    recs.remove(self)
+            del pool
+        else:  # the pool died first: _pool_died has detached the recorder already
             self._unsubscribe()
         self._unsubscribe = None
-        with _active_lock:
-            recs = _active.get(self.pool, [])
-            if self in recs:
-                recs.remove(self)
+        self._death = None
+        self._held = None
         if self._timer is not None:
             self._stopping.set()
             self._timer.join()
             self._timer = None
         # No event arrives and no timer runs any more: the last flush needs no lock.
-        if self._writer is not None and self.error is None:
+        self._finish()
+        if self.error is not None:
+            raise self.error
+
+    def _finish(self) -> None:
+        """The last flush and closing the file; once, by ``stop()`` or by the flush thread of a dead pool."""
+        if self._finished or self._writer is None:
+            return
+        self._finished = True
+        if self.error is None:
             self._flush()
             if self.error is None:
                 try:
                     self._writer.close()
-                except Exception as e:  # noqa: BLE001 - reported below like any write failure
+                except Exception as e:  # noqa: BLE001 - reported at stop() like any write failure
                     self._fail(e)
-        if self.error is not None:
-            raise self.error
+
+    def _pool_died(self, _ref: weakref.ref) -> None:
+        """The pool is gone while recording: detach, and let the flush thread write out and close the file.
+
+        Runs wherever the pool died, possibly inside another pool operation, so it
+        takes no lock and does no I/O: it marks the subscription dead (safe from a
+        finalizer), stops flushing from events, and wakes the flush thread.
+        """
+        if self._unsubscribe is None:
+            return
+        self._flush_at = math.inf
+        self._unsubscribe()
+        self._stopping.set()
+        where = "" if self.path is None else f" to {self.path}"
+        warnings.warn(
+            f"cupool: a recording{where} was never stopped; its pool is gone, so it ended with "
+            f"{self._n} events (call stop() or use `with pool.record(...):`)",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
     def __enter__(self) -> EventRecorder:
-        return self.start()
+        pool = self._pool()
+        self.start()
+        self._held = pool  # the block bounds the recording: the pool lives at least as long
+        return self
 
     def __exit__(self, et: type | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if ev is None:
@@ -224,9 +280,16 @@ class EventRecorder:
         pool) keeps events from arriving while the ring is read and the file written.
         """
         while not self._stopping.wait(self._interval):
-            with self.pool.hold():
+            pool = self._pool()
+            if pool is None:
+                break
+            with pool.hold():
                 if self.error is None and self._n > self._flushed:
                     self._flush()
+            del pool  # held only while flushing: this thread must not keep the pool alive
+        if self._pool() is None:
+            # The pool died without stop(): no event arrives any more, so the last flush needs no lock.
+            self._finish()
 
     def _flush(self) -> None:
         assert self._writer is not None, "only a recording to a file flushes"
@@ -276,7 +339,8 @@ class EventRecorder:
 
     def events(self) -> list[tuple]:
         """The retained events, oldest first, as ``(t_ns, kind, addr, size, stream[, stack])``."""
-        with self.pool.hold() if self._unsubscribe is not None else contextlib.nullcontext():
+        pool = self._pool() if self._unsubscribe is not None else None
+        with contextlib.nullcontext() if pool is None else pool.hold():
             lo = max(0, self._n - self.capacity)
             return [self._ring[i % self.capacity] for i in range(lo, self._n)]
 
@@ -291,6 +355,11 @@ class EventRecorder:
     @property
     def path(self) -> Path | None:
         return None if self._writer is None else self._writer.path
+
+    @property
+    def pool(self) -> Recordable | None:
+        """The pool recorded, or None once it is gone (the recorder holds it weakly)."""
+        return self._pool()
 
 
 def recording_config(pool: Recordable) -> dict[str, Any]:
