@@ -208,3 +208,18 @@ def test_real_snapshots(tmp_path):
     timed = report_data(load_trace(SHARED / "zidongliu_decomfl_memory.pickle"))
     assert not timed.still and timed.x_label == "time (s)" and timed.x[-1] > 1
     _check_map(timed)
+
+
+def test_the_report_leaves_the_callers_matplotlib_alone(tmp_path):
+    # In Jupyter the inline backend must survive a report, or the notebook's later plots stop showing.
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")
+    try:
+        figures = plt.get_fignums()
+        plot_report(Trace.from_events([(0, "alloc", 1 << 30, 512, 0)], source="one"), tmp_path / "r.png")
+        assert matplotlib.get_backend() == "pdf" and plt.get_fignums() == figures
+    finally:
+        matplotlib.use(before)

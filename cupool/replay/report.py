@@ -118,13 +118,10 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
 
     Returns the replay summary the figure was drawn from.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend and figures are left alone
 
     data = report_data(trace, config)
-    fig = plt.figure(figsize=(11, 10), layout="constrained")
+    fig = Figure(figsize=(11, 10), layout="constrained")
     title = Path(trace.source).name or "trace"
     fig.suptitle(f"{title}: {len(trace)} events ({trace.format}), replayed on the sim device "
                  f"({data.engine} engine)", fontsize=12)
@@ -138,13 +135,10 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
         _memory_panel(ax1, trace, data)
         _fragmentation_panel(fig.add_subplot(gs[1], sharex=ax1), data)
         at = data.x[data.peak_index] if len(data.x) else 0.0
-        when = f"at peak reserved ({'t = ' + format(at, '.3g') + ' s' if data.x_label != 'event' else 'event ' + str(int(at))})"
+        when = f"at peak reserved ({f't = {at:.3g} s' if data.x_label != 'event' else f'event {int(at)}'})"
     _segment_map(fig.add_subplot(gs[-1]), data.segments, when)
-    try:
-        with atomic_output(path, "the report") as fh:  # a full disk leaves no empty or torn image
-            fig.savefig(fh, format=Path(path).suffix[1:].lower() or "png", dpi=110)
-    finally:
-        plt.close(fig)
+    with atomic_output(path, "the report") as fh:  # a full disk leaves no empty or torn image
+        fig.savefig(fh, format=Path(path).suffix[1:].lower() or "png", dpi=110)
     return data.summary
 
 
