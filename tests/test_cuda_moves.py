@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import needs_gpu
 from cupool.device.cuda_moves import BATCH_MIN, CudaMover, batch_copy_over
 
 STREAM = 77
@@ -277,3 +278,69 @@ def test_a_batch_call_that_raises_falls_back_too(failure):
     m, rt, _ = mover(batch=batch)
     assert run(m, rt, moves, data) == reference(bytearray(data), moves)
     assert len([c for c in rt.of("memcpy") if c[1] == 3]) == BATCH_MIN
+
+
+# --------------------------------------------------------------------------- GPU
+class CountingRuntime:
+    """``cupy.cuda.runtime`` with its allocations counted."""
+
+    def __init__(self, rt):
+        self._rt, self.mallocs = rt, 0
+        self.CUDARuntimeError = rt.CUDARuntimeError
+
+    def malloc(self, n):
+        self.mallocs += 1
+        return self._rt.malloc(n)
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+
+@needs_gpu
+def test_on_the_gpu_nothing_is_allocated_per_call_and_both_paths_move_right():
+    import cupy
+
+    from cupool.device.cuda_moves import NumbaMoveKernel, driver_batch_copy
+
+    rt = CountingRuntime(cupy.cuda.runtime)
+    m = CudaMover(rt, NumbaMoveKernel(0), driver_batch_copy(0))
+    m.prepare()
+    size = 64 << 20
+    base = cupy.cuda.runtime.malloc(size)
+    try:
+        data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+        cupy.cuda.runtime.memcpy(base, data.ctypes.data, size, 1)
+        moves = [(k * (4 << 20) + (2 << 20), (40 << 20) + k * (2 << 20), 2 << 20) for k in range(8)]  # copies
+        moves += [(k * 8192, (60 << 20) + k * 4096, 4096) for k in range(64)] + [(0, 4096, 1 << 20)]  # kernel
+        before = rt.mallocs
+        for _ in range(3):
+            src, dst, n = (np.array([x[i] for x in moves], dtype=np.int64) + (base if i < 2 else 0) for i in range(3))
+            m.execute(src, dst, n)
+        assert rt.mallocs == before
+        expected = bytearray(data.tobytes())
+        for _ in range(3):
+            reference(expected, moves)
+        out = np.empty(size, np.uint8)
+        cupy.cuda.runtime.memcpy(out.ctypes.data, base, size, 2)
+        assert out.tobytes() == bytes(expected)
+    finally:
+        cupy.cuda.runtime.free(base)
+
+
+@needs_gpu
+def test_the_drivers_batched_copy_is_accepted_and_copies():
+    import cupy
+
+    from cupool.device.cuda_moves import driver_batch_copy
+
+    batch = driver_batch_copy(0)
+    if batch is None:
+        pytest.skip("cuda-bindings without cuMemcpyBatchAsync: the mover copies move by move")
+    a = cupy.arange(1 << 20, dtype=cupy.uint8)
+    b = cupy.zeros(1 << 20, dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    q = 1 << 18
+    assert batch([b.data.ptr + i * q for i in range(4)], [a.data.ptr + (3 - i) * q for i in range(4)], [q] * 4,
+                 stream.ptr)
+    stream.synchronize()
+    assert (b.reshape(4, q) == a.reshape(4, q)[::-1]).all()
