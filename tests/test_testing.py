@@ -250,10 +250,8 @@ def test_books_disagreeing_with_the_layout_are_caught(monkeypatch):
 
 
 class ExpandableMachine(FaultRules, PoolStateMachine):
-    # No spill tier: with one, the machine finds issue 21 #4 (a zero-byte movable breaks spilling on
-    # expandable pools, a core defect) within seconds; this test is about the machine's own invariants.
     def make_pool(self):
-        return cupool.Pool("sim", capacity="64MiB", expandable_segments=True)
+        return cupool.Pool("sim", capacity="64MiB", expandable_segments=True, spill="host")
 
 
 def test_the_machine_runs_on_an_expandable_pool():
