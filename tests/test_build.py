@@ -136,6 +136,18 @@ def test_a_stale_build_is_never_used_and_says_how_to_rebuild(compiled_site, tmp_
     assert len(warnings) == 1 and "pip install" in warnings[0], err
 
 
+def test_an_extension_that_does_not_import_is_not_used(compiled_site, tmp_path):
+    """As with a module built for another Python: the source runs, and the warning says why."""
+    site = tmp_path / "site"
+    shutil.copytree(compiled_site, site)
+    name = NAMES[0]
+    (site / "cupool" / "core" / f"{name}{EXT}").write_bytes(b"not a shared object")
+    out, err = _run(site, tmp_path)
+    assert out["info"]["fast_path"] == "pure" and "does not import" in out["info"]["reason"], out["info"]
+    assert out["files"][name] == str(site / "cupool" / "core" / f"{name}.py")
+    assert len([line for line in err.splitlines() if "RuntimeWarning" in line]) == 1, err
+
+
 def test_without_a_compiler_the_install_succeeds_and_runs_uncompiled(src, tmp_path):
     site = tmp_path / "site"
     r = _install(src, site, CC="false", CXX="false")
