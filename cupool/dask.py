@@ -287,7 +287,9 @@ def _check_pool_arguments(device: Any, options: dict[str, Any]) -> None:
     probe = dict(options)
     spill = probe.get("spill")
     if isinstance(spill, str) and spill != "host":
-        probe["spill"] = spill.replace(WORKER_FIELD, "probe")  # an HDF5 tier makes its file only when it spills
+        # The file's name is checked here, its folder in the worker (whose machine may have it when the
+        # client's has not); an HDF5 tier makes its file only when it spills.
+        probe["spill"] = str(Path(tempfile.gettempdir()) / Path(spill.replace(WORKER_FIELD, "probe")).name)
     if kind == "sim":
         target: str | SimDevice = device  # the very device each worker will make: an exact check
     elif capacity is not None:

@@ -371,6 +371,17 @@ def test_a_pool_the_worker_cannot_make_fails_registration_on_the_client(client, 
     assert client.run(lambda: cdask.worker_pool().limit) == {w: 128 * MiB for w in workers}
 
 
+def test_a_spill_folder_is_checked_in_the_worker_not_on_the_client(client, workers, tmp_path):
+    """The client's machine may lack a folder that the workers' have: only the workers can tell."""
+    plugin = cdask.CupoolSetup(**CONFIG, spill=tmp_path / "missing" / "spill-{worker}.h5")  # accepted here
+    try:
+        with pytest.raises(ValueError, match="its folder .*missing' does not exist"):
+            client.register_plugin(plugin)
+    finally:
+        client.register_plugin(cdask.CupoolSetup(**CONFIG))
+    assert client.run(lambda: cdask.worker_pool().limit) == {w: 128 * MiB for w in workers}
+
+
 def test_workers_sharing_a_process_share_its_pool_and_count_it_once():
     assert not hooks.installed()
     plugin = cdask.CupoolSetup("sim", capacity="64MiB")
