@@ -384,7 +384,7 @@ def test_a_spill_folder_is_checked_in_the_worker_not_on_the_client(client, worke
 
 def test_workers_sharing_a_process_share_its_pool_and_count_it_once():
     assert not hooks.installed()
-    plugin = cdask.CupoolSetup("sim", capacity="64MiB")
+    plugin = cdask.CupoolSetup("sim", capacity="64MiB", initial_size="8MiB")
     with distributed.LocalCluster(
         n_workers=2, processes=False, threads_per_worker=1, dashboard_address=":0", worker_dashboard_address=":0",
         plugins={plugin},
@@ -397,8 +397,10 @@ def test_workers_sharing_a_process_share_its_pool_and_count_it_once():
         s = cdask.stats(c)
         assert len(s.workers) == 2 and all(w["allocated_bytes.all.current"] == MiB for w in s.workers.values())
         assert s.total["allocated_bytes.all.current"] == MiB and s.total["limit"] == 64 * MiB
-        c.register_plugin(cdask.CupoolSetup("sim", capacity="64MiB"))  # identical: nothing changes
+        reserved = pool.stats()["reserved_bytes.all.current"]
+        c.register_plugin(cdask.CupoolSetup("sim", capacity="64MiB", initial_size="8MiB"))  # identical: no change
         assert cdask.worker_pool() is pool and not pool.closed
+        assert pool.stats()["reserved_bytes.all.current"] == reserved and pool.device.used == reserved
         # Issue 21 #9: other arguments raised RuntimeError on the client, yet both workers got the new pool.
         c.register_plugin(cdask.CupoolSetup("sim", capacity="64MiB", max_size="50%"))
         new = cdask.worker_pool()
