@@ -70,7 +70,7 @@ def scratch_needed(src, dst, n):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def _overlaps(st, en, cnt, a, b):  # pragma: no cover - compiled
     """Whether [a, b) meets one of the ``cnt`` disjoint sorted ranges ``st``/``en``."""
-    if a >= b:
+    if a >= b or cnt == 0 or a >= en[cnt - 1] or b <= st[0]:  # past the last range, or before the first
         return False
     i = np.searchsorted(st[:cnt], a, "right") - 1
     if i >= 0 and en[i] > a:
@@ -83,6 +83,13 @@ def _add(st, en, cnt, a, b):  # pragma: no cover - compiled
     """Add [a, b) to the disjoint sorted ranges, merging; returns the new count."""
     if a >= b:
         return cnt
+    if cnt and a >= st[cnt - 1]:  # only the last range can meet [a, b): the common case, addresses ascending
+        if a <= en[cnt - 1]:
+            en[cnt - 1] = max(en[cnt - 1], b)
+            return cnt
+        st[cnt] = a
+        en[cnt] = b
+        return cnt + 1
     i = np.searchsorted(st[:cnt], a, "right") - 1
     if i >= 0 and en[i] >= a:
         first = i
@@ -213,25 +220,29 @@ def assign_phases(ps, pd, pn, engine):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def group_starts(ps, pd, pn):  # pragma: no cover - compiled
     """Where each group of the pieces starts (and, last, the piece count): a piece starts a new
-    group when it writes what the group touched or reads what it wrote, or the group is full."""
+    group when it writes what the group read or wrote, or reads what it wrote, or the group is full.
+
+    Reads and writes are kept as two sets of ranges: compaction's addresses ascend in
+    each, so nearly every lookup and insertion is at the end of its set (O(1)).
+    """
     k = ps.size
     brk = np.zeros(k, np.int8)
-    ts = np.empty(2 * MAX_GROUP + 2, np.int64)
-    te = np.empty_like(ts)
+    rs = np.empty(MAX_GROUP + 1, np.int64)
+    re = np.empty_like(rs)
     ws = np.empty(MAX_GROUP + 1, np.int64)
     we = np.empty_like(ws)
-    tc = 0
+    rc = 0
     wc = 0
     size = 0
     for p in range(k):
         a, b, c = ps[p], pd[p], pn[p]
-        if size and (size >= MAX_GROUP or _overlaps(ts, te, tc, b, b + c) or _overlaps(ws, we, wc, a, a + c)):
+        if size and (size >= MAX_GROUP or _overlaps(ws, we, wc, b, b + c) or _overlaps(rs, re, rc, b, b + c)
+                     or _overlaps(ws, we, wc, a, a + c)):
             brk[p - 1] = 1
-            tc = 0
+            rc = 0
             wc = 0
             size = 0
-        tc = _add(ts, te, tc, a, a + c)
-        tc = _add(ts, te, tc, b, b + c)
+        rc = _add(rs, re, rc, a, a + c)
         wc = _add(ws, we, wc, b, b + c)
         size += 1
     ngroups = int(brk.sum()) + (1 if k else 0)
@@ -261,7 +272,14 @@ def plan_moves(src, dst, n, scratch, window, tile, copy_min):  # pragma: no cove
     ps, pd, pn, engine = cut_pieces(src, dst, n, scratch, window, copy_min)
     k = ps.size
     phase = assign_phases(ps, pd, pn, engine)
-    order = np.argsort(phase, kind="mergesort")  # stable: list order within a phase
+    at = np.zeros(MAX_PHASES + 1, np.int64)  # a counting sort by phase, stable: list order within a phase
+    for p in range(k):
+        at[phase[p] + 1] += 1
+    at = np.cumsum(at)
+    order = np.empty(k, np.int64)
+    for p in range(k):
+        order[at[phase[p]]] = p
+        at[phase[p]] += 1
     steps = np.empty((k + MAX_PHASES, 4), np.int64)
     copies = np.empty((3, k), np.int64)
     packed = np.empty(5 * k + 2 * MAX_PHASES, np.int64)
