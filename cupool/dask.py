@@ -11,14 +11,14 @@ this module.
 
 A bad argument must fail where the user typed it, not as a log line in every
 worker, so ``CupoolSetup(...)`` checks its arguments on the client by building a
-throwaway pool with them (see ``CupoolSetup``).  Workers sharing one process
+throwaway pool with them (see ``CupoolSetup``; the checks live in
+``cupool._dask_arguments``).  Workers sharing one process
 (``LocalCluster(processes=False)``) share its one installed pool.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import os
 import re
@@ -31,13 +31,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._units import parse_size
-from .device import SimDevice, parse_device
-from .errors import add_note
-from .hooks import existing_pool, install, installed, uninstall
-from .pool import Pool
-from .trace import EventRecorder
-
 try:
     import click
     from distributed import Client, Worker, WorkerPlugin
@@ -45,34 +38,24 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only where distributed is missing
     raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
 
+from ._dask_arguments import (  # after distributed: it needs click, which comes with distributed
+    SIZE,
+    WORKER_FIELD,
+    check_pool_arguments,
+    pool_defaults,
+    pool_keywords,
+    spill_template,
+)
+from .errors import add_note
+from .hooks import existing_pool, install, installed, uninstall
+from .pool import Pool
+from .trace import EventRecorder
+
 __all__ = [
     "ClusterRecording", "ClusterStats", "CupoolSetup", "dask_setup", "empty_cache", "record", "stats", "worker_pool",
 ]
 
-#: The sim device a GPU configuration is checked against on the client: larger than
-#: any GPU, so that a percentage never makes an absolute size look too big there.
-#: Its address space is reserved, not used (``SimDevice``), so the check is cheap
-#: (``expandable_segments`` with a large ``initial_size`` maps it granule by granule:
-#: about a second per 30 GB).
-_GPU_STAND_IN = 1 << 40
-
 logger = logging.getLogger("cupool")
-
-#: In a spill path, replaced by the worker's name: workers on one machine must not share a file.
-WORKER_FIELD = "{worker}"
-
-
-def _pool_keywords() -> tuple[str, ...]:
-    """``Pool``'s keyword arguments other than ``device``, read from its signature so new ones pass through."""
-    params = inspect.signature(Pool).parameters.values()
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return tuple(p.name for p in params if p.kind in kinds and p.name != "device")
-
-
-def _pool_defaults() -> dict[str, Any]:
-    """``Pool``'s keyword arguments with their defaults."""
-    params = inspect.signature(Pool).parameters
-    return {name: params[name].default for name in _pool_keywords()}
 
 
 def _file_name(address: str) -> str:
@@ -146,7 +129,7 @@ class CupoolSetup(WorkerPlugin):
             raise TypeError(f"CupoolSetup: cupy must be True, False or None, got {cupy!r}")
         if not isinstance(numba, bool):
             raise TypeError(f"CupoolSetup: numba must be True or False, got {numba!r}")
-        known = _pool_keywords()
+        known = pool_keywords()
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise TypeError(
@@ -155,8 +138,8 @@ class CupoolSetup(WorkerPlugin):
             )
         spill = options.get("spill")
         if spill is not None:
-            options["spill"] = _spill_template(spill)
-        _check_pool_arguments(device, options)
+            options["spill"] = spill_template(spill)
+        check_pool_arguments(device, options)
         self.device = device
         self.options = options
         self.cupy = cupy
@@ -171,7 +154,7 @@ class CupoolSetup(WorkerPlugin):
     def key(self) -> tuple[Any, ...]:
         """What makes two setups the same: the device, the pool's arguments (leaving out those given
         as their defaults, so ``expandable_segments=False`` is no change) and the hooks."""
-        defaults = _pool_defaults()
+        defaults = pool_defaults()
         options = sorted((k, v) for k, v in self.options.items() if k not in defaults or defaults[k] != v)
         return (self.device, options, self.cupy, self.numba)
 
@@ -250,58 +233,6 @@ def _retire(pool: Pool) -> None:
     pool.close()
     if pool.stats()["reserved_bytes.all.current"]:
         _retired.append(pool)
-
-
-def _spill_template(spill: Any) -> str:
-    """``spill`` as text that every worker can fill in: ``"host"`` or an HDF5 path with ``{worker}``."""
-    if not isinstance(spill, (str, os.PathLike)):
-        raise TypeError(
-            "CupoolSetup: spill must be None, 'host' or a path with {worker} in it (each worker makes its own "
-            f"tier; a tier object cannot be shared between worker processes), got {spill!r}"
-        )
-    text = spill if isinstance(spill, str) else str(Path(spill))
-    if text != "host" and WORKER_FIELD not in text:
-        raise ValueError(
-            f"CupoolSetup: spill path {text!r} has no {WORKER_FIELD} in it, so workers on one machine would "
-            f"share one file; write it as e.g. {str(Path(text).with_name('spill-' + WORKER_FIELD + '.h5'))!r}"
-        )
-    return text
-
-
-def _check_pool_arguments(device: Any, options: dict[str, Any]) -> None:
-    """Build and close a pool with these arguments on a sim device, raising its error as the plugin's."""
-    if not isinstance(device, str):
-        raise TypeError(
-            "CupoolSetup: device must be 'auto', 'sim', 'cuda' or 'cuda:N' (each worker makes its own device), "
-            f"got {device!r}"
-        )
-    capacity = options.get("capacity")
-    kind = None  # "auto": the worker decides
-    if device.strip().lower() != "auto":
-        try:
-            kind, _ = parse_device(device, capacity, note_fallback=False)
-        except RuntimeError:
-            kind = "cuda"  # spelt right; only the client lacks a GPU, which says nothing of the workers
-        except ValueError as e:
-            raise ValueError(f"CupoolSetup: {e}") from None
-    probe = dict(options)
-    spill = probe.get("spill")
-    if isinstance(spill, str) and spill != "host":
-        # The file's name is checked here, its folder in the worker (whose machine may have it when the
-        # client's has not); an HDF5 tier makes its file only when it spills.
-        probe["spill"] = str(Path(tempfile.gettempdir()) / Path(spill.replace(WORKER_FIELD, "probe")).name)
-    if kind == "sim":
-        target: str | SimDevice = device  # the very device each worker will make: an exact check
-    elif capacity is not None:
-        target = "sim"  # only a sim device takes a capacity, so that is what an "auto" worker makes
-    else:
-        target = SimDevice(_GPU_STAND_IN, headroom=1)
-    try:
-        Pool(target, **probe).close()
-    except TypeError as e:
-        raise TypeError(f"CupoolSetup: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"CupoolSetup: {e}") from e
 
 
 def _current() -> _Installed:
@@ -557,23 +488,6 @@ def record(client: Client, folder: str | Path, **options: Any) -> ClusterRecordi
 
 
 # ---------------------------------------------------------- dask worker --preload cupool.dask
-class _Size(click.ParamType):
-    """A size as ``Pool`` takes it ("80%", "20GiB", bytes), checked as the command line is read."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        text = str(value)
-        try:
-            parse_size(text, _GPU_STAND_IN, "size")
-        except ValueError as e:
-            self.fail(str(e).removeprefix("size: "), param, ctx)  # click names the option
-        return text
-
-
-_SIZE = _Size()
-
-
 class _SetupCommand(click.Command):
     """``dask_setup``'s command: the options are checked together as soon as they are read.
 
@@ -600,10 +514,10 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
 
 @click.command(name="dask_setup", cls=_SetupCommand)
 @click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
-@click.option("--cupool-max-size", type=_SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
-@click.option("--cupool-initial-size", type=_SIZE, help="Reserved when the worker starts, and kept.")
-@click.option("--cupool-release-threshold", type=_SIZE, help="Free bytes kept cached; the rest goes back.")
-@click.option("--cupool-capacity", type=_SIZE, help="The sim device's memory (sim only).")
+@click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
+@click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept.")
+@click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back.")
+@click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only).")
 @click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact above it.")
 @click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=False, show_default=True)
 @click.option("--cupool-stitch/--no-cupool-stitch", default=False, show_default=True)

@@ -1,0 +1,116 @@
+"""The arguments of ``cupool.dask``'s plugin and preload, checked where the user typed them.
+
+A bad argument must fail on the client (or on ``dask worker``'s command line),
+not as a log line in every worker: the checks build, and close, a pool with the
+arguments on a sim device, which is what ``Pool`` itself would say in the worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._units import parse_size
+from .device import SimDevice, parse_device
+from .pool import Pool
+
+__all__ = ["GPU_STAND_IN", "SIZE", "WORKER_FIELD", "check_pool_arguments", "pool_defaults", "pool_keywords",
+           "spill_template"]
+
+#: The sim device a GPU configuration is checked against on the client: larger than
+#: any GPU, so that a percentage never makes an absolute size look too big there.
+#: Its address space is reserved, not used (``SimDevice``), so the check is cheap
+#: (``expandable_segments`` with a large ``initial_size`` maps it granule by granule:
+#: about a second per 30 GB).
+GPU_STAND_IN = 1 << 40
+
+#: In a spill path, replaced by the worker's name: workers on one machine must not share a file.
+WORKER_FIELD = "{worker}"
+
+
+def pool_keywords() -> tuple[str, ...]:
+    """``Pool``'s keyword arguments other than ``device``, read from its signature so new ones pass through."""
+    params = inspect.signature(Pool).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in kinds and p.name != "device")
+
+
+def pool_defaults() -> dict[str, Any]:
+    """``Pool``'s keyword arguments with their defaults."""
+    params = inspect.signature(Pool).parameters
+    return {name: params[name].default for name in pool_keywords()}
+
+
+def spill_template(spill: Any) -> str:
+    """``spill`` as text that every worker can fill in: ``"host"`` or an HDF5 path with ``{worker}``."""
+    if not isinstance(spill, (str, os.PathLike)):
+        raise TypeError(
+            "CupoolSetup: spill must be None, 'host' or a path with {worker} in it (each worker makes its own "
+            f"tier; a tier object cannot be shared between worker processes), got {spill!r}"
+        )
+    text = spill if isinstance(spill, str) else str(Path(spill))
+    if text != "host" and WORKER_FIELD not in text:
+        raise ValueError(
+            f"CupoolSetup: spill path {text!r} has no {WORKER_FIELD} in it, so workers on one machine would "
+            f"share one file; write it as e.g. {str(Path(text).with_name('spill-' + WORKER_FIELD + '.h5'))!r}"
+        )
+    return text
+
+
+def check_pool_arguments(device: Any, options: dict[str, Any]) -> None:
+    """Build and close a pool with these arguments on a sim device, raising its error as the plugin's."""
+    if not isinstance(device, str):
+        raise TypeError(
+            "CupoolSetup: device must be 'auto', 'sim', 'cuda' or 'cuda:N' (each worker makes its own device), "
+            f"got {device!r}"
+        )
+    capacity = options.get("capacity")
+    kind = None  # "auto": the worker decides
+    if device.strip().lower() != "auto":
+        try:
+            kind, _ = parse_device(device, capacity, note_fallback=False)
+        except RuntimeError:
+            kind = "cuda"  # spelt right; only the client lacks a GPU, which says nothing of the workers
+        except ValueError as e:
+            raise ValueError(f"CupoolSetup: {e}") from None
+    probe = dict(options)
+    spill = probe.get("spill")
+    if isinstance(spill, str) and spill != "host":
+        # The file's name is checked here, its folder in the worker (whose machine may have it when the
+        # client's has not); an HDF5 tier makes its file only when it spills.
+        probe["spill"] = str(Path(tempfile.gettempdir()) / Path(spill.replace(WORKER_FIELD, "probe")).name)
+    if kind == "sim":
+        target: str | SimDevice = device  # the very device each worker will make: an exact check
+    elif capacity is not None:
+        target = "sim"  # only a sim device takes a capacity, so that is what an "auto" worker makes
+    else:
+        target = SimDevice(GPU_STAND_IN, headroom=1)
+    try:
+        Pool(target, **probe).close()
+    except TypeError as e:
+        raise TypeError(f"CupoolSetup: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"CupoolSetup: {e}") from e
+
+
+class _Size(click.ParamType):
+    """A size as ``Pool`` takes it ("80%", "20GiB", bytes), checked as the command line is read."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        try:
+            parse_size(text, GPU_STAND_IN, "size")
+        except ValueError as e:
+            self.fail(str(e).removeprefix("size: "), param, ctx)  # click names the option
+        return text
+
+
+#: The click type of ``--cupool-*-size`` options.
+SIZE = _Size()
