@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import click
 import pytest
 
 distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install 'cupool[dask]')")
@@ -76,14 +77,23 @@ def test_a_worker_started_with_the_preload_has_its_pool(scheduler):
         (["--cupool-device", "sim", "--cupool-capacity", "64MiB", "--cupool-initial-size", "128MiB"],
          "--preload cupool.dask: CupoolSetup: initial_size 128 MiB is above the pool's limit 64 MiB"),
         (["--cupool-spill", "/scratch/spill.h5"], r"spill path '/scratch/spill.h5' has no {worker}"),
+        (["--cupool-device", "tpu"], "--preload cupool.dask: CupoolSetup: device must be 'auto'"),
     ],
 )
-def test_bad_options_stop_dask_worker_before_it_starts(options, message):
+def test_bad_options_are_refused_as_the_command_line_is_read(options, message):
+    """What distributed does with a preload's options in the ``dask worker`` process, before any worker starts."""
+    with pytest.raises(click.UsageError) as err:
+        cdask.dask_setup.make_context("dask_setup", list(options))
+    assert message in err.value.format_message()
+
+
+def test_a_bad_option_stops_dask_worker_before_it_starts():
     # No scheduler listens there: the command must fail reading its options, before it tries to connect.
-    r = subprocess.run(_worker_command("tcp://127.0.0.1:9", *options), capture_output=True, text=True, timeout=LIMIT,
-                       check=False)
+    command = _worker_command("tcp://127.0.0.1:9", "--cupool-device", "sim", "--cupool-initial-size", "1TiB",
+                              "--cupool-capacity", "1GiB")
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert message in r.stderr
+    assert "--preload cupool.dask: CupoolSetup: initial_size 1 TiB is above the pool's limit 1 GiB" in r.stderr
     assert "Start worker" not in r.stderr
 
 
