@@ -344,3 +344,71 @@ def test_the_drivers_batched_copy_is_accepted_and_copies():
                  stream.ptr)
     stream.synchronize()
     assert (b.reshape(4, q) == a.reshape(4, q)[::-1]).all()
+
+
+# ------------------------------------------------- the Numba launch, with Numba's CUDA calls stood in for
+class FakeCompiled:
+    def __init__(self, sig, raw_ok, log):
+        self.sig, self.raw_ok, self.log = sig, raw_ok, log
+
+    def max_cooperative_grid_blocks(self, threads):
+        assert threads == 512
+        return 264
+
+    def launch(self, args, griddim, blockdim, stream):
+        if "CPointer" in self.sig and not self.raw_ok:
+            raise NotImplementedError("(uint64*, 5)")  # what Numba's own numba.cuda says for a pointer
+        self.log.append((self.sig, args, griddim, blockdim, stream))
+
+
+@pytest.fixture
+def numba_stand_ins(monkeypatch):
+    import contextlib
+
+    import numba.cuda
+
+    import cupool.kernels.move as move
+
+    state = SimpleNamespace(raw_ok=True, compiled=[], launches=[])
+
+    class Dispatcher:
+        def compile(self, sig):
+            state.compiled.append(sig)
+            return FakeCompiled(sig, state.raw_ok, state.launches)
+
+    monkeypatch.setattr(move, "move_cuda", Dispatcher())
+    monkeypatch.setattr(numba.cuda, "gpus", {0: contextlib.nullcontext()})
+    monkeypatch.setattr(numba.cuda, "external_stream", lambda handle: ("stream", handle))
+    monkeypatch.setattr(numba.cuda, "from_cuda_array_interface",
+                        lambda desc, owner, sync: ("view", desc["data"][0], desc["shape"], desc["typestr"]))
+    return state
+
+
+def test_the_kernel_is_launched_on_raw_pointers_without_the_dispatcher(numba_stand_ins):
+    from cupool.device.cuda_moves import NumbaMoveKernel
+
+    k = NumbaMoveKernel(0)
+    k.prepare(8)
+    for _ in range(2):
+        k.launch(8, 4096, 100, 8192, 50, 7, 2, STREAM)
+    k.launch(1, 4096, 800, 8192, 50, 7, 2, STREAM)
+    assert numba_stand_ins.compiled == ["void(CPointer(uint64), CPointer(int64), int64, int64)",
+                                        "void(CPointer(uint8), CPointer(int64), int64, int64)"]  # once per size
+    sig, args, grid, block, stream = numba_stand_ins.launches[0]
+    assert (args, grid, block, stream) == ((4096, 8192, 7, 2), (264, 1, 1), (512, 1, 1), ("stream", STREAM))
+    assert len(numba_stand_ins.launches) == 3
+
+
+def test_a_numba_that_cannot_pass_pointers_gets_array_views(numba_stand_ins):
+    from cupool.device.cuda_moves import NumbaMoveKernel
+
+    numba_stand_ins.raw_ok = False
+    k = NumbaMoveKernel(0)
+    k.launch(8, 4096, 100, 8192, 50, 7, 2, STREAM)
+    k.launch(1, 4096, 800, 8192, 50, 7, 2, STREAM)
+    assert numba_stand_ins.compiled == ["void(CPointer(uint64), CPointer(int64), int64, int64)",
+                                        "void(uint64[::1], int64[::1], int64, int64)",
+                                        "void(uint8[::1], int64[::1], int64, int64)"]  # pointers never tried again
+    views = [launch[1][:2] for launch in numba_stand_ins.launches]
+    assert views == [(("view", 4096, (100,), "<u8"), ("view", 8192, (50,), "<i8")),
+                     (("view", 4096, (800,), "|u1"), ("view", 8192, (50,), "<i8"))]
