@@ -39,6 +39,17 @@ class CompactionReport:
     seconds: float  # the whole compaction: planning, moving, releasing segments
     move_seconds: float  # carrying out the moves on the device
 
+    def __repr__(self) -> str:
+        """Every field, as a person reads it: sizes in units, fractions to three places, times in ms."""
+        from .._units import format_bytes as b
+
+        return (f"CompactionReport(moves={self.moves}, bytes_moved={b(self.bytes_moved)}, "
+                f"segments_released={self.segments_released}, bytes_released={b(self.bytes_released)}, "
+                f"fragmentation={self.fragmentation_before:.3f}->{self.fragmentation_after:.3f}, "
+                f"largest_free_block={b(self.largest_free_block_before)}->{b(self.largest_free_block_after)}, "
+                f"reserved={b(self.reserved_before)}->{b(self.reserved_after)}, "
+                f"time={self.seconds * 1e3:.2f} ms (moving {self.move_seconds * 1e3:.2f} ms))")
+
 
 def should_defrag(arena: Arena, threshold: float | None) -> bool:
     return threshold is not None and arena.compaction_stale and arena.fragmentation() > threshold
