@@ -40,7 +40,9 @@ class AllocationFaults:
     ``"movable"`` (``empty``, CuPy and Numba allocations are mallocs).
     ``requests`` counts them and ``refused`` lists ``(index, nbytes, what)`` of
     those refused.  A refusal is an ``OutOfMemoryError`` whose ``reason`` is
-    ``REASON``; leaving the block gives the pool back the check it had before.
+    ``REASON``; leaving the block gives the pool back the enclosing block's
+    check, or none: a check of your own set with ``Pool.set_admission`` before
+    entering is not restored yet, as the pool offers no way to read it.
 
     Blocks nest: the innermost decides first, and a request it lets through goes
     on to the enclosing block (which counts it).  They must be left in the
@@ -57,7 +59,6 @@ class AllocationFaults:
         self.decide = decide
         self.requests = 0
         self.refused: list[tuple[int, int, str]] = []
-
         self._outer: Callable[[int, str], str | None] | None = None  # the check in place before entering
 
     def _check(self, nbytes: int, what: str) -> str | None:
