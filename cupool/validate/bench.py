@@ -112,11 +112,13 @@ RMM = "RMM rmm_cupy_allocator"
 
 def floor_allocator(cp: Any) -> Callable[[int], Any]:
     """An allocator handing CuPy the same 1 MiB of device memory every time (``cp.empty((256,))`` fits)."""
-    fixed = cp.cuda.MemoryPool().malloc(1 << 20)
+    pool = cp.cuda.MemoryPool()
+    fixed = pool.malloc(1 << 20)
+    owner = (pool, fixed)  # CuPy's pool owns the memory behind ``fixed``: both stay alive with the allocator
     pointer, unowned, ptr, device = cp.cuda.MemoryPointer, cp.cuda.UnownedMemory, fixed.ptr, fixed.device_id
 
     def floor(nbytes: int) -> Any:
-        return pointer(unowned(ptr, nbytes, fixed, device), 0)
+        return pointer(unowned(ptr, nbytes, owner, device), 0)
 
     return floor
 
