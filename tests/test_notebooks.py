@@ -71,20 +71,35 @@ def test_notebook_is_stored_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} have outputs; clear them before committing"
 
 
-def _execute(path: Path, folder: Path, monkeypatch) -> tuple[nbformat.NotebookNode, list[dict]]:
+def _execute(path: Path, folder: Path) -> tuple[nbformat.NotebookNode, list[dict]]:
     """The notebook run in ``folder`` (its working directory), and what its figures showed."""
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own inline backend, as a user has
     nb = nbformat.read(path, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell(_PROBE))
     nb.cells.append(nbformat.v4.new_code_cell(_REPORT))
     client = NotebookClient(nb, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(folder)}})
-    try:
-        client.execute()
-    except CellExecutionError as e:
-        pytest.fail(f"{path.name} failed:\n{e}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MPLBACKEND", raising=False)  # the kernel's own inline backend, as a user has
+        try:
+            client.execute()
+        except CellExecutionError as e:
+            pytest.fail(f"{path.name} failed:\n{e}")
     drawn = json.loads(nb.cells[-1].outputs[0]["text"])
     del nb.cells[0], nb.cells[-1]
     return nb, drawn
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Each notebook run once, in an empty folder of its own: (folder, notebook, figures)."""
+    runs: dict[Path, tuple[Path, nbformat.NotebookNode, list[dict]]] = {}
+
+    def run(path: Path) -> tuple[Path, nbformat.NotebookNode, list[dict]]:
+        if path not in runs:
+            folder = tmp_path_factory.mktemp(path.stem)
+            runs[path] = (folder, *_execute(path, folder))
+        return runs[path]
+
+    return run
 
 
 def _results(nb) -> list[str]:
@@ -93,10 +108,8 @@ def _results(nb) -> list[str]:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_and_reads_well(path, tmp_path, monkeypatch):
-    folder = tmp_path / "clone"
-    folder.mkdir()
-    nb, drawn = _execute(path, folder, monkeypatch)
+def test_notebook_runs_and_reads_well(path, tmp_path, executed):
+    folder, nb, drawn = executed(path)
     assert sorted(p.name for p in folder.iterdir()) == [], "the notebook wrote into the folder it runs in"
     for i, fig in enumerate(drawn):
         assert fig["suptitle"] or all(fig["titles"]), f"{path.name}: figure {i} has an untitled plot: {fig}"
@@ -114,9 +127,9 @@ def test_notebook_runs_and_reads_well(path, tmp_path, monkeypatch):
     (tmp_path / f"{path.stem}.html").write_text(html)  # for a person to look at: pytest keeps recent tmp dirs
 
 
-def test_quickstart_shows_its_holes(tmp_path, monkeypatch):
+def test_quickstart_shows_its_holes(executed):
     """The segment map's holes are wide enough to see: the 2 MiB segment of small blocks alternates."""
-    nb, _ = _execute(next(p for p in NOTEBOOKS if p.name == "01-quickstart.ipynb"), tmp_path, monkeypatch)
+    _, nb, _ = executed(next(p for p in NOTEBOOKS if p.name == "01-quickstart.ipynb"))
     cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("small = "))
     svg = next(o["data"]["text/html"] for o in cell.outputs if "text/html" in o.get("data", {}))
     rows: dict[str, list[tuple[float, float]]] = {}  # a bar's blocks; free space is the bar showing between them
