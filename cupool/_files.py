@@ -11,6 +11,7 @@ symbolic link has its target replaced, so the link keeps working, as a plain
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Iterator
@@ -40,11 +41,14 @@ def atomic_output(path: str | os.PathLike[str], what: str, text: bool = False) -
     ``what`` names the file in errors ("the snapshot"): an ``OSError`` raised
     while writing (a full disk, say) comes out as ``OSError("cannot write the
     snapshot PATH: No space left on device")``, with nothing left at ``PATH``
-    but what was there before.  The file gets the permissions a new file gets
-    (the umask applies), not the old file's.
+    but what was there before.  A file that may not be written is refused, as
+    ``open`` would refuse it; one that is replaced gets the permissions a new file
+    gets (the umask applies), not the old file's.
     """
     target = Path(os.path.realpath(path))
     try:
+        if target.exists() and not os.access(target, os.W_OK):  # a rename would ignore the file's own permissions
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         fd, tmp = _create_beside(target)
     except OSError as e:
         raise OSError(f"cannot write {what} {path}: {e.strerror or e}") from None

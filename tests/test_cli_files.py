@@ -128,3 +128,14 @@ def test_outputs_are_written_whole_with_a_new_files_permissions(tmp_path, trace,
     os.umask(mask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~mask
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_a_read_only_output_is_refused_as_open_would(tmp_path, trace, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root may write any file: the permission check has nothing to refuse")
+    out = tmp_path / "locked.pickle"
+    out.write_bytes(b"keep me")
+    out.chmod(0o444)
+    assert main(["export", str(trace), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"cupool: error: cannot write the snapshot {out}: Permission denied\n"
+    assert out.read_bytes() == b"keep me"
