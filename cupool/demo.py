@@ -73,19 +73,21 @@ def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     check_args(steps, seed)
     try:
         return _run(device, capacity, steps, seed)
-    except OutOfMemoryError:
-        pass  # said below, outside the handler: the error is the device's size, not this traceback
+    except OutOfMemoryError as e:
+        refused = e
     need = needed_capacity(steps, seed)
     probe = Pool(device, capacity=capacity)
     if isinstance(probe.device, SimDevice):
+        if need <= probe.device.capacity:  # not the device's size: a fault of the demo's own, to be seen whole
+            raise refused
         raise ValueError(f"--capacity {format_bytes(probe.device.capacity)} is too small for the demo with "
                          f"--steps {steps} --seed {seed}: it needs at least {format_bytes(need)} "
-                         f"(give --capacity {need >> 20}MiB or more)")
+                         f"(give --capacity {need >> 20}MiB or more)") from None
     free, total = probe.device.mem_info()
     raise ValueError(f"{probe.device.name} has {format_bytes(free)} free of {format_bytes(total)}, too little for "
                      f"the demo with --steps {steps} --seed {seed}: it needs about {format_bytes(need)} free "
                      "(what a sim device of that size completes on); free memory on the GPU, or run "
-                     f"--device sim --capacity {need >> 20}MiB")
+                     f"--device sim --capacity {need >> 20}MiB") from None
 
 
 def _run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
