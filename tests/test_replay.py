@@ -203,10 +203,13 @@ def test_cli_replay_and_compare(tmp_path, capsys):
     assert "(after each alloc/free while anything is allocated)" in out and "frag. at peak" in out
     assert main(["replay", str(path), "--compare", "recorded", "max_size=80MiB", "release_threshold=0",
                  "--engine", "pool"]) == 0
-    rows = capsys.readouterr().out.splitlines()[2:]
+    lines = capsys.readouterr().out.splitlines()
+    assert f"recorded: peak reserved {peak}" in lines[1]  # the recorded allocator's, to compare with
+    rows = lines[3:]
+    assert lines[2].split()[:3] == ["configuration", "capacity", "peak"]
     assert rows.pop().startswith("max/mean frag: after each alloc/free while anything is allocated")
     assert [r.split()[0] for r in rows] == ["recorded", "max_size=80MiB", "release_threshold=0"]
-    assert rows[0].split()[1:3] == peak.split()
+    assert rows[0].split()[3:5] == peak.split()
     assert int(rows[1].split()[-2]) > 0  # 80 MiB is too small for these layers: OOMs counted
 
 
@@ -286,7 +289,7 @@ def test_a_compacting_pool_replays_exactly_on_the_pool_engine(tmp_path, capsys):
     assert fast.warnings and "--engine pool" in fast.warnings[0]
     assert main(["replay", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "pool)" in out and "warning" not in out
+    assert "pool engine)" in out and "warning" not in out
     assert f"peak reserved      {cupool.format_bytes(stats['reserved_bytes.all.peak'])}" in out
     assert main(["replay", str(path), "--engine", "numba"]) == 0
     assert "warning: this trace has movable buffers" in capsys.readouterr().out

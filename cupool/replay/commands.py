@@ -15,6 +15,7 @@ from typing import Any
 from .._units import format_bytes
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
+from .config import POOL_ENGINE_KEYS, recorded_peak_reserved_of
 from .driver import (
     CONFIG_KEYS,
     ENGINES,
@@ -35,11 +36,13 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``replay`` and ``report`` through ``add_parser`` (a subparsers object's ``add_parser``)."""
     p = add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
+    p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
-                   help="replay once per configuration (each K=V,...; 'recorded' for the recorded settings)")
+                   help="replay once per configuration (each K=V,... with the keys --config takes; 'recorded' "
+                        "for the recorded settings); rows print as each replay finishes")
+    p.add_argument("--device", type=int, default=None, metavar="N",
+                   help="which device of a multi-device PyTorch snapshot (default: the one with the most events)")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
                         "and spilling); default: pool for traces with movable buffers, else numba")
@@ -51,10 +54,14 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
-    p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones ({', '.join(CONFIG_KEYS)})")
+    p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
+
+
+#: What ``--config`` takes, exactly (``check_config`` refuses anything else).
+_KEYS = (f"the numba engine takes {', '.join(CONFIG_KEYS)}; the pool engine takes "
+         f"{', '.join(POOL_ENGINE_KEYS)}")
 
 
 def _add_capacity(p: argparse.ArgumentParser) -> None:
@@ -74,7 +81,7 @@ def _base_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, device=args.device)
     base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
@@ -82,26 +89,28 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     for c in configs:  # reject a bad key before spending time on any replay
         check_config({**recorded_config(trace, engine), **c}, engine)
     recorded_peak = recorded_peak_allocated(trace)
-    results = [replay(trace, c, engine=engine, progress=args.progress) for c in configs]
+    recorded_reserved = recorded_peak_reserved_of(trace)
+    results = (replay(trace, c, engine=engine, progress=args.progress) for c in configs)  # one at a time
     if args.json:
         for spec, c, r in zip(specs, configs, results):
             print(json.dumps(_json_row(args.trace, spec or "recorded", r, _capacity_source(trace, c, args),
-                                       recorded_peak), default=str))
+                                       recorded_peak, recorded_reserved), default=str), flush=True)
         return 0
     counts = trace.counts()
     print(f"{args.trace}: {len(trace)} events ({trace.format}; "
-          + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
-    for w in dict.fromkeys(w for r in results for w in r.warnings):
-        print(f"warning: {w}")
-    if not results[0].history:
-        print(f"no history to replay: this snapshot records no events, only the {results[0].seeded_blocks} "
-              "blocks alive when it was taken; what follows is that still picture, allocated on a fresh pool")
+          + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")", flush=True)
     if args.compare is None:
-        r = results[0]
-        print(f"configuration      {_show_config(r.config)}")
+        r = next(results)
+        _warn(r)
+        if not r.history:
+            print(f"no history to replay: this snapshot records no events, only the {r.seeded_blocks} "
+                  "blocks alive when it was taken; what follows is that still picture, allocated on a fresh pool")
+        print(f"configuration      {_show_config(r.config, r.capacity)}")
+        recorded = "" if recorded_reserved is None else f" (recorded: {format_bytes(recorded_reserved)})"
+        rate = r.events_per_second
         rows = [
             ("capacity", f"{format_bytes(r.capacity)} ({_capacity_source(trace, configs[0], args)})"),
-            ("peak reserved", format_bytes(r.peak_reserved)),
+            ("peak reserved", format_bytes(r.peak_reserved) + recorded),
             ("peak allocated", format_bytes(r.peak_allocated)
              + ("" if recorded_peak is None else f" (recorded: {format_bytes(recorded_peak)})")),
             ("max fragmentation", f"{r.max_fragmentation:.3f} ({FRAGMENTATION_NOTE})"),
@@ -109,29 +118,45 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
             ("OOMs", str(r.ooms)),
             ("peak segments", str(r.peak_segments)),
-            ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started)"),
+            ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started; the replay starts from "
+                              "them in their recorded segments)"),
             ("unmatched frees", str(r.unmatched_frees)),
-            ("time", f"{r.seconds:.3f} s ({r.events_per_second / 1e6:.2f} M events/s, {r.engine})"),
+            ("time", f"{r.seconds:.3f} s for {r.replayed} events ("
+                     + (f"{rate / 1e6:.2f} M events/s, " if rate is not None else "")
+                     + f"{r.engine} engine)"),
         ]
         if not r.history:
             rows[3:6] = [("layout", _still_layout(trace, configs[0], engine)),
                          ("fragmentation", f"{r.fragmentation_at_peak:.3f} ((reserved - allocated) / reserved)")]
+            rows[-1] = ("time", f"{r.seconds:.3f} s (a still picture: no events replayed, {r.engine} engine)")
         for label, value in rows:
             print(f"{label:<19}{value}")
         return 0
     names = [spec or "recorded" for spec in specs]
     width = max(13, *map(len, names))
-    print(f"{'configuration':<{width}} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} {'mean frag':>9} "
-          f"{'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}")
+    if recorded_reserved is not None or recorded_peak is not None:
+        print(f"recorded: peak reserved {format_bytes(recorded_reserved) if recorded_reserved else 'unknown'}, "
+              f"peak allocated {format_bytes(recorded_peak) if recorded_peak is not None else 'unknown'}")
+    print(f"{'configuration':<{width}} {'capacity':>10} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} "
+          f"{'mean frag':>9} {'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}", flush=True)
+    warned: set[str] = set()
     for name, r in zip(names, results):
-        print(f"{name:<{width}} {format_bytes(r.peak_reserved):>13} {format_bytes(r.peak_allocated):>11} "
-              f"{r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} {r.fragmentation_at_peak:>9.3f} "
-              f"{r.ooms:>5} {r.seeded_blocks:>7} {r.unmatched_frees:>9} {r.seconds:>7.3f}s")
+        for w in r.warnings:
+            if w not in warned:
+                warned.add(w)
+                print(f"warning: {w}")
+        print(f"{name:<{width}} {format_bytes(r.capacity):>10} {format_bytes(r.peak_reserved):>13} "
+              f"{format_bytes(r.peak_allocated):>11} {r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} "
+              f"{r.fragmentation_at_peak:>9.3f} {r.ooms:>5} {r.seeded_blocks:>7} {r.unmatched_frees:>9} "
+              f"{r.seconds:>7.3f}s", flush=True)
     print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; seeded: blocks alive "
           f"before the recording started; unmatched: frees of blocks the replay never held ({engine} engine)")
-    if recorded_peak is not None:
-        print(f"recorded allocated peak: {format_bytes(recorded_peak)}")
     return 0
+
+
+def _warn(r: ReplayResult) -> None:
+    for w in r.warnings:
+        print(f"warning: {w}")
 
 
 def _capacity_source(trace: Trace, config: dict[str, Any], args: argparse.Namespace) -> str:
@@ -152,24 +177,27 @@ def _still_layout(trace: Trace, config: dict[str, Any], engine: str) -> str:
 
 
 def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
-              recorded_peak: int | None) -> dict[str, Any]:
+              recorded_peak: int | None, recorded_reserved: int | None) -> dict[str, Any]:
     """One configuration's results for ``--json``: plain numbers, for scripts and CI."""
     return {
         "trace": path, "configuration": label, "settings": r.config, "engine": r.engine, "events": r.events,
         "history": r.history, "peak_reserved": r.peak_reserved, "peak_allocated": r.peak_allocated,
-        "recorded_peak_allocated": recorded_peak, "max_fragmentation": r.max_fragmentation,
+        "recorded_peak_allocated": recorded_peak, "recorded_peak_reserved": recorded_reserved,
+        "replayed": r.replayed, "max_fragmentation": r.max_fragmentation,
         "mean_fragmentation": r.mean_fragmentation, "fragmentation_at_peak": r.fragmentation_at_peak,
         "ooms": r.ooms, "peak_segments": r.peak_segments, "segment_allocs": r.segment_allocs,
         "segment_frees": r.segment_frees, "seeded_blocks": r.seeded_blocks, "unmatched_frees": r.unmatched_frees,
         "capacity": r.capacity, "capacity_source": capacity_source, "seconds": r.seconds,
-        "events_per_second": r.events_per_second if r.seconds > 0 else None, "warnings": r.warnings,
+        "events_per_second": r.events_per_second, "warnings": r.warnings,
     }
 
 
-def _show_config(cfg: dict[str, Any]) -> str:
+def _show_config(cfg: dict[str, Any], capacity: int) -> str:
+    """The settings a replay ran with; the capacity as the sim device has it (rounded to its 2 MiB page)."""
     sizes = ("capacity", "initial_size", "max_size", "release_threshold")
+    shown = {**cfg, "capacity": capacity} if "capacity" in cfg else cfg
     return ", ".join(f"{k}={format_bytes(v) if k in sizes and isinstance(v, int) else v}"
-                     for k, v in cfg.items()) or "defaults"
+                     for k, v in shown.items()) or "defaults"
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

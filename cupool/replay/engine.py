@@ -674,93 +674,6 @@ def _grown3(a, n):
 
 
 @njit(cache=True)
-def _place(B, FB, S, IX, st, TG, s, offset, size):
-    """Allocate ``size`` bytes at ``offset`` in segment ``s`` (which is free there); -1 if it is not."""
-    h = S[S_KIND, s]
-    addr = S[S_ADDR, s] + offset
-    b = S[S_HEAD, s]
-    while b >= 0 and not (B[FREE, b] == 1 and B[ADDR, b] <= addr and addr + size <= B[ADDR, b] + B[SIZE, b]):
-        b = B[NEXT, b]
-    if b < 0:
-        return -1
-    gap = addr - B[ADDR, b]
-    if gap:
-        # Take the gap in front too, then give it back: the block lands at addr.
-        tag = B[TAG, b]
-        _take(B, FB, S, IX, st, TG, h, b, gap)
-        g = b
-        b = B[NEXT, g]
-        _take(B, FB, S, IX, st, TG, h, b, size)
-        _give(B, FB, S, IX, st, TG, h, g, tag)
-    else:
-        _take(B, FB, S, IX, st, TG, h, b, size)
-    return b
-
-
-@njit(cache=True)
-def _seed(sg, bk, st, fst, cfg, B, FB, S, FS, IX, TG, DT, EXT, live):
-    """Start from a recorded live state: segments ``sg`` (rows: address, size, heap, keep, stream)
-    and blocks ``bk`` (rows: segment index, offset, size, stream, recorded address).
-
-    The caller has grown the arrays to fit.  A segment or block that does not fit
-    this replay's device or limit is allocated the ordinary way instead.
-    """
-    made = np.full(sg.shape[1], -1, np.int64)
-    for j in range(sg.shape[1]):
-        size, h, keep, stream = sg[1, j], sg[2, j], sg[3, j], sg[4, j]
-        if keep:
-            for s in range(st[NS]):  # the replay pool's own preallocated segment
-                if S[S_ALIVE, s] == 1 and S[S_KEEP, s] == 1 and S[S_SIZE, s] == size and S[S_USED, s] == 0:
-                    made[j] = s
-                    break
-        if made[j] < 0 and st[RES] + size <= cfg[C_LIMIT]:
-            b = _new_segment(B, FB, S, FS, IX, st, TG, EXT, cfg, h, size, stream, 0)
-            if b >= 0:
-                made[j] = B[SEG, b]
-    # Every block that fits its seeded segment first: an ordinary allocation runs the
-    # reclaim ladder, which would give back seeded segments still waiting for their blocks.
-    placed = np.zeros(bk.shape[1], np.bool_)
-    for j in range(bk.shape[1]):
-        seg, off, size, stream = bk[0, j], bk[1, j], bk[2, j], bk[3, j]
-        if made[seg] >= 0:
-            b = _place(B, FB, S, IX, st, TG, made[seg], off, size)
-            if b >= 0:
-                _allocated(B, st, b, size, stream)
-                live[bk[4, j]] = b
-                placed[j] = True
-    for j in range(bk.shape[1]):
-        if not placed[j]:
-            b = _malloc(B, FB, S, FS, IX, st, TG, DT, EXT, cfg, bk[2, j], bk[3, j], False)
-            if b >= 0:
-                live[bk[4, j]] = b
-    if st[RES]:
-        fst[F_PEAK] = (st[RES] - st[ALLOC]) / st[RES]
-
-
-def seed_state(state: dict, sg: np.ndarray, bk: np.ndarray) -> None:
-    """Start ``state`` (from ``new_state``) from a recorded live state; see ``_seed`` for ``sg`` and ``bk``.
-
-    Grows the arrays first: the compiled seeding places every block and segment
-    in one go, and only ``run`` grows arrays as it goes.
-    """
-    need = 2 * (bk.shape[1] + sg.shape[1]) + 8
-    for key, grow in (("B", _grown2), ("FB", _grown1), ("IX", _grown3)):
-        if state[key].shape[-1] < need:
-            state[key] = grow(state[key], need)
-    # Every seeded segment, and one more for each block whose segment did not fit this
-    # replay's device and is allocated the ordinary way instead (the compiled code does
-    # no bounds checks: too small an array here corrupts the state).
-    segments = sg.shape[1] + bk.shape[1] + 4
-    if state["S"].shape[1] < segments:
-        state["S"] = _grown2(state["S"], segments)
-        state["FS"] = _grown1(state["FS"], segments)
-    if state["EXT"].shape[1] < segments + 2:
-        state["EXT"] = _grown2(state["EXT"], segments + 2)
-    _seed(sg, bk, state["st"], state["fst"], state["cfg"], state["B"], state["FB"], state["S"], state["FS"],
-          state["IX"], state["TG"], state["DT"], state["EXT"], state["live"])
-
-
-@njit(cache=True)
 def run(kind, addr, size, stream, empties, lo, hi, codes, st, fst, cfg,
         B, FB, S, FS, IX, TG, DT, EXT, live, tl_res, tl_alloc):
     """Replay events [lo, hi); returns the (possibly regrown) arrays B, FB, S, FS, IX, EXT.
@@ -842,3 +755,14 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, st, fst, cfg,
             tl_res[i] = st[RES]
             tl_alloc[i] = st[ALLOC]
     return B, FB, S, FS, IX, EXT
+
+
+def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
+              empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
+              tl_alloc: np.ndarray) -> None:
+    """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
+    state["B"], state["FB"], state["S"], state["FS"], state["IX"], state["EXT"] = run(
+        kind, addr, size, stream, empties, lo, hi, codes, state["st"], state["fst"], state["cfg"],
+        state["B"], state["FB"], state["S"], state["FS"], state["IX"], state["TG"], state["DT"], state["EXT"],
+        state["live"], tl_res, tl_alloc,
+    )

@@ -215,20 +215,31 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
         raise TraceError(p, "'segments' must be a list of segment dicts")
     _check_size(p, traces, segments)
     devices = {s.get("device", 0) for s in segments} | set(range(len(traces)))
+    holding = sorted(d for d in devices if isinstance(d, int) and _holds(traces, segments, d))
     if device is None:
-        busiest = max(range(len(traces)), key=lambda d: len(traces[d]), default=None)
-        if busiest is None or not traces[busiest]:
-            busiest = max(devices, key=lambda d: sum(s.get("device", 0) == d for s in segments), default=0)
+        # The device with the most replayable events, else the most segments: a device whose trace
+        # holds only markers (a "snapshot" action) is not the program's.
+        busiest = max(holding, key=lambda d: (_replayable(traces, d), sum(s.get("device", 0) == d for s in segments)),
+                      default=0)
         device = busiest
-    if device not in devices and (traces or segments):
-        raise TraceError(p, f"the snapshot has no device {device} ({len(devices)} device(s))")
+    elif isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise TraceError(p, f"device must be a device index (an int >= 0), got {device!r}")
+    elif device not in holding:
+        which = ", ".join(map(str, holding)) or "none"
+        raise TraceError(p, f"device {device} holds nothing in this snapshot: no allocations, frees or segments "
+                            f"(devices that do: {which})")
     events = _torch_events(p, device, traces[device] if device < len(traces) else [])
     held = _torch_segments(p, [s for s in segments if s.get("device", 0) == device])
     seed, config = _torch_seed(events, held)
     history = any(kind in _BLOCK_KINDS for _, kind, *_ in events)
     t0 = events[0][0] if events else 0
     seed_events = [(t0, *ev) for ev in seed]
+    settings = snap.get("allocator_settings")
+    expandable = any(isinstance(e, dict) and e.get("action") in ("segment_map", "segment_unmap")
+                     for e in (traces[device] if device < len(traces) else []))
+    expandable = expandable or (isinstance(settings, dict) and bool(settings.get("expandable_segments")))
     config["snapshot"] = {"history": history, "seeded_blocks": sum(ev[0] == "alloc" for ev in seed),
+                          "device": device, "expandable_segments": expandable,
                           "peak_allocated": _peak_allocated(seed_events + events, len(seed_events)),
                           "peak_reserved": _peak_reserved(seed_events + events)}
     return Trace.from_events(seed_events + events, config=config, source=str(p), format="torch")
@@ -329,6 +340,17 @@ def _check_size(p: Path, traces: list[list], segments: list[dict]) -> None:
         raise TraceError(p, f"the snapshot claims {count:,} events, segments and blocks, more than a file of "
                             f"{nbytes:,} bytes can hold: it repeats objects by reference, which no PyTorch "
                             "snapshot does; refusing it")
+
+
+def _replayable(traces: list[list], device: int) -> int:
+    """How many of a device's trace entries are allocations, frees, segments or OOMs."""
+    entries = traces[device] if device < len(traces) else []
+    return sum(isinstance(e, dict) and e.get("action") in _TORCH_ACTIONS for e in entries)
+
+
+def _holds(traces: list[list], segments: list[dict], device: int) -> bool:
+    """Whether ``device`` has anything to replay: an event of ``_TORCH_ACTIONS`` or a segment."""
+    return _replayable(traces, device) > 0 or any(s.get("device", 0) == device for s in segments)
 
 
 def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:

@@ -14,10 +14,12 @@ from .importers import RMM_COLUMNS, is_rmm_log, load_rmm_log, load_torch_snapsho
 _PICKLE = b"\x80"  # the PROTO opcode that starts every pickle of protocol 2 or later
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(path: str | Path, device: int | None = None) -> Trace:
     """Read a trace: a cupool HDF5 trace, a PyTorch memory snapshot pickle or an RMM log CSV.
 
-    Raises ``TraceError`` (a ``ValueError``) naming the file and the problem.
+    ``device`` picks one device of a multi-device PyTorch snapshot (default: the
+    busiest); the other formats hold one device and refuse it.  Raises
+    ``TraceError`` (a ``ValueError``) naming the file and the problem.
     """
     p = Path(path)
     try:
@@ -27,10 +29,12 @@ def load_trace(path: str | Path) -> Trace:
         raise TraceError(p, f"cannot read the file ({e.strerror or e})") from None
     if not head:
         raise TraceError(p, "the file is empty")
+    if head.startswith(_PICKLE):
+        return load_torch_snapshot(p, device)
+    if device is not None and (head.startswith(HDF5_MAGIC) or is_rmm_log(head)):
+        raise TraceError(p, f"device {device}: only a PyTorch snapshot holds several devices; this trace is one")
     if head.startswith(HDF5_MAGIC):
         return read_hdf5(p)
-    if head.startswith(_PICKLE):
-        return load_torch_snapshot(p)
     if is_rmm_log(head):
         return load_rmm_log(p)
     raise TraceError(

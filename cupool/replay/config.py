@@ -1,0 +1,181 @@
+"""Replay settings: which keys each engine takes, the recorded ones, and the pool they make."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ..device.sim import SimDevice
+from ..errors import OutOfMemoryError
+from ..pool import Pool
+from ..trace import Trace
+import numpy as np
+
+from ..trace.importers import recorded_peak_reserved, sized_capacity
+
+#: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
+CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
+#: Recorded settings that only the pool engine models (through movable buffers, or virtual memory).
+POOL_KEYS = ("defrag_threshold", "spill", "spill_policy", "expandable_segments", "stitch")
+#: Settings of virtual memory (expandable segments), which only the pool engine models.
+VMM_KEYS = ("expandable_segments", "stitch")
+#: Events that only pools with movable buffers emit.
+MOVABLE_KINDS = ("alloc_movable", "free_movable", "move_out", "move_in", "compact", "spill", "restore")
+ENGINES = ("numba", "pool")
+#: Every setting the pool engine takes: ``Pool``'s arguments but the device (a replay's is the sim device).
+POOL_ENGINE_KEYS = tuple(p for p in inspect.signature(Pool).parameters if p != "device")
+
+
+def accepted_keys(engine: str) -> tuple[str, ...]:
+    """The settings ``engine`` takes (``--config`` and ``--compare`` say exactly these)."""
+    return POOL_ENGINE_KEYS if engine == "pool" else CONFIG_KEYS
+
+
+def parse_config(spec: str | None) -> dict[str, Any]:
+    """``"max_size=1GiB,release_threshold=none"`` -> dict; values stay strings unless numeric."""
+    out: dict[str, Any] = {}
+    if not spec:
+        return out
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ValueError(f"configuration {spec!r}: expected KEY=VALUE, got {item!r}")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _parse_value(v: str) -> Any:
+    if v.lower() in ("none", "null"):
+        return None
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def uses_movables(trace: Trace) -> bool:
+    """Whether the trace has movable buffers (whose compaction and spilling only the pool engine models)."""
+    counts = trace.counts()
+    return any(counts.get(k) for k in MOVABLE_KINDS)
+
+
+def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
+    """``"pool"`` for traces with movable buffers or recorded on virtual memory, and where a
+    configuration turns virtual memory on (``expandable_segments``, ``stitch``: the numba engine
+    models plain segments only); else the fast ``"numba"``."""
+    vmm = trace.config.get("expandable_segments") or any(c and any(c.get(k) for k in VMM_KEYS) for c in configs)
+    return "pool" if uses_movables(trace) or vmm else "numba"
+
+
+def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
+    """The recording pool's settings, as replay arguments (empty for foreign traces)."""
+    rec = trace.config
+    cfg = {k: rec[k] for k in CONFIG_KEYS if rec.get(k) is not None}
+    if "capacity" not in cfg and rec.get("limit"):
+        # Recorded on a GPU: the sim device gets the pool's limit as its size.  The
+        # limit already applies max_size and memory_fraction; applying them again
+        # to a device that small would shrink the pool twice.
+        cfg["capacity"] = rec["limit"]
+        cfg.pop("max_size", None)
+        cfg.pop("memory_fraction", None)
+    if "capacity" not in cfg:
+        sized = trace_capacity(trace)
+        if sized is not None:
+            cfg["capacity"] = sized[0]
+    if engine == "pool":
+        cfg.update({k: rec[k] for k in POOL_KEYS if k in rec})
+        if cfg.get("spill") is not None:
+            # Whatever tier the recorded run spilled to, a replay spills to host
+            # memory: a trace file must never choose where a replay writes.
+            cfg["spill"] = "host"
+    return cfg
+
+
+def trace_capacity(trace: Trace) -> tuple[int | str, str] | None:
+    """The sim device a trace calls for, in bytes, and where that came from (None: the trace says nothing).
+
+    cupool's own traces record their device (or, on a GPU, the pool's limit).
+    A PyTorch snapshot does not, so its device is sized from its recorded peak
+    reserved (``sized_capacity``): the sim device's fixed default (4 GiB) would
+    run a 51 GiB program out of memory thousands of times and report its own
+    size as the program's peak.
+    """
+    rec = trace.config
+    recorded = rec.get("capacity") if rec.get("capacity") is not None else rec.get("limit")
+    if recorded:
+        return recorded, "recorded"
+    return sized_capacity(trace)
+
+
+def recorded_peak_reserved_of(trace: Trace) -> int | None:
+    """The recorded allocator's peak reserved bytes (None: the trace has no segment events, as an RMM log).
+
+    A PyTorch snapshot's comes from its importer (``recorded_peak_reserved``); a
+    cupool trace's is the running sum of its segment events, its seed included.
+    """
+    if trace.format == "torch":
+        return recorded_peak_reserved(trace)
+    sign = np.zeros(len(trace.kinds), np.int64)
+    for k, v in (("segment_alloc", 1), ("segment_map", 1), ("segment_free", -1), ("segment_unmap", -1)):
+        if trace.code(k) >= 0:
+            sign[trace.code(k)] = v
+    if not sign.any() or not len(trace):
+        return None
+    peak = int(np.cumsum(sign[trace.kind] * trace.size).max())
+    return peak if peak > 0 else None
+
+
+def recorded_on_vmm(trace: Trace) -> bool:
+    """Whether the recording ran on expandable segments (cupool's setting, or PyTorch's ``segment_map`` events)."""
+    snapshot = trace.config.get("snapshot")
+    return bool(trace.config.get("expandable_segments")) or (
+        isinstance(snapshot, dict) and bool(snapshot.get("expandable_segments")))
+
+
+def check_config(config: dict[str, Any], engine: str) -> None:
+    """Refuse an unknown engine or a setting ``engine`` does not model, before any replay runs."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown replay engine {engine!r} (choose {' or '.join(ENGINES)})")
+    for key in config:
+        if key in CONFIG_KEYS:
+            continue
+        if key in POOL_ENGINE_KEYS:
+            if engine == "pool":
+                continue
+            raise ValueError(f"configuration key {key!r} is only modelled by the pool engine: use --engine pool")
+        raise ValueError(f"unknown configuration key {key!r} (the numba engine takes {', '.join(CONFIG_KEYS)}; "
+                         f"the pool engine takes {', '.join(POOL_ENGINE_KEYS)})")
+
+
+def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None = None) -> Pool:
+    """The replay's pool; its reclaim ladder skips ``gc.collect()``, since a replay holds no Python garbage
+    (the recorded program's collections are already in the trace, as frees).
+
+    A setting the pool refuses is named by its error; the message adds the settings the
+    caller gave (``given``), not the whole resolved configuration.
+    """
+    try:
+        pool = Pool("sim", **config)
+    except (OutOfMemoryError, ValueError, TypeError) as e:
+        where = f"{trace.source}: " if trace.source else ""
+        mine = f" (given: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
+        raise ValueError(f"{where}cannot make a sim pool for the replay: {e}{mine}") from None
+    pool.scheduler.collect_garbage = False
+    return pool
+
+
+def pool_capacity(pool: Pool) -> int:
+    """The capacity of a replay's pool: its device is a sim device."""
+    device = pool.device
+    assert isinstance(device, SimDevice), "replays run on the sim device"
+    return device.capacity
+
+
