@@ -130,7 +130,7 @@ def layout(
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     out = []
     if engine == "pool":
-        _, pool, live = _replay_pool(trace, cfg, n, False, False)
+        _, pool, live = replay_pool(trace, cfg, n, False, False, config)
         segments = pool.snapshot()["segments"]  # while the replay's handles live: dropped, they free their blocks
         del live
         for seg in segments:
