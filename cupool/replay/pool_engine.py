@@ -64,8 +64,8 @@ class _Books:
 
 def replay_pool(
     trace: Trace, cfg: dict[str, Any], n: int, timeline: bool, progress: bool, given: dict[str, Any] | None = None,
-) -> tuple[ReplayResult, Pool]:
-    """Replay through a real Pool; returns the result and the pool (for ``layout``)."""
+) -> tuple[ReplayResult, Pool, dict[int, Any]]:
+    """Replay through a real Pool; returns the result, the pool and its live handles (for ``layout``)."""
     pool = sim_pool(cfg, trace, given)
     books = _Books(pool)
     unsubscribe = pool.subscribe(books)
