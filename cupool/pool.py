@@ -144,6 +144,8 @@ class Pool:
     # ------------------------------------------------------------------ public
     def malloc(self, nbytes: int, stream: Any = None) -> Allocation:
         """Allocate ``nbytes`` (0 is allowed and yields a unique pointer) on ``stream``."""
+        if self._admission is None:
+            return self._arena.request(nbytes, stream)  # validates as as_nbytes does, compiled
         return self.malloc_key(as_nbytes(nbytes), self.device.stream_key(stream))
 
     def free(self, allocation: Allocation) -> None:

@@ -52,12 +52,17 @@ class Arena(FastPath):
     ``limit`` property reads and sets it here.
     """
 
+    # Slots, not a __dict__: the compiled fast path's methods then skip looking for
+    # overrides in an instance dict on every call (Cython's cpdef dispatch).
+    __slots__ = ("device", "limit", "policy", "heaps", "observers", "segments", "view", "closed",
+                 "streams", "compaction_stale")
+
     def __init__(
         self, device: Any, limit: int, policy: Policy, track_sites: bool,
         source: Any = None,
     ) -> None:
         books = Books()
-        super().__init__(books, True)
+        super().__init__(books, True, device)
         self.device = device
         self.limit = limit
         self.policy = policy

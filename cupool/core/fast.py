@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """The fast path: the handle CuPy and Numba hold, the parked-block stacks, the lock and the finalizer queue.
 
 Charter: this module knows sizes, streams, pointers and blocks.  It never
@@ -48,6 +49,7 @@ import gc
 import threading
 from typing import Any
 
+from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DoubleFreeError, ForeignAllocationError
 from .books import LOG_MAX
 from .interrupts import OWED, deliver
@@ -70,6 +72,55 @@ def _probe() -> None:
 
 #: Whether this module runs compiled (Cython) or as plain Python.
 COMPILED: bool = type(_probe).__name__ != "function"
+
+
+class Mutex:
+    """The pool's lock compiled: ``threading.Lock``'s interface over a C lock (CPython's own
+    ``PyThread`` lock, the one ``threading.Lock`` wraps), which the fast path takes without a
+    Python call.  Uncompiled, the pool uses ``threading.Lock`` itself (``make_lock``), and this
+    class is never made: its body calls C functions that only exist compiled (``fast.pxd``).
+    """
+
+    def __cinit__(self) -> None:
+        self.handle = PyThread_allocate_lock()  # type: ignore[name-defined]  # noqa: F821
+        if not self.handle:
+            raise MemoryError("cupool: cannot allocate a lock")
+
+    def __dealloc__(self) -> None:
+        if self.handle:
+            PyThread_free_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if PyThread_acquire_lock(self.handle, 0):  # type: ignore[name-defined]  # noqa: F821
+            return True
+        if not blocking:
+            return False
+        if timeout != -1:
+            raise ValueError("cupool's lock takes no timeout")
+        state = PyEval_SaveThread()  # type: ignore[name-defined]  # noqa: F821  (waits without the GIL)
+        PyThread_acquire_lock(self.handle, 1)  # type: ignore[name-defined]  # noqa: F821
+        PyEval_RestoreThread(state)  # type: ignore[name-defined]  # noqa: F821
+        return True
+
+    def release(self) -> None:
+        PyThread_release_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
+
+    def locked(self) -> bool:
+        if PyThread_acquire_lock(self.handle, 0):  # type: ignore[name-defined]  # noqa: F821
+            PyThread_release_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
+            return False
+        return True
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+#: A new lock for an arena: a ``Mutex`` compiled, ``threading.Lock`` uncompiled (Python's own is
+#: faster there than any wrapper could be).
+make_lock: Any = Mutex if COMPILED else threading.Lock
 
 
 class Allocation:
@@ -131,6 +182,19 @@ class Allocation:
         return f"<cupool.Allocation ptr={self.ptr:#x} size={self.size} {state}>"
 
 
+def new_allocation(owner: FastPath, block: Any, size: Any, stream: Any, kind: int) -> Allocation:
+    """``Allocation(owner, block, size, stream, kind)`` for the fast path: compiled, a C function
+    that fills the fields without parsing arguments (``fast.pxd``)."""
+    a = Allocation.__new__(Allocation)
+    a.ptr = block.addr
+    a.size = size
+    a.stream = stream
+    a.owner = owner
+    a.block = block
+    a.kind = kind
+    return a
+
+
 class FastPath:
     """The lock, the finalizer queue, the parked stacks and the accounting log of one arena.
 
@@ -146,8 +210,8 @@ class FastPath:
     - ``pending`` holds handles whose ``finalize_locked()`` the lock holder owes.
     """
 
-    def __init__(self, books: Any, parking: bool) -> None:
-        self.lock = threading.Lock()
+    def __init__(self, books: Any, parking: bool, device: Any) -> None:
+        self.lock = make_lock()
         # Frees queued by finalizers that found the lock held (Note [Finalizers]): anything
         # with ``finalize_locked() -> int`` (an Allocation, a Movable, a Lease, a close).
         self.pending: collections.deque[Any] = collections.deque()
@@ -163,6 +227,10 @@ class FastPath:
         self.sites: Any = None  # a SiteTracker, or None
         # on_move callbacks to run outside the lock: (movable, old pointer, new pointer or None).
         self.moved: collections.deque[Any] = collections.deque()
+        # How ``request`` names streams: the device's ``stream_key``, and what it gives for
+        # None when that never changes (``Device.fixed_default_key``), else None.
+        self.stream_key = device.stream_key
+        self.default_key = device.fixed_default_key
 
     # ------------------------------------------------------------------ locking
     def enter(self, what: str) -> None:
@@ -245,6 +313,13 @@ class FastPath:
         self.fast = self.parking and not self.exact
 
     # ------------------------------------------------------------ allocation
+    def request(self, nbytes: Any, stream: Any) -> Allocation:
+        """``Pool.malloc``: validate ``nbytes`` (``as_nbytes``) and name ``stream``, then ``malloc``."""
+        key = self.default_key
+        if type(nbytes) is int and 0 <= nbytes <= MAX_NBYTES and stream is None and key is not None:
+            return self.malloc(nbytes, key)
+        return self.malloc(as_nbytes(nbytes), self.stream_key(stream))
+
     def malloc(self, n: int, key: Any) -> Allocation:
         """Allocate ``n`` validated bytes on stream ``key``: the hot path of every hook."""
         lock = self.lock
@@ -254,7 +329,7 @@ class FastPath:
             stack = self.stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, key))
             if stack and self.fast and not self.pending:
                 block = stack.pop()
-                a = Allocation(self, block, n, key, SMALL)
+                a = new_allocation(self, block, n, key, SMALL)
                 block.payload = n
                 log = self.log
                 log.append(n + 1)
@@ -284,17 +359,18 @@ class FastPath:
         """Free ``a`` now (``Allocation.free``); a finalizer during a collection queues it."""
         if not isinstance(a, Allocation):
             raise TypeError(f"free() takes an Allocation from Pool.malloc, got {type(a).__name__}")
-        if a.owner is not self:
-            raise ForeignAllocationError(a.ptr)
+        al = a  # typed (fast.pxd)
+        if al.owner is not self:
+            raise ForeignAllocationError(al.ptr)
         if not self.lock.acquire(False) and not self.enter_to_free("free()"):
-            if a.block is None:
-                raise DoubleFreeError(a.ptr)
-            self.pending.append(a)  # a finalizer during a collection: the lock holder frees it
+            if al.block is None:
+                raise DoubleFreeError(al.ptr)
+            self.pending.append(al)  # a finalizer during a collection: the lock holder frees it
             return
         try:
-            if a.block is None:
-                raise DoubleFreeError(a.ptr)
-            self.release(a)
+            if al.block is None:
+                raise DoubleFreeError(al.ptr)
+            self.release(al)
             if self.pending:
                 self.drain()
         finally:
@@ -304,17 +380,19 @@ class FastPath:
 
     def release(self, a: Any) -> None:
         """Give ``a``'s block back (lock held): park it, or free it into the heap."""
-        if type(a) is Allocation and a.kind == SMALL and self.fast:
-            block = a.block
-            a.block = None
-            key = (block.size, a.stream)
-            stack = self.stacks.get(key)
-            if stack is None:
-                self.stacks[key] = [block]
-            else:
-                stack.append(block)
-            self.log.append(-1 - a.size)  # folded at the next malloc past LOG_MAX, or any read
-            return
+        if type(a) is Allocation and self.fast:
+            al = a  # typed (fast.pxd): its fields are read without a lookup
+            if al.kind == SMALL:
+                block = al.block
+                al.block = None
+                key = (block.size, al.stream)
+                stack = self.stacks.get(key)
+                if stack is None:
+                    self.stacks[key] = [block]
+                else:
+                    stack.append(block)
+                self.log.append(-1 - al.size)  # folded at the next malloc past LOG_MAX, or any read
+                return
         self.release_block(a)
 
     def release_block(self, a: Any) -> None:

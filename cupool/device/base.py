@@ -73,6 +73,11 @@ class Device(ABC):
     def stream_key(self, stream: Any) -> int:
         """A hashable identity for ``stream`` (None means the current stream)."""
 
+    #: What ``stream_key(None)`` always returns, on a device whose current stream never
+    #: changes (the sim device's is 0); None where it must be asked each time (CUDA).
+    #: The fast path reads it to skip a call per allocation.
+    fixed_default_key: int | None = None
+
     @abstractmethod
     def record_event(self, key: int) -> Any:
         """An event that completes once all work enqueued on stream ``key`` so far has finished."""

@@ -154,6 +154,8 @@ class SimDevice(Device):
         return self.base <= ptr and ptr + nbytes <= self.base + self._span
 
     # -- streams --------------------------------------------------------------
+    fixed_default_key = 0
+
     def stream_key(self, stream: Any) -> int:
         if stream is None:
             return 0

@@ -1,0 +1,61 @@
+# The C types of cupool/core/fast.py, for Cython (an augmenting .pxd: the .py stays plain Python).
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                                PyThread_acquire_lock, PyThread_release_lock)
+
+cimport cython
+from cpython.pystate cimport PyThreadState
+
+cdef extern from "Python.h":
+    PyThreadState* PyEval_SaveThread()
+    void PyEval_RestoreThread(PyThreadState*)
+
+cdef class Allocation
+
+
+cdef class Mutex:
+    cdef PyThread_type_lock handle
+    cpdef bint acquire(self, bint blocking=*, double timeout=*) except -1
+    cpdef release(self)
+
+# Attributes are public so that the arena (a Python subclass) and the pool read them as before.
+
+cdef class FastPath:
+    cdef public Mutex lock  # a threading.Lock uncompiled
+    cdef public object pending
+    cdef public dict stacks
+    cdef public object books
+    cdef public list log
+    cdef public bint parking
+    cdef public bint fast
+    cdef public bint exact
+    cdef public object holder
+    cdef public object sites
+    cdef public object moved
+    cdef object __weakref__
+
+    @cython.locals(al=Allocation, stack=list)
+    cpdef release(self, a)
+    @cython.locals(al=Allocation)
+    cpdef free(self, a)
+    cdef public object stream_key
+    cdef public object default_key
+
+    @cython.locals(stack=list, a=Allocation, log=list)
+    cpdef malloc(self, n, key)
+    cpdef request(self, nbytes, stream)
+
+
+@cython.no_gc
+cdef class Allocation:
+    cdef public object ptr
+    cdef public object size
+    cdef public object stream
+    cdef public FastPath owner
+    cdef public object block
+    cdef public int kind
+    cdef object __weakref__
+
+    cpdef free(self)
+
+
+cdef Allocation new_allocation(FastPath owner, object block, object size, object stream, int kind)
