@@ -78,7 +78,7 @@ class Report:
     bytes_moved: int = 0
     spills: int = 0
     bytes_spilled: int = 0
-    ooms: int = 0
+    ooms: int = 0  # requests refused (an honest answer under the limit) and checks put off for want of room
     failures: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -356,6 +356,7 @@ class Stress:
         r.failures.extend(f"a finalizer failed: {u}" for u in unraisable[:10])
         for w in self.workers:
             r.ops.update(w.ops)
+        r.ooms += r.ops.pop("oom", 0)
         stats = self.pool.stats()
         r.compactions, r.bytes_moved = int(stats["num_compactions"]), int(stats["compaction_bytes_moved"])
         r.spills, r.bytes_spilled = self.pool.scheduler.spills, self.pool.scheduler.bytes_spilled

@@ -95,10 +95,15 @@ class SimVirtualMemory(VirtualMemory):
         """A uint8 view of mapped, accessible memory; refused (not a segfault) anywhere else.
 
         Like a device pointer, the view is good only while the memory stays mapped:
-        touching it after ``unmap`` faults, as a kernel would on a GPU.
+        touching it after ``unmap`` faults, as a kernel would on a GPU.  Zero bytes
+        are an empty view anywhere, as a zero-byte ``cudaMemcpy`` succeeds and as the
+        sim device's plain memory answers: a zero-byte movable buffer spills and
+        comes back through here (issue 21 #4).
         """
-        if nbytes <= 0:
-            raise VirtualMemoryError(f"bytes_at: nbytes must be positive, got {nbytes}")
+        if nbytes < 0:
+            raise VirtualMemoryError(f"bytes_at: nbytes must not be negative, got {nbytes}")
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
         self._check_live("bytes_at")
         pos = addr
         while pos < addr + nbytes:
