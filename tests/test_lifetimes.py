@@ -138,7 +138,8 @@ def test_1_recorder_never_stopped_dies_with_its_pool(tmp_path):
         for _ in range(5):
             p.malloc(2 * MiB).free()
 
-    w = _dropped(lambda: cupool.Pool("sim", capacity="64MiB"), use)
+    with pytest.warns(ResourceWarning, match="never stopped"):
+        w = _dropped(lambda: cupool.Pool("sim", capacity="64MiB"), use)
     assert w() is None, "a recorder started and never stopped keeps its pool alive"
     deadline = time.monotonic() + 5
     while len(_flush_threads()) > threads and time.monotonic() < deadline:
@@ -324,8 +325,8 @@ def test_3_movables_collected_by_gc_during_compaction_leave_the_books_intact():
         gc.enable()
     assert collected, "compaction moved nothing, so the test proves nothing"
     gc.collect()
-    assert all(r() is None for r in refs)
     p.check()
+    assert all(r() is None for r in refs), "movables that only a cycle held are still alive after a collection"
     s = p.stats()
     assert s["allocation.all.current"] == 1, "only the kept movable is alive"
     assert s["allocated_bytes.all.current"] == _live_bytes(p, [keep])
