@@ -16,7 +16,10 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
 
 from ._units import MAX_NBYTES, as_nbytes, format_bytes, parse_size
 from .core.arena import Arena
@@ -25,7 +28,7 @@ from .core.events import Callback
 from .core.expandable import Expander, virtual_memory_of
 from .core.fast import Allocation
 from .core.figures import figures
-from .core.handles import Movable, array_nbytes, as_shape
+from .core.handles import DeviceArray, Movable, array_nbytes, as_shape
 from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
 from .core.sizes import LARGE, round_page, round_size
@@ -37,6 +40,9 @@ from .pressure.compact import BackgroundCompactor, CompactionReport, compact
 from .pressure.growth import Growth
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
+
+if TYPE_CHECKING:
+    from .trace.recorder import EventRecorder
 
 __all__ = ["Allocation", "CompactionReport", "PinnedPool", "Pool"]
 
@@ -151,14 +157,15 @@ class Pool:
     def free(self, allocation: Allocation) -> None:
         self._arena.free(allocation)
 
-    def empty(self, shape: int | tuple[int, ...], dtype: Any = "float32", stream: Any = None) -> Any:
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = "float32", stream: Any = None) -> DeviceArray:
         """An uninitialised array (numpy on sim, CuPy on CUDA) whose memory returns to the pool when it dies."""
         shape_t = as_shape(shape)
         dt, nbytes = array_nbytes(shape_t, dtype)
         if nbytes > MAX_NBYTES:  # refused as an argument, before the pool counts an out-of-memory
             raise ValueError(f"shape {shape_t} of {dt} needs more than 2**63 - 1 bytes")
         a = self.malloc(nbytes, stream)
-        return self.device.as_array(a.ptr, shape_t, dt, a)
+        arr: DeviceArray = self.device.as_array(a.ptr, shape_t, dt, a)
+        return arr
 
     def empty_cache(self) -> int:
         """Give every wholly free segment (except the preallocated one), and free tails of expandable ones, back.
@@ -489,7 +496,7 @@ class Pool:
             self._arena.notify_moves()  # buffers spilled before a failure were still moved
         return done
 
-    def record(self, path: Any = None, **options: Any) -> Any:
+    def record(self, path: Any = None, **options: Any) -> EventRecorder:
         """Record this pool's events: ``with pool.record("run.h5"):`` (see ``cupool.trace.EventRecorder``).
 
         Without ``path`` events stay in an in-memory ring buffer.
@@ -541,6 +548,10 @@ class PinnedPool(Pool):
             max_size=max_size,
             release_threshold=release_threshold,
         )
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = "float32", stream: Any = None) -> npt.NDArray[Any]:
+        """An uninitialised numpy array in pinned memory, returned to the pool when it dies."""
+        return np.asarray(super().empty(shape, dtype, stream))
 
     def cupy_allocator(self) -> Callable[[int], Any]:
         """An allocator for ``cupy.cuda.set_pinned_memory_allocator`` drawing from this pool.

@@ -40,13 +40,14 @@ try:
     from numba.core.caching import CompileResultCacheImpl, FunctionCache
 
     class _OutOfTreeCacheImpl(CompileResultCacheImpl):
-        _locator_classes = tuple(c for c in CompileResultCacheImpl._locator_classes if "InTree" not in c.__name__)
+        _locator_classes = [c for c in CompileResultCacheImpl._locator_classes if "InTree" not in c.__name__]
 
     class _OutOfTreeFunctionCache(FunctionCache):
         _impl_class = _OutOfTreeCacheImpl
 
+    _cache_class: type[FunctionCache] | None = _OutOfTreeFunctionCache
 except (ImportError, AttributeError, TypeError):  # pragma: no cover - a Numba laid out otherwise
-    _OutOfTreeFunctionCache = None
+    _cache_class = None
 
 
 def njit(**options: Any) -> Callable[[Callable], Any]:
@@ -63,11 +64,11 @@ def njit(**options: Any) -> Callable[[Callable], Any]:
 
 
 def _enable_caching(dispatcher: Any) -> None:
-    if _OutOfTreeFunctionCache is None:  # pragma: no cover - see the module's doc
+    if _cache_class is None:  # pragma: no cover - see the module's doc
         dispatcher.enable_caching()
         return
     try:
-        cache = _OutOfTreeFunctionCache(dispatcher.py_func)
+        cache = _cache_class(dispatcher.py_func)
     except RuntimeError:  # Numba's "no locator available": no writable folder, so no cache
         return
     except (AttributeError, TypeError):  # pragma: no cover - a Numba laid out otherwise

@@ -43,10 +43,11 @@ def wheel(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "setup.py"):
         shutil.copy2(ROOT / name, src / name)
-    for name in ("cupool", "kernels"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("cupool", "kernels", "src"):  # src/cupool and cupool/kernels are links: kept as links
+        shutil.copytree(ROOT / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.source-sha256", "*.build-error"))
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(src)],
         check=False, capture_output=True, text=True, timeout=300,
@@ -65,6 +66,13 @@ def test_the_wheel_holds_every_module_and_kernels_only_inside_cupool(wheel):
     assert not missing, f"not in the wheel (add their packages to [tool.setuptools] packages): {missing}"
     assert not {n for n in modules if n.split("/")[0] != "cupool"}, "the wheel installs something beside cupool/"
     assert not {n for n in modules if "__pycache__" in n}, "the wheel ships cache files"
+    # The compiled fast path ships with the source it was built from (cupool.core.build_info checks it).
+    assert "cupool/core/fast.pxd" in modules
+    built = [n for n in modules if n.startswith("cupool/core/fast.") and n.endswith(".so")]
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert built, "a machine with a C compiler builds a wheel with the compiled fast path"
+    for so in built:
+        assert f"{so}.source-sha256" in modules, f"{so} ships without the hash of its source"
     (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
     if top is not None:
         assert zipfile.ZipFile(wheel).read(top).decode().split() == ["cupool"]

@@ -72,12 +72,6 @@ def _mypy(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subp
 
 
 @NEEDS_MYPY
-@pytest.mark.xfail(
-    strict=True,
-    reason="setuptools installs this flat layout, whose kernels/ is mapped in as cupool.kernels, through an "
-    "import hook that type checkers cannot follow; a src layout (src/cupool, kernels in src/cupool/kernels, "
-    "package-dir {'' = 'src'}) makes the install a plain path: see the issue-20 #7 report",
-)
 def test_an_editable_install_is_visible_to_mypy_strict(tmp_path: Path) -> None:
     """``pip install -e .`` as the README does it, into a fresh venv, then ``mypy --strict`` on a user's file."""
     repo = tmp_path / "repo"
@@ -131,11 +125,6 @@ REVEALED = (
 
 
 @NEEDS_MYPY
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pool.empty, Movable.array and Pool.record return Any; the annotations are proposed in the "
-    "issue-20 #7 report (cupool/pool.py and cupool/core/handles.py are the lead's): remove this mark with them",
-)
 def test_the_pools_arrays_and_recorder_have_real_types(tmp_path: Path) -> None:
     """``reveal_type`` in a user's ``mypy --strict`` run, cupool read from this checkout's source."""
     (tmp_path / "app.py").write_text(REVEALS)

@@ -142,7 +142,7 @@ class Arena(FastPath):
 
     def room(self) -> int:
         """Bytes the limit still lets the pool reserve."""
-        return max(0, self.limit - self.books.cur[RESERVED][ALL])
+        return max(0, self.limit - int(self.books.cur[RESERVED][ALL]))
 
     # ----------------------------------------------------------------- freeing
     def release_block(self, a: Any) -> None:

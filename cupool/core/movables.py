@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import DoubleFreeError, ForeignAllocationError
 from .arena import Arena
-from .handles import Lease, Movable, array_nbytes, as_shape
+from .handles import DeviceArray, Lease, Movable, array_nbytes, as_shape
 from .heap import Block, PlannedMove
 
 
@@ -74,7 +74,7 @@ class Movables:
             arena.sites.add(m)
         return m
 
-    def lease(self, m: Movable, shape: Any, dtype: Any) -> Any:
+    def lease(self, m: Movable, shape: Any, dtype: Any) -> DeviceArray:
         """An array over ``m`` that pins it; a spilled ``m`` comes back first."""
         dt, _ = array_nbytes((), dtype)
         shape_t = (m.size // dt.itemsize,) if shape is None else as_shape(shape)
@@ -97,7 +97,7 @@ class Movables:
             arena.unlock()
         # Built outside the lock: if it fails, the lease dies and unpins at once.
         # Callbacks run after it exists, so one that raises cannot strand the lease.
-        arr = arena.device.as_array(ptr, shape_t, dt, Lease(m))
+        arr: DeviceArray = arena.device.as_array(ptr, shape_t, dt, Lease(m))
         if arena.moved:
             arena.notify_moves()
         return arr

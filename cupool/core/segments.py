@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -125,7 +125,8 @@ class DeviceSegments:
         self.books.account(kind, SEGMENTS, -1)
         self.books.account(kind, RESERVED, -seg.size)
         if self.observers.active:
-            self.observers.emit("segment_free", seg.addr, seg.size, 0 if seg.stream is None else seg.stream)
+            stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
+            self.observers.emit("segment_free", seg.addr, seg.size, stream)
 
     def trim(self, kind: int, block: Block) -> int:
         seg = block.segment

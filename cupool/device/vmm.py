@@ -43,7 +43,9 @@ from typing import Any
 from sortedcontainers import SortedDict
 
 from .._units import format_bytes
-from ..errors import DeviceOutOfMemory, VirtualMemoryError, VirtualMemoryUnsupported
+from ..errors import DeviceOutOfMemory
+from ..errors import VirtualMemoryError as VirtualMemoryError  # re-exported: the device layer's errors
+from ..errors import VirtualMemoryUnsupported as VirtualMemoryUnsupported
 
 #: What ``cuMemGetAllocationGranularity`` reports on every current NVIDIA GPU.
 GRANULE = 2 << 20
