@@ -391,6 +391,11 @@ class Pool:
         if over:
             self.empty_cache()
 
+    @property
+    def admission(self) -> Callable[[int, str], str | None] | None:
+        """The check ``set_admission`` put in place, or None (what a fault block restores when it ends)."""
+        return self._admission
+
     def set_admission(self, check: Callable[[int, str], str | None] | None) -> None:
         """Ask ``check(nbytes, "malloc" | "movable")`` before each request (None: stop); a reason it returns
         refuses the request as one above the limit is (Note [Out of memory]), so fault injection

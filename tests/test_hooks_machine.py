@@ -19,6 +19,8 @@ SIZES = st.one_of(st.just(0), st.integers(1, 4096), st.integers(4097, MiB), st.i
 
 
 class HooksMachine(PoolStateMachine):
+    exact_books = True  # this machine tracks all it allocates: anything untracked is a leak
+
     def __init__(self):
         super().__init__()
         self.mm = CupoolMemoryManager(context=None, pool=self.pool)

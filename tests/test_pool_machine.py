@@ -22,6 +22,8 @@ from cupool.testing.ledger import pointer_of
 
 
 class PoolMachine(PoolStateMachine):
+    exact_books = True  # this machine tracks all it allocates: anything untracked is a leak
+
     freed = Bundle("freed")
 
     def __init__(self):

@@ -435,10 +435,6 @@ def test_fault_blocks_left_out_of_order_or_entered_twice_are_refused():
     pool.malloc(100).free()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs a public read of the pool's admission check (Pool.admission), a core change asked of the lead",
-)
 def test_leaving_a_fault_block_restores_the_users_own_admission_check():
     """Issue 21 #8: leaving any fault block removed the check the user had set with Pool.set_admission."""
     pool = cupool.Pool("sim", capacity="32MiB")

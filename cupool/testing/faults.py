@@ -40,9 +40,9 @@ class AllocationFaults:
     ``"movable"`` (``empty``, CuPy and Numba allocations are mallocs).
     ``requests`` counts them and ``refused`` lists ``(index, nbytes, what)`` of
     those refused.  A refusal is an ``OutOfMemoryError`` whose ``reason`` is
-    ``REASON``; leaving the block gives the pool back the enclosing block's
-    check, or none: a check of your own set with ``Pool.set_admission`` before
-    entering is not restored yet, as the pool offers no way to read it.
+    ``REASON``; leaving the block gives the pool back the check it had on
+    entering (``Pool.admission``): the enclosing block's, your own from
+    ``Pool.set_admission``, or none.
 
     Blocks nest: the innermost decides first, and a request it lets through goes
     on to the enclosing block (which counts it).  They must be left in the
@@ -72,7 +72,7 @@ class AllocationFaults:
         stack = _active.setdefault(self.pool, [])
         if self in stack:
             raise RuntimeError(f"{self!r} is already entered; make a new one to nest")
-        self._outer = stack[-1]._check if stack else None
+        self._outer = self.pool.admission  # an outer fault block's, or the user's own, or None
         self.pool.set_admission(self._check)
         stack.append(self)
         return self
