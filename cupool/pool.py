@@ -3,8 +3,29 @@
 The arena keeps device, heaps, books and events consistent; the pool decides how
 big segments are, when to grow, what the limit is, and what to try, in which
 order, before saying "out of memory" (the scheduler's ladder).  Size classes
-are in ``cupool.core.sizes``; the layers and the notes cited here are described
-in docs/design.md.
+are in ``cupool.core.sizes``; the layers are described in docs/design.md, which
+also indexes the Notes cited here.
+
+Note [Lifetimes]
+~~~~~~~~~~~~~~~~
+A pool gives its memory back when it is closed (``close()``, leaving a ``with``
+block) or dropped. The rule for live allocations is **drain**: closing gives
+back every wholly free segment at once (the preallocated one too), refuses new
+allocations (``ValueError``), and returns each remaining segment to the device as
+soon as its last allocation is freed. An explicit ``close()`` with allocations
+still alive warns (``ResourceWarning``) with their count, bytes and, with
+``track_sites``, their sites; dropping a pool closes it quietly. Nothing is ever
+freed under a live array. When the arena itself is collected (every allocation
+gone), a finalizer returns any segment left.
+
+Nothing in the pool refers back to the ``Pool`` object strongly: handles own the
+arena (an ``Allocation``) or the movable lifecycle, which owns the arena (a
+``Movable``), not the pool; the arena's policy (``pressure/growth.py``) holds the
+arena, the buffers and the scheduler weakly; the scheduler looks its steps up by
+name and holds spill victims weakly.  A closed pool still gives its users their
+data back: a spilled buffer's ``array()`` restores it (its block returns to the
+device when it is freed), and ``spill()`` on a closed pool is refused. So a dropped pool
+dies by reference counting, at once, and its spill file with it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,28 @@ Kept apart from placement, as RMM keeps its statistics adaptor apart from its
 resources: the arena changes them under its lock, readers see them through a
 ``BooksView``.  The fast path does not account each small hit and free here;
 it appends to ``log`` and the books fold the log in, peaks exactly, before
-anything reads or changes them (Note [Fast path] in docs/design.md).
+anything reads or changes them (Note [Fast path], cupool/core/fast.py).
+
+Note [Statistics]
+~~~~~~~~~~~~~~~~~
+``Pool.stats()`` carries every key of ``torch.cuda.memory_stats``, and ``cupool.memory_summary(pool)`` prints PyTorch's table
+from them (``torch.cuda.memory.memory_summary`` reads them too). The figures the
+pool changes on every call (``allocation``, ``allocated_bytes``, ``requested_bytes``,
+``segment``, ``reserved_bytes``) are kept by the books, peaks exact across the fast
+path's log. The rest are PyTorch's meanings in cupool's terms, and cost the hot
+path nothing:
+
+- ``active``, ``active_bytes`` are ``allocation``, ``allocated_bytes``. PyTorch's
+  active blocks add those freed while a ``record_stream`` event is pending, which
+  no stream may take yet; a block cupool frees is its stream's again at once
+  (Note [Streams]).
+- ``inactive_split``, ``inactive_split_bytes`` (non-releasable: free blocks in
+  segments that still hold a live block) are counted by walking the heaps at each
+  ``stats()``, since a parked free never reaches the heap. ``current`` is exact;
+  ``peak``, ``allocated`` and ``freed`` count the changes seen between calls, so they
+  are lower bounds.
+- ``oversize_*`` are 0 and ``max_split_size`` is -1, PyTorch's values without a
+  ``max_split_size``: cupool splits free blocks of any size.
 """
 
 from __future__ import annotations

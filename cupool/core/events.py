@@ -21,7 +21,21 @@ Annotations: ``oom`` (size requested), ``compact`` (size: bytes moved),
 ``reclaim:<step>`` for each step of the reclaim ladder; their address is 0
 unless it names a block.
 
-See Note [Subscribers] in docs/design.md for the rules a subscriber lives by.
+See Note [Subscribers] below for the rules a subscriber lives by.
+
+Note [Subscribers]
+~~~~~~~~~~~~~~~~~~
+A subscriber runs with the pool's lock held, in the middle of a pool operation.
+So: it must not call back into the pool (reading ``pool.view`` is fine); and **a
+subscriber that raises is detached** and its exception logged on the ``cupool``
+logger, while the operation that emitted the event completes as if nothing
+happened. The alternative, letting the exception out, abandons a half-done
+operation (a block freed in the heap but not in the books) and corrupts the pool
+for good. The subscriber list is replaced, never mutated, so ``emit`` reads it
+without a lock; ``unsubscribe`` only marks a subscription dead, so it is safe from
+a finalizer. An ``on_move`` callback that raises is logged the same way, and never
+breaks the unrelated call (another buffer's ``.array()``, a ``malloc``) that
+happened to trigger the move.
 """
 
 from __future__ import annotations

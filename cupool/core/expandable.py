@@ -6,7 +6,7 @@ size (addresses cost nothing), whose mapped prefix is a heap segment that grows 
 fits (``grow``: granules mapped there, the last block extended) and shrinks
 from its end when its tail is free (``trim``: granules unmapped and released).
 Every granule is its own physical chunk, because the driver maps only whole
-chunks from their start (docs/design.md, Note [Virtual memory]): that is what
+chunks from their start (Note [Virtual memory], below): that is what
 lets granules be placed independently.
 
 *Stitching* (``stitch``) serves a large request no free range fits from the
@@ -20,6 +20,46 @@ exactly one heap segment, and every segment of a region is mapped whole.
 The device work of a grow, trim or stitch is a few calls per granule it maps or
 unmaps, whatever the number of blocks alive.  Compaction's moves of whole mapped
 granules (``move``) trade chunks between the two ranges instead of copying.
+
+Note [Virtual memory]
+~~~~~~~~~~~~~~~~~~~~~
+``Pool(expandable_segments=True)`` builds its segments from 2 MiB granules of the
+device's virtual memory (``Device.virtual_memory()``, which a device without any
+refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
+block's bytes really live in the mapping, and touching an unmapped granule is
+refused, or faults, as on a GPU). As in PyTorch, each stream and size class
+has one *region*, a reserved range of addresses twice the device's size; its
+mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
+maps just the granules the region's last free block lacks at the region's end
+and extends that block (``Heap.extend``), within the limit, before the ladder; a
+segment of a fixed size (``initial_size``, compaction's re-homing, stitching) gets
+a range of its own. Free granule-aligned tails are unmapped and their chunks
+released by ``empty_cache()`` and the ladder's release step (``trim_all``), and at
+once, after a free, above ``release_threshold``. Each granule is its own chunk
+because the driver maps only whole chunks from their start (H100, driver 580):
+that is what lets granules move independently.
+
+*Stitching* (``stitch=True``) is a ladder step after release, for large requests:
+the granules under free blocks in the middle of segments (largest holes first,
+usable by the request's stream) are unmapped there, which splits their segments
+around the hole (``Heap.cut``), and mapped side by side in a fresh range, with no
+copy; what they lack is created fresh when the limit allows. A stitched segment
+goes back to the device as soon as it is wholly free. When a region's addresses
+run out (holes left behind), it retires and the stream starts a new one.
+
+The invariants, checked by ``pool.check()`` and ``tests/test_expandable.py``: every
+mapped granule lies in exactly one heap segment and every segment is mapped
+whole, so reserved bytes are mapped granules; no chunk is mapped twice, so live
+blocks never share physical memory; every live block's bytes survive every
+grow, unmap, stitch and remap. Compaction's moves of whole mapped granules
+(a movable buffer covering them, moved to a granule boundary) are made by
+trading chunks between the two ranges, granule by granule in memmove's order,
+instead of copying (``Expander.move``; the expander is the arena's segment source, ``cupool.core.segments``); the rest are copied as on any device. Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
+names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
+contiguous mapped range as a segment with ``is_expandable``. The device work of a
+grow, unmap or stitch is a few calls per granule, whatever the number of live
+blocks. The numba replay engine does not model virtual memory: replays of such
+traces, or with ``--compare expandable_segments=True``, run on the pool engine.
 """
 
 from __future__ import annotations

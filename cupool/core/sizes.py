@@ -4,7 +4,17 @@ They follow PyTorch's caching allocator, whose numbers users already know:
 requests round up to 512 bytes; requests up to 1 MiB come from 2 MiB "small"
 segments so that they never split large ones; requests up to 10 MiB come from
 20 MiB segments; larger ones get a segment of their own size rounded up to the
-device's 2 MiB page.  See Note [Size classes] in docs/design.md.
+device's 2 MiB page.  See Note [Size classes] below.
+
+Note [Size classes]
+~~~~~~~~~~~~~~~~~~~
+Requests round up to 512 bytes. Up to 1 MiB they come from 2 MiB "small"
+segments, so that small blocks never split large segments; up to 10 MiB from
+20 MiB segments; larger requests get a segment of their own size rounded up to
+the 2 MiB page. These are PyTorch's numbers, so its users' intuitions (and its
+snapshots) carry over. Under a limit, a segment of just the needed size is tried
+before the ladder. Movable buffers always grow by just their size: compaction
+packs them anyway, and a larger segment would only be a tail to waste.
 """
 
 from __future__ import annotations

@@ -5,6 +5,14 @@ A block freed on stream ``s`` carries ``s``'s current epoch and is reused at onc
 every block freed in that epoch or before may cross to any stream.  Events are
 recorded lazily, only for streams with frees since their last event, and only
 when some other stream is short of memory.
+
+Note [Streams]
+~~~~~~~~~~~~~~
+A block freed on stream A carries A's current epoch and is reused at once on A.
+Another stream may take it only after an event recorded on A, closing that
+epoch, has completed. Events are recorded lazily, only when another stream is
+short of memory; ``empty_cache``, compaction and the ladder's ``streams`` step
+synchronize the device instead, which makes every freed block usable by all.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the same names (``Pool.stats`` follows ``torch.cuda.memory_stats``) let them
 read cupool the same way.  It is built from the stats dict alone, so it needs
 no torch, and ``torch.cuda.memory.memory_summary`` itself also accepts
 ``pool.stats()`` (the tests check both).  What each figure means in cupool's
-terms: Note [Statistics] in docs/design.md.
+terms: Note [Statistics] (cupool/core/books.py).
 """
 
 from __future__ import annotations

@@ -13,6 +13,19 @@ knows the arena, the movable buffers and the scheduler, never the ``Pool``.
 
 Everything here holds the arena, the buffers and the scheduler weakly: the
 arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
+
+Note [Out of memory]
+~~~~~~~~~~~~~~~~~~~~
+A request whose size alone is larger than the pool's limit fails at once, with
+no ladder and no side effects (only ``num_ooms`` and an ``oom`` event record it),
+and its error leaves fragmentation out: it has nothing to do with the failure.
+Any other request that does not fit runs the ladder in the scheduler's order
+(streams, release, compact, rehome, spill, gc for ``lru``/``fifo``; ``adaptive``
+reorders by usage and fragmentation), retrying after each step that made
+progress. The error names the request, the reserved and allocated bytes, the
+limit, the largest free block and the fragmentation; a pool with a spill tier
+also says what spilling could and could not do. A pool without one does not
+suggest spilling.
 """
 
 from __future__ import annotations

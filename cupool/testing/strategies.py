@@ -32,7 +32,7 @@ __all__ = [
     "weight_streams",
 ]
 
-#: The size classes a request falls in, smallest first (Note [Size classes] in docs/design.md).
+#: The size classes a request falls in, smallest first (Note [Size classes], cupool/core/sizes.py).
 SIZE_CLASSES = ("zero", "small", "medium", "large")
 _MiB = 1 << 20
 
