@@ -88,13 +88,16 @@ target = Path(sys.argv[1]).resolve()
 assert Path(cupool.__file__).resolve().is_relative_to(target), cupool.__file__
 from cupool.kernels import move
 import cupool.replay.engine as engine
+import cupool.replay.engine_heap as engine_heap
+import cupool.replay.engine_memory as engine_memory
 
 z = np.zeros(2, np.int64)
 for dt in (np.uint8, np.uint64):  # the sim device's moves, as the demo's compactions run them
     buf = np.arange(64, dtype=dt)
     move.move_cpu(buf, z + 8, z, z + 4)
     assert list(buf[:4]) == [8, 9, 10, 11]
-compiled = [f for m in (move, engine) for f in vars(m).values() if isinstance(f, CPUDispatcher)]
+compiled = {id(f): f for m in (move, engine, engine_heap, engine_memory) for f in vars(m).values()
+            if isinstance(f, CPUDispatcher)}.values()
 for f in compiled:  # the replay engine's functions are only located here, not compiled (that takes 14 s)
     assert hasattr(f._cache, "cache_path"), f"{f.__name__} is not cached"
     path = Path(f._cache.cache_path).resolve()

@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 from ..device.sim import SimDevice
+from .device import ReplayDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
@@ -14,10 +15,11 @@ import numpy as np
 from ..trace.importers import recorded_peak_reserved, sized_capacity
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
-CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold")
-#: Recorded settings that only the pool engine models (through movable buffers, or virtual memory).
-POOL_KEYS = ("defrag_threshold", "spill", "spill_policy", "expandable_segments", "stitch")
-#: Settings of virtual memory (expandable segments), which only the pool engine models.
+CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold",
+               "expandable_segments", "stitch")
+#: Recorded settings that only the pool engine models (through movable buffers).
+POOL_KEYS = ("defrag_threshold", "spill", "spill_policy")
+#: Settings of virtual memory (expandable segments).
 VMM_KEYS = ("expandable_segments", "stitch")
 #: Events that only pools with movable buffers emit.
 MOVABLE_KINDS = ("alloc_movable", "free_movable", "move_out", "move_in", "compact", "spill", "restore")
@@ -68,11 +70,9 @@ def uses_movables(trace: Trace) -> bool:
 
 
 def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
-    """``"pool"`` for traces with movable buffers or recorded on virtual memory, and where a
-    configuration turns virtual memory on (``expandable_segments``, ``stitch``: the numba engine
-    models plain segments only); else the fast ``"numba"``."""
-    vmm = trace.config.get("expandable_segments") or any(c and any(c.get(k) for k in VMM_KEYS) for c in configs)
-    return "pool" if uses_movables(trace) or vmm else "numba"
+    """``"pool"`` for traces with movable buffers (whose compaction and spilling only the pool engine
+    models), else the fast ``"numba"``; ``configs`` are the settings to be replayed (none changes this)."""
+    return "pool" if uses_movables(trace) else "numba"
 
 
 def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
@@ -163,7 +163,8 @@ def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None 
     caller gave (``given``), not the whole resolved configuration.
     """
     try:
-        pool = Pool("sim", **config)
+        settings = {k: v for k, v in config.items() if k != "capacity"}
+        pool = Pool(ReplayDevice(config.get("capacity", "4GiB")), **settings)
     except (OutOfMemoryError, ValueError, TypeError) as e:
         where = f"{trace.source}: " if trace.source else ""
         mine = f" (given: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""

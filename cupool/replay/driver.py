@@ -71,7 +71,6 @@ from .config import (
     trace_capacity,
     uses_movables,
 )
-from .numba_engine import replay_numba, segments_of
 from .pool_engine import replay_pool
 from .result import FRAGMENTATION_NOTE, ReplayResult
 
@@ -109,6 +108,8 @@ def replay(
     if engine == "pool":
         result = replay_pool(trace, cfg, n, timeline, progress, config)[0]
     else:
+        from .numba_engine import replay_numba  # imports numba: only when it is used
+
         result = replay_numba(trace, cfg, n, timeline, progress, config)[0]
     if recorded_on_vmm(trace) and not cfg.get("expandable_segments"):
         result.warnings.append(
@@ -139,6 +140,8 @@ def layout(
                         "blocks": [(b["address"] - base, b["size"], b["state"] != "inactive")
                                    for b in seg["blocks"]]})
     else:
+        from .numba_engine import replay_numba, segments_of
+
         _, state = replay_numba(trace, cfg, n, False, False, config)
         for base, size, kind, blocks in segments_of(state):
             out.append({"address": base, "size": size, "kind": "small" if kind == SMALL else "large",

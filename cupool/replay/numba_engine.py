@@ -33,6 +33,7 @@ def replay_numba(
         sizes = np.minimum(sizes, probe.limit + PAGE)
     capacity = pool_capacity(probe)
     limit, threshold, initial = probe.limit, probe.release_threshold, probe.config["initial_size"]
+    vmm, stitching = bool(probe.config["expandable_segments"]), bool(probe.config["stitch"])
     del probe
     seeded = seed_count(trace, n)
     tl_res = np.zeros(n if timeline else 0, np.int64)
@@ -41,7 +42,7 @@ def replay_numba(
     empties = program_calls(trace, n, seeded)  # the numba engine empties its cache at either call
     streams = int(trace.stream.max()) + 1 if len(trace) else 1
     with eng.compile_notice():
-        state = eng.new_state(streams, capacity, limit, threshold, initial)
+        state = eng.new_state(streams, capacity, limit, threshold, initial, vmm, stitching)
         if seeded:
             _seed(state, seed_program(trace, seeded, limit, initial, threshold))
         # An empty range with the real arguments: compiles (or loads) the very signature the
@@ -59,7 +60,7 @@ def replay_numba(
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    st, fst = state["st"], state["fst"]
+    st, fst = state["E"].st, state["E"].fst
     if timeline and seeded:
         tl_res[:seeded], tl_alloc[:seeded] = state["seeded_books"]
     samples = int(st[eng.SAMPLES])
@@ -101,7 +102,7 @@ def _seed(state: dict, ops: np.ndarray) -> None:
     none = np.zeros(0, np.int64)
     eng.run_range(state, kind, ops[:, 1].copy(), ops[:, 2].copy(), ops[:, 3].copy(), empties, 0, m, codes,
                   none, none)
-    st, fst = state["st"], state["fst"]
+    st, fst = state["E"].st, state["E"].fst
     fst[:] = 0.0
     st[eng.SAMPLES] = 0
     st[eng.PEAK_RES], st[eng.PEAK_ALLOC], st[eng.PEAK_SEG] = st[eng.RES], st[eng.ALLOC], st[eng.NSEG]
@@ -112,7 +113,7 @@ def _seed(state: dict, ops: np.ndarray) -> None:
 
 def segments_of(state: dict) -> list[tuple[int, int, int, list[tuple[int, int, bool]]]]:
     """The engine's live segments: (address, size, heap, [(offset, size, allocated) of its blocks])."""
-    B, S, st = state["B"], state["S"], state["st"]
+    B, S, st = state["E"].B, state["E"].S, state["E"].st
     out = []
     for s in range(int(st[eng.NS])):
         if not S[eng.S_ALIVE, s]:

@@ -1,0 +1,354 @@
+"""The engine's heaps: blocks, the free index, best fit, split, coalesce, and streams (``cupool.core.heap``'s twin).
+
+Every function takes the engine's state ``E`` (``engine_layout.Engine``) and a
+heap ``h`` (SMALL or LARGE) where it needs one; see ``engine`` for what the
+engine models and why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
+from .engine_layout import (
+    ADDR, ALIVE, FREE, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP, NB, NEXT, NFB, NIX0, NORD0, PREV,
+    ROOT, S_TAIL, S_USED, SEG, SIZE, STREAM, TAG,
+)
+
+
+# ---------------------------------------------------------------- blocks
+@njit(cache=True)
+def new_block(E, addr, size, seg, tag):
+    B, FB, st = E.B, E.FB, E.st
+    if st[NFB] > 0:
+        st[NFB] -= 1
+        b = FB[st[NFB]]
+    else:
+        b = st[NB]
+        st[NB] += 1
+    B[ADDR, b] = addr
+    B[SIZE, b] = size
+    B[PREV, b] = -1
+    B[NEXT, b] = -1
+    B[SEG, b] = seg
+    B[FREE, b] = 1
+    B[TAG, b] = tag
+    B[ALIVE, b] = 1
+    B[STREAM, b] = 0
+    return b
+
+
+@njit(cache=True)
+def kill_block(E, b):
+    E.B[ALIVE, b] = 0
+    E.FB[E.st[NFB]] = b
+    E.st[NFB] += 1
+
+
+# ------------------------------------------------------- the free index
+# The free blocks of each heap, kept per stream tag in a treap (a binary search
+# tree whose nodes also carry a random priority, so that its expected depth is
+# O(log n) whatever the order of inserts and removals).  Why this shape:
+#
+# * best fit asks for the first free block, in (size, address) order, tagged
+#   with the request's stream or untagged.  One tree per (heap, tag) answers it
+#   with two descents (the stream's tree and the untagged one, then the smaller
+#   of the two answers) instead of stepping over other streams' blocks;
+# * a settle retags all free blocks of one stream: that is an in-order walk of
+#   that stream's tree, O(its size), instead of a pass over the whole index;
+# * nodes are block ids, so the tree lives in IX[0, row, b] and grows with B
+#   (``run`` keeps IX at least as long as B; ``replay`` grows both to the same
+#   length before seeding).  A sorted array, the earlier design, shifted
+#   O(free blocks) entries per insert or removal, which dominated replays with
+#   thousands of live blocks.
+#
+# Nodes know their parent (IX_UP), so that a removal needs no search from the
+# root: the pool removes a block it already holds (coalesce, take, settle).
+#
+# A node's key is copied into IX when it is inserted, so that the tree never
+# depends on B's size/address rows changing under it (they do not while a block
+# is indexed, but a copy makes that a non-issue).  Roots are TG[h, ROOT, tag + 1].
+
+
+@njit(cache=True)
+def _priority(b):
+    """A fixed pseudo-random priority per block id (splitmix64), so replays are deterministic."""
+    x = np.uint64(b) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x >> np.uint64(2))
+
+
+@njit(cache=True)
+def _less(IX, a, size, addr):
+    """Whether node ``a`` sorts before key (size, addr)."""
+    s = IX[0, IX_SIZE, a]
+    return s < size or (s == size and IX[0, IX_ADDR, a] < addr)
+
+
+@njit(cache=True)
+def _split(IX, t, size, addr):
+    """Split tree ``t`` into (keys < (size, addr), the rest); iterative, O(depth).
+
+    The roots' parents are left for the caller to set.
+    """
+    lroot, rroot, lt, rt = -1, -1, -1, -1
+    while t >= 0:
+        if _less(IX, t, size, addr):
+            if lt < 0:
+                lroot = t
+            else:
+                IX[0, IX_RIGHT, lt] = t
+            IX[0, IX_UP, t] = lt
+            lt = t
+            t = IX[0, IX_RIGHT, t]
+        else:
+            if rt < 0:
+                rroot = t
+            else:
+                IX[0, IX_LEFT, rt] = t
+            IX[0, IX_UP, t] = rt
+            rt = t
+            t = IX[0, IX_LEFT, t]
+    if lt >= 0:
+        IX[0, IX_RIGHT, lt] = -1
+    if rt >= 0:
+        IX[0, IX_LEFT, rt] = -1
+    return lroot, rroot
+
+
+@njit(cache=True)
+def _merge(IX, a, b):
+    """Join trees ``a`` and ``b`` (every key of ``a`` below every key of ``b``); iterative."""
+    root, parent, right = -1, -1, False
+    while a >= 0 and b >= 0:
+        if IX[0, IX_PRI, a] > IX[0, IX_PRI, b]:
+            x = a
+            a = IX[0, IX_RIGHT, a]
+            nxt_right = True
+        else:
+            x = b
+            b = IX[0, IX_LEFT, b]
+            nxt_right = False
+        if parent < 0:
+            root = x
+        elif right:
+            IX[0, IX_RIGHT, parent] = x
+        else:
+            IX[0, IX_LEFT, parent] = x
+        IX[0, IX_UP, x] = parent
+        parent, right = x, nxt_right
+    x = a if a >= 0 else b
+    if parent < 0:
+        root = x
+    elif right:
+        IX[0, IX_RIGHT, parent] = x
+    else:
+        IX[0, IX_LEFT, parent] = x
+    if x >= 0:
+        IX[0, IX_UP, x] = parent
+    return root
+
+
+@njit(cache=True)
+def ix_insert(E, h, b):
+    B, IX, st, TG = E.B, E.IX, E.st, E.TG
+    size, addr = B[SIZE, b], B[ADDR, b]
+    t = B[TAG, b] + 1
+    pri = _priority(b)
+    IX[0, IX_SIZE, b] = size
+    IX[0, IX_ADDR, b] = addr
+    IX[0, IX_PRI, b] = pri
+    # Descend while the nodes outrank b, then b takes that subtree, split at its key.
+    parent, right = -1, False
+    node = TG[h, ROOT, t]
+    while node >= 0 and IX[0, IX_PRI, node] > pri:
+        parent = node
+        right = _less(IX, node, size, addr)
+        node = IX[0, IX_RIGHT, node] if right else IX[0, IX_LEFT, node]
+    lo, hi = _split(IX, node, size, addr)
+    IX[0, IX_LEFT, b] = lo
+    IX[0, IX_RIGHT, b] = hi
+    IX[0, IX_UP, b] = parent
+    if lo >= 0:
+        IX[0, IX_UP, lo] = b
+    if hi >= 0:
+        IX[0, IX_UP, hi] = b
+    if parent < 0:
+        TG[h, ROOT, t] = b
+    elif right:
+        IX[0, IX_RIGHT, parent] = b
+    else:
+        IX[0, IX_LEFT, parent] = b
+    st[NIX0 + h] += 1
+    TG[h, 0, t] += 1
+    if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
+        TG[h, 1, t] = 1
+        TG[h, 2, st[NORD0 + h]] = t - 1
+        st[NORD0 + h] += 1
+
+
+@njit(cache=True)
+def ix_remove(E, h, b):
+    B, IX, st, TG = E.B, E.IX, E.st, E.TG
+    t = B[TAG, b] + 1
+    parent = IX[0, IX_UP, b]
+    sub = _merge(IX, IX[0, IX_LEFT, b], IX[0, IX_RIGHT, b])
+    if parent < 0:
+        TG[h, ROOT, t] = sub
+    elif IX[0, IX_RIGHT, parent] == b:
+        IX[0, IX_RIGHT, parent] = sub
+    else:
+        IX[0, IX_LEFT, parent] = sub
+    if sub >= 0:
+        IX[0, IX_UP, sub] = parent
+    st[NIX0 + h] -= 1
+    TG[h, 0, t] -= 1
+
+
+@njit(cache=True)
+def _first_fit(IX, node, size):
+    """The first node of a tree in (size, address) order with at least ``size`` bytes; -1: none."""
+    best = -1
+    while node >= 0:
+        if IX[0, IX_SIZE, node] >= size:
+            best = node
+            node = IX[0, IX_LEFT, node]
+        else:
+            node = IX[0, IX_RIGHT, node]
+    return best
+
+
+@njit(cache=True)
+def find(E, h, size, key):
+    """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
+    IX, TG = E.IX, E.TG
+    a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
+    u = _first_fit(IX, TG[h, ROOT, 0], size)
+    if a < 0:
+        return u
+    if u < 0 or _less(IX, a, IX[0, IX_SIZE, u], IX[0, IX_ADDR, u]):
+        return a
+    return u
+
+
+@njit(cache=True)
+def tagged(E, h, t):
+    """The blocks of tag ``t``'s tree in (size, address) order (an iterative in-order walk)."""
+    IX, TG = E.IX, E.TG
+    n = TG[h, 0, t + 1]
+    out = np.empty(n, np.int64)
+    stack = np.empty(n + 1, np.int64)
+    sp, m = 0, 0
+    node = TG[h, ROOT, t + 1]
+    while node >= 0 or sp > 0:
+        while node >= 0:
+            stack[sp] = node
+            sp += 1
+            node = IX[0, IX_LEFT, node]
+        sp -= 1
+        node = stack[sp]
+        out[m] = node
+        m += 1
+        node = IX[0, IX_RIGHT, node]
+    return out
+
+
+# ------------------------------------------------- split and coalesce
+@njit(cache=True)
+def _mergeable(a, b):
+    return a == b or a == -1 or b == -1
+
+
+@njit(cache=True)
+def coalesce(E, h, b):
+    B = E.B
+    nxt = B[NEXT, b]
+    if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
+        ix_remove(E, h, nxt)
+        _absorb(E, b, nxt)
+    prv = B[PREV, b]
+    if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
+        ix_remove(E, h, prv)
+        _absorb(E, prv, b)
+        b = prv
+    ix_insert(E, h, b)
+    return b
+
+
+@njit(cache=True)
+def _absorb(E, left, right):
+    """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
+    B = E.B
+    if B[TAG, left] == -1:
+        B[TAG, left] = B[TAG, right]
+    B[SIZE, left] += B[SIZE, right]
+    B[NEXT, left] = B[NEXT, right]
+    if B[NEXT, right] >= 0:
+        B[PREV, B[NEXT, right]] = left
+    else:
+        E.S[S_TAIL, B[SEG, left]] = left
+    kill_block(E, right)
+
+
+@njit(cache=True)
+def take(E, h, b, size):
+    B, S = E.B, E.S
+    ix_remove(E, h, b)
+    rest = B[SIZE, b] - size
+    if rest:
+        tail = new_block(E, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
+        B[PREV, tail] = b
+        B[NEXT, tail] = B[NEXT, b]
+        if B[NEXT, b] >= 0:
+            B[PREV, B[NEXT, b]] = tail
+        else:
+            S[S_TAIL, B[SEG, b]] = tail
+        B[NEXT, b] = tail
+        B[SIZE, b] = size
+        ix_insert(E, h, tail)
+    B[FREE, b] = 0
+    B[TAG, b] = -1
+    S[S_USED, B[SEG, b]] += size
+
+
+@njit(cache=True)
+def give(E, h, b, tag):
+    B = E.B
+    E.S[S_USED, B[SEG, b]] -= B[SIZE, b]
+    B[FREE, b] = 1
+    B[TAG, b] = tag
+    return coalesce(E, h, b)
+
+
+# --------------------------------------------------------------- streams
+@njit(cache=True)
+def settle(E, wait):
+    """Pool._settle_streams on a sim device with no work in flight: events complete at once."""
+    B, st, TG, DT = E.B, E.st, E.TG, E.DT
+    moved = 0
+    for h in range(2):
+        tags = np.empty(st[NORD0 + h], np.int64)
+        nt = 0
+        for k in range(st[NORD0 + h]):
+            t = TG[h, 2, k]
+            if TG[h, 0, t + 1] > 0:
+                tags[nt] = t
+                nt += 1
+        for k in range(nt):
+            t = tags[k]
+            if t == -1:
+                continue
+            if not wait and DT[t] == 0:
+                continue
+            DT[t] = 0
+            ids = tagged(E, h, t)  # the order the heap visits them in
+            for j in range(ids.shape[0]):
+                b = ids[j]
+                if B[ALIVE, b] == 1 and B[FREE, b] == 1 and B[TAG, b] == t:
+                    moved += B[SIZE, b]
+                    ix_remove(E, h, b)
+                    B[TAG, b] = -1
+                    coalesce(E, h, b)
+    return moved

@@ -1,0 +1,56 @@
+"""The replay engine's state: one named tuple of arrays, and the names of their rows and entries.
+
+Every compiled function of the engine (``engine``, ``engine_heap``,
+``engine_memory``) takes the whole state as one argument, ``E``, so that a
+function's signature does not change when it needs one more table.  The tables
+grow only between events (``engine.run``), which rebuilds the tuple.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+#: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
+#: free segment ids; IX, TG: the free index (``engine_heap``); DT: streams with frees since the last
+#: settle; EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
+#: GR: each (size class, stream)'s growing region; VA: free address ranges for regions.
+Engine = namedtuple("Engine", "st fst cfg B FB S FS IX TG DT EXT R FR GR VA")
+
+# Block fields (rows of B).
+ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
+NBF = 9
+# Segment fields (rows of S): S_TAIL is its last block, S_REGION its region (-1: a plain segment).
+S_ADDR, S_SIZE, S_USED, S_HEAD, S_KEEP, S_KIND, S_ALIVE, S_TAIL, S_REGION = range(9)
+NSF = 9
+# Region fields (rows of R), as ``cupool.core.expandable.Region``: R_TAIL is the segment ending at
+# the frontier (-1: none), R_GROW whether it is a stream's growing region, R_STITCHED whether its
+# segment goes back as soon as it is free.
+R_BASE, R_SIZE, R_FRONTIER, R_TAIL, R_NSEG, R_GROW, R_STITCHED, R_ALIVE = range(8)
+NRF = 8
+# Scalars (entries of st).
+(NB, NFB, NS, NFS, NEXT_N, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG, PEAK_SEG, DEV_ALLOCS, OOMS,
+ UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, SAMPLES, MOVING, NR, NFR, NVA, STITCHES) = range(26)
+N_ST = 26  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+# Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
+F_SUM, F_MAX, F_PEAK = range(3)
+# Configuration (entries of cfg): C_VMM expandable segments, C_STITCH stitching, C_VSPAN a growing
+# region's size (twice the device), C_ARENA the addresses regions are reserved from.
+C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_VMM, C_STITCH, C_VSPAN, C_ARENA = range(8)
+N_CFG = 8
+# The free index: per block id, a treap node (see engine_heap); per heap and tag + 1 in TG: free
+# block count, seen, first-seen order (by position), tree root.
+IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)
+NIX = 6
+ROOT = 3
+#: An empty entry of GR (no growing region for that size class and stream).
+GR_NONE = -1
+
+#: Addresses for virtual-memory regions: this many growing regions' worth (capped at 64 TiB); the
+#: replay's pool reserves the same arena (``cupool.replay.device``).
+ARENA_REGIONS = 256
+ARENA_MAX = 1 << 46
+
+
+def arena_size(capacity: int) -> int:
+    """The addresses regions are reserved from, for a device of ``capacity`` bytes."""
+    return min(2 * capacity * ARENA_REGIONS, ARENA_MAX)

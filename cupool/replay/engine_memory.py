@@ -1,0 +1,491 @@
+"""The engine's memory: the sim device's segments, and expandable segments over virtual memory.
+
+Plain segments mirror ``SimDevice`` (2 MiB pages handed out first fit in
+address order over twice the capacity) and ``Arena.new_segment`` /
+``drop_segment``.  Expandable segments mirror ``cupool.core.expandable``'s
+``Expander`` line by line: a growing region per size class and stream, whose
+tail segment grows by whole granules (``grow``) and shrinks from its free end
+(``trim``); exact regions for the preallocated segment; ``stitch``, which cuts
+free granules out of holes (``cut``) and maps them side by side in a fresh
+range.  Reserved bytes are mapped granules; every map is one device
+allocation and every unmap one device free, as the pool counts them.  Region
+addresses come first fit, in address order, from one arena: the replay's pool
+reserves its ranges the same way (``cupool.replay.device``), so that ties in best
+fit and in stitching's choice of holes break alike in both engines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.sizes import PAGE
+from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
+from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
+from .engine_layout import (
+    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, GR_NONE, NEXT, NEXT_N, NFR, NFS,
+    NR, NS, NSEG, NVA, PEAK_RES, PEAK_SEG, PREV, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED,
+    R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
+    TAG,
+)
+
+
+# ------------------------------------------------------- address ranges
+@njit(cache=True)
+def ext_take(T, st, count, size):
+    """First fit in address order over the free ranges in ``T`` (``st[count]`` of them); -1: none fits."""
+    for i in range(st[count]):
+        if T[1, i] >= size:
+            addr = T[0, i]
+            if T[1, i] > size:
+                T[0, i] += size
+                T[1, i] -= size
+            else:
+                for j in range(i, st[count] - 1):
+                    T[0, j] = T[0, j + 1]
+                    T[1, j] = T[1, j + 1]
+                st[count] -= 1
+            return addr
+    return -1
+
+
+@njit(cache=True)
+def ext_give(T, st, count, ptr, size):
+    """Give ``[ptr, ptr + size)`` back to the free ranges in ``T``, merging with its neighbours."""
+    n = st[count]
+    i = 0
+    while i < n and T[0, i] < ptr:
+        i += 1
+    merge_next = i < n and T[0, i] == ptr + size
+    merge_prev = i > 0 and T[0, i - 1] + T[1, i - 1] == ptr
+    if merge_prev and merge_next:
+        T[1, i - 1] += size + T[1, i]
+        for j in range(i, n - 1):
+            T[0, j] = T[0, j + 1]
+            T[1, j] = T[1, j + 1]
+        st[count] = n - 1
+    elif merge_prev:
+        T[1, i - 1] += size
+    elif merge_next:
+        T[0, i] = ptr
+        T[1, i] += size
+    else:
+        for j in range(n, i, -1):
+            T[0, j] = T[0, j - 1]
+            T[1, j] = T[1, j - 1]
+        T[0, i] = ptr
+        T[1, i] = size
+        st[count] = n + 1
+
+
+@njit(cache=True)
+def _round(n):
+    return -(-n // PAGE) * PAGE
+
+
+# -------------------------------------------------------------- segments
+@njit(cache=True)
+def add_segment(E, h, addr, nbytes, tag, keep, region):
+    """A heap segment of one free block (``Heap.add_segment``), counted; returns its head block."""
+    S, st = E.S, E.st
+    if st[NFS] > 0:
+        st[NFS] -= 1
+        s = E.FS[st[NFS]]
+    else:
+        s = st[NS]
+        st[NS] += 1
+    b = new_block(E, addr, nbytes, s, tag)
+    S[S_ADDR, s] = addr
+    S[S_SIZE, s] = nbytes
+    S[S_USED, s] = 0
+    S[S_HEAD, s] = b
+    S[S_TAIL, s] = b
+    S[S_KEEP, s] = keep
+    S[S_KIND, s] = h
+    S[S_ALIVE, s] = 1
+    S[S_REGION, s] = region
+    ix_insert(E, h, b)
+    st[NSEG] += 1
+    if st[NSEG] > st[PEAK_SEG]:
+        st[PEAK_SEG] = st[NSEG]
+    return b
+
+
+@njit(cache=True)
+def _forget_segment(E, s):
+    """Take a wholly free segment's blocks out of the heap, and the segment out of the books."""
+    S, st = E.S, E.st
+    b = S[S_HEAD, s]
+    while b >= 0:
+        nxt = E.B[NEXT, b]
+        ix_remove(E, S[S_KIND, s], b)
+        kill_block(E, b)
+        b = nxt
+    st[NSEG] -= 1
+    S[S_ALIVE, s] = 0
+    E.FS[st[NFS]] = s
+    st[NFS] += 1
+
+
+@njit(cache=True)
+def _reserved(E, n):
+    st = E.st
+    st[RES] += n
+    st[DEV_ALLOCS] += 1
+    if st[RES] > st[PEAK_RES]:
+        st[PEAK_RES] = st[RES]
+
+
+@njit(cache=True)
+def new_segment(E, h, nbytes, tag, keep):
+    """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses."""
+    nbytes = _round(nbytes)
+    st = E.st
+    if st[DEV_USED] + nbytes > E.cfg[C_CAPACITY]:
+        return -1
+    addr = ext_take(E.EXT, st, NEXT_N, nbytes)
+    if addr < 0:
+        return -1
+    st[DEV_USED] += nbytes
+    b = add_segment(E, h, addr, nbytes, tag, keep, -1)
+    _reserved(E, nbytes)
+    return b
+
+
+@njit(cache=True)
+def drop_segment(E, s):
+    """Give a wholly free segment back (``Arena.drop_segment``), plain or expandable."""
+    if E.S[S_REGION, s] >= 0:
+        vm_drop(E, s)
+        return
+    S, st = E.S, E.st
+    size = S[S_SIZE, s]
+    _forget_segment(E, s)
+    ext_give(E.EXT, st, NEXT_N, S[S_ADDR, s], size)
+    st[DEV_USED] -= size
+    st[DEV_FREES] += 1
+    st[RES] -= size
+
+
+@njit(cache=True)
+def release_free_segments(E, vmm):
+    """``Arena.release_free_segments``: every wholly free segment but the preallocated one, then free tails."""
+    S = E.S
+    released = 0
+    for h in range(2):
+        for s in range(E.st[NS]):
+            if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_USED, s] == 0 and S[S_KEEP, s] == 0:
+                released += S[S_SIZE, s]
+                drop_segment(E, s)
+    if vmm:
+        for h in range(2):
+            for s in range(E.st[NS]):
+                if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_KEEP, s] == 0:
+                    released += trim(E, s)
+    return released
+
+
+# ------------------------------------------------------------- regions
+@njit(cache=True)
+def _new_region(E, nbytes, growable, stitched):
+    R, st = E.R, E.st
+    base = ext_take(E.VA, st, NVA, nbytes)
+    if st[NFR] > 0:
+        st[NFR] -= 1
+        r = E.FR[st[NFR]]
+    else:
+        r = st[NR]
+        st[NR] += 1
+    R[R_BASE, r] = base
+    R[R_SIZE, r] = nbytes
+    R[R_FRONTIER, r] = base
+    R[R_TAIL, r] = -1
+    R[R_NSEG, r] = 0
+    R[R_GROW, r] = growable
+    R[R_STITCHED, r] = stitched
+    R[R_ALIVE, r] = 1
+    return r
+
+
+@njit(cache=True)
+def _forget_region(E, r):
+    R, st = E.R, E.st
+    R[R_ALIVE, r] = 0
+    if R[R_GROW, r]:
+        for h in range(2):
+            for k in range(E.GR.shape[1]):
+                if E.GR[h, k] == r:
+                    E.GR[h, k] = GR_NONE
+    ext_give(E.VA, st, NVA, R[R_BASE, r], R[R_SIZE, r])
+    E.FR[st[NFR]] = r
+    st[NFR] += 1
+
+
+@njit(cache=True)
+def _vm_add(E, h, r, addr, n, tag, keep):
+    b = add_segment(E, h, addr, n, tag, keep, r)
+    E.R[R_NSEG, r] += 1
+    return b
+
+
+@njit(cache=True)
+def vm_new_segment(E, h, nbytes, tag, keep):
+    """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
+    n = _round(nbytes)
+    st = E.st
+    if st[DEV_USED] + n > E.cfg[C_CAPACITY]:
+        return -1
+    st[DEV_USED] += n
+    r = _new_region(E, n, 0, 0)
+    E.R[R_FRONTIER, r] += n
+    _reserved(E, n)
+    b = _vm_add(E, h, r, E.R[R_BASE, r], n, tag, keep)
+    E.R[R_TAIL, r] = E.B[SEG, b]
+    return b
+
+
+@njit(cache=True)
+def need(E, h, size, key):
+    """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
+    R, S, B = E.R, E.S, E.B
+    r = E.GR[h, key + 1]
+    have = 0
+    if r >= 0 and R[R_TAIL, r] >= 0:
+        last = S[S_TAIL, R[R_TAIL, r]]
+        if B[FREE, last] == 1 and (B[TAG, last] == -1 or B[TAG, last] == key):
+            have = B[SIZE, last]
+    n = _round(max(size - have, 1))
+    if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
+        return _round(size)
+    return n
+
+
+@njit(cache=True)
+def grow(E, h, size, key):
+    """``Expander.grow``: map granules at the end of stream ``key``'s region; a free block, or -1 (device full)."""
+    R, st = E.R, E.st
+    n = need(E, h, size, key)
+    if st[DEV_USED] + n > E.cfg[C_CAPACITY]:
+        return -1
+    st[DEV_USED] += n
+    r = E.GR[h, key + 1]
+    if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
+        E.GR[h, key + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
+        R[R_GROW, r] = 0
+        if R[R_NSEG, r] == 0:
+            _forget_region(E, r)
+        r = -1
+    if r < 0:
+        r = _new_region(E, E.cfg[C_VSPAN], 1, 0)
+        E.GR[h, key + 1] = r
+    at = R[R_FRONTIER, r]
+    R[R_FRONTIER, r] += n
+    _reserved(E, n)
+    if R[R_TAIL, r] < 0:
+        b = _vm_add(E, h, r, at, n, key, 0)
+        R[R_TAIL, r] = E.B[SEG, b]
+        return b
+    return _extend(E, h, R[R_TAIL, r], n, key)
+
+
+@njit(cache=True)
+def _extend(E, h, s, n, tag):
+    """``Heap.extend``: ``n`` free bytes under ``tag`` at the end of segment ``s``; the (merged) last block."""
+    B, S = E.B, E.S
+    last = S[S_TAIL, s]
+    b = new_block(E, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
+    B[PREV, b] = last
+    B[NEXT, last] = b
+    S[S_TAIL, s] = b
+    S[S_SIZE, s] += n
+    return coalesce(E, h, b)
+
+
+@njit(cache=True)
+def vm_drop(E, s):
+    """``Expander.drop``: unmap a wholly free segment and give its granules back."""
+    S, R, st = E.S, E.R, E.st
+    r, size = S[S_REGION, s], S[S_SIZE, s]
+    _forget_segment(E, s)
+    st[DEV_USED] -= size
+    st[RES] -= size
+    st[DEV_FREES] += 1
+    R[R_NSEG, r] -= 1
+    if R[R_TAIL, r] == s:
+        R[R_TAIL, r] = -1
+        R[R_FRONTIER, r] = S[S_ADDR, s]
+    if R[R_NSEG, r] == 0 and R[R_GROW, r] == 0:
+        _forget_region(E, r)
+
+
+@njit(cache=True)
+def trim(E, s):
+    """``Expander.trim``: unmap the free granules at the end of ``s`` (all of it if it is free); the bytes."""
+    B, S, st = E.B, E.S, E.st
+    last = S[S_TAIL, s]
+    if B[FREE, last] == 0:
+        return 0
+    lo = _round(B[ADDR, last])
+    end = S[S_ADDR, s] + S[S_SIZE, s]
+    if lo >= end:
+        return 0
+    if lo == S[S_ADDR, s]:
+        vm_drop(E, s)
+        return end - lo
+    n = end - lo
+    h = S[S_KIND, s]
+    ix_remove(E, h, last)  # Heap.trim
+    if n == B[SIZE, last]:
+        prev = B[PREV, last]
+        S[S_TAIL, s] = prev
+        B[NEXT, prev] = -1
+        kill_block(E, last)
+    else:
+        B[SIZE, last] -= n
+        ix_insert(E, h, last)
+    S[S_SIZE, s] -= n
+    st[DEV_USED] -= n
+    st[RES] -= n
+    st[DEV_FREES] += 1
+    r = S[S_REGION, s]
+    if E.R[R_TAIL, r] == s:
+        E.R[R_FRONTIER, r] = lo
+    return n
+
+
+@njit(cache=True)
+def freed(E, b):
+    """``Expander.freed``, after a free left ``b`` (merged) free: what the rules give back now."""
+    S, st = E.S, E.st
+    s = E.B[SEG, b]
+    threshold = E.cfg[C_THRESHOLD]
+    over = threshold >= 0 and st[RES] > threshold
+    if S[S_USED, s] == 0 and (E.R[R_STITCHED, S[S_REGION, s]] == 1 or (over and S[S_KEEP, s] == 0)):
+        vm_drop(E, s)
+    elif over and S[S_KEEP, s] == 0 and b == S[S_TAIL, s]:
+        trim(E, s)
+
+
+# ------------------------------------------------------------- stitching
+@njit(cache=True)
+def _cut(E, h, b, lo, hi):
+    """``Heap.cut`` and ``Expander._cut``: unmap ``[lo, hi)`` from under free block ``b``, splitting its segment."""
+    B, S, R, st = E.B, E.S, E.R, E.st
+    s = B[SEG, b]
+    r = S[S_REGION, s]
+    ix_remove(E, h, b)
+    end, after = B[ADDR, b] + B[SIZE, b], B[NEXT, b]
+    right = -1
+    if hi < S[S_ADDR, s] + S[S_SIZE, s]:
+        if st[NFS] > 0:
+            st[NFS] -= 1
+            right = E.FS[st[NFS]]
+        else:
+            right = st[NS]
+            st[NS] += 1
+        S[S_ADDR, right] = hi
+        S[S_SIZE, right] = S[S_ADDR, s] + S[S_SIZE, s] - hi
+        S[S_USED, right] = 0
+        S[S_KEEP, right] = S[S_KEEP, s]
+        S[S_KIND, right] = h
+        S[S_ALIVE, right] = 1
+        S[S_REGION, right] = r
+        if hi < end:
+            piece = new_block(E, hi, end - hi, right, B[TAG, b])
+            B[NEXT, piece] = after
+            if after >= 0:
+                B[PREV, after] = piece
+            ix_insert(E, h, piece)
+            after = piece
+        B[PREV, after] = -1
+        S[S_HEAD, right] = after
+        S[S_TAIL, right] = S[S_TAIL, s]
+        x = after
+        while x >= 0:
+            B[SEG, x] = right
+            if B[FREE, x] == 0:
+                S[S_USED, right] += B[SIZE, x]
+            x = B[NEXT, x]
+        S[S_USED, s] -= S[S_USED, right]
+    left = s
+    if lo > B[ADDR, b]:
+        B[SIZE, b] = lo - B[ADDR, b]
+        B[NEXT, b] = -1
+        S[S_TAIL, s] = b
+        ix_insert(E, h, b)
+    elif B[PREV, b] >= 0:
+        B[NEXT, B[PREV, b]] = -1
+        S[S_TAIL, s] = B[PREV, b]
+        kill_block(E, b)
+    else:
+        S[S_ALIVE, s] = 0
+        E.FS[st[NFS]] = s
+        st[NFS] += 1
+        left = -1
+        kill_block(E, b)
+    S[S_SIZE, s] = lo - S[S_ADDR, s]
+    st[RES] -= hi - lo
+    st[DEV_FREES] += 1
+    parts = (left >= 0) + (right >= 0)
+    R[R_NSEG, r] += parts - 1
+    st[NSEG] += parts - 1
+    if st[NSEG] > st[PEAK_SEG]:
+        st[PEAK_SEG] = st[NSEG]
+    if R[R_TAIL, r] == s:
+        if right >= 0:
+            R[R_TAIL, r] = right
+        else:
+            R[R_TAIL, r] = left
+            R[R_FRONTIER, r] = lo
+    if R[R_NSEG, r] == 0 and R[R_GROW, r] == 0:
+        _forget_region(E, r)
+
+
+@njit(cache=True)
+def stitch(E, h, size, key, room):
+    """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side."""
+    B, S, st = E.B, E.S, E.st
+    want = _round(size)
+    n_holes = 0
+    for k in range(2):
+        n_holes += E.TG[k, 0, key + 1] + E.TG[k, 0, 0]
+    ln = np.empty(n_holes, np.int64)
+    llo = np.empty(n_holes, np.int64)
+    lk = np.empty(n_holes, np.int64)
+    lb = np.empty(n_holes, np.int64)
+    m = 0
+    for k in range(2):
+        for t in (key, -1):
+            ids = tagged(E, k, t)
+            for j in range(ids.shape[0]):
+                b = ids[j]
+                lo = _round(B[ADDR, b])
+                hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
+                s = B[SEG, b]
+                if hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
+                    ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
+                    m += 1
+    by_addr = np.argsort(llo[:m], kind="mergesort")  # largest holes first, lowest address among equals
+    order = by_addr[np.argsort(-ln[:m][by_addr], kind="mergesort")]
+    got, count = 0, 0
+    for j in range(m):
+        if got >= want:
+            break
+        i = order[j]
+        ln[i] = min(ln[i], want - got)
+        got += ln[i]
+        order[count] = i
+        count += 1
+    fresh = want - got
+    if count == 0 or fresh > room or st[DEV_USED] + fresh > E.cfg[C_CAPACITY]:
+        return False
+    st[DEV_USED] += fresh
+    r = _new_region(E, want, 0, 1)
+    for j in range(count):
+        i = order[j]
+        _cut(E, lk[i], lb[i], llo[i], llo[i] + ln[i])
+    E.R[R_FRONTIER, r] += want
+    _reserved(E, want)
+    b = _vm_add(E, h, r, E.R[R_BASE, r], want, key, 0)
+    E.R[R_TAIL, r] = B[SEG, b]
+    st[STITCHES] += 1
+    return True

@@ -1,0 +1,87 @@
+"""The numba engine models expandable segments and stitching: it agrees with the pool engine (issue 19 part 2)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cupool
+from cupool.replay import replay
+from cupool.trace import Trace
+
+_SAME = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "ooms",
+         "unmatched_frees", "max_fragmentation", "mean_fragmentation", "fragmentation_at_peak")
+
+
+def _trace(ops) -> Trace:
+    """(is_alloc, size, stream, which) -> events with made-up addresses; a free picks a live block."""
+    events, live, nxt = [], [], 0
+    for t, (is_alloc, size, stream, which) in enumerate(ops):
+        if is_alloc or not live:
+            nxt += 1
+            live.append((nxt, size, stream))
+            events.append((t, "alloc", nxt, size, stream))
+        else:
+            a, s, strm = live.pop(which % len(live))
+            events.append((t, "free", a, s, strm))
+    return Trace.from_events(events)
+
+
+def _agree(trace, config):
+    fast = replay(trace, config, engine="numba")
+    exact = replay(trace, config, engine="pool")
+    assert {k: getattr(fast, k) for k in _SAME} == {k: getattr(exact, k) for k in _SAME}
+    return fast
+
+
+_OPS = st.lists(st.tuples(st.booleans(), st.one_of(st.integers(0, 1 << 20), st.integers(1 << 20, 30 << 20)),
+                          st.integers(0, 2), st.integers(0, 99)), max_size=120)
+_VMM = st.sampled_from([
+    {"capacity": "64MiB", "expandable_segments": True},
+    {"capacity": "64MiB", "expandable_segments": True, "stitch": True},
+    {"capacity": "48MiB", "expandable_segments": True, "stitch": True, "release_threshold": "8MiB"},
+    {"capacity": "128MiB", "expandable_segments": True, "stitch": True, "max_size": "40MiB", "initial_size": "6MiB"},
+    {"capacity": "64MiB", "expandable_segments": True, "release_threshold": 0},
+    {"capacity": "64MiB", "expandable_segments": True, "stitch": True, "memory_fraction": 0.77},
+    {"capacity": "64MiB", "memory_fraction": 0.77},  # a limit off the 2 MiB page, on plain segments
+])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_OPS, _VMM)
+def test_engines_agree_on_expandable_segments_and_stitching(ops, config):
+    _agree(_trace(ops), config)
+
+
+def test_stitching_under_pressure_is_modelled():
+    """Holes of freed 8 MiB blocks between live ones: a 24 MiB request is served by stitching them."""
+    ops = [(True, 8 << 20, 0, 0) for _ in range(7)]
+    ops += [(False, 0, 0, 0), (False, 0, 0, 1), (False, 0, 0, 2)]  # frees blocks 1, 3 and 5 of the 7 left
+    ops += [(True, 24 << 20, 0, 0)]
+    trace = _trace(ops)
+    plain = _agree(trace, {"capacity": "64MiB", "expandable_segments": True})
+    stitched = _agree(trace, {"capacity": "64MiB", "expandable_segments": True, "stitch": True})
+    assert plain.ooms == 1 and stitched.ooms == 0
+
+
+def test_a_recorded_expandable_pool_replays_alike_on_both_engines():
+    """The recording's virtual addresses were the kernel's (ties in best fit break by them), so a replay
+    need not match it block for block; both engines replay it alike, on the recorded settings."""
+    pool = cupool.Pool("sim", capacity="96MiB", expandable_segments=True, stitch=True, release_threshold="16MiB")
+    rec = pool.record()
+    rec.start()
+    live = []
+    for i in range(200):
+        if live and i % 3 == 0:
+            live.pop((i * 7) % len(live)).free()
+        else:
+            try:
+                live.append(pool.malloc(((i * 2654435761) % (12 << 20)) + 1, stream=i % 2))
+            except cupool.OutOfMemoryError:
+                pass
+    rec.stop()
+    trace = rec.trace()
+    r = _agree(trace, None)
+    assert r.config["expandable_segments"] and r.config["stitch"] and not r.warnings
+    assert r.peak_allocated == pool.stats()["allocated_bytes.all.peak"]
+    del live
