@@ -40,9 +40,11 @@ import gc
 import sys
 import threading
 import time
+import traceback
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -317,8 +319,13 @@ class Stress:
     def run(self, seconds: float, check_every: float) -> Report:
         r = self.report
         unraisable: list[str] = []
+        gc.collect()  # what dies now is not this run's: only this run's finalizers are heard below
         hook, thresholds = sys.unraisablehook, gc.get_threshold()
-        sys.unraisablehook = lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value} (in {u.object!r})")
+        sys.unraisablehook = lambda u: unraisable.append(
+            f"{u.exc_type.__name__}: {u.exc_value} (in {u.object!r}); at "
+            + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                          for f in reversed(traceback.extract_tb(u.exc_traceback)[-6:]))
+        )
         if self.eager_gc:
             gc.set_threshold(50)  # the collector runs inside pool operations, at any allocation
         threads = [threading.Thread(target=w.run, name=f"stress-{i}", daemon=True) for i, w in enumerate(self.workers)]
