@@ -117,14 +117,17 @@ class Arena(FastPath):
         """
         if self.closed and not closed_ok:
             raise ClosedError("cupool: this pool is closed; it hands out no more memory")
-        if self.stacks:
-            self.unpark()
         size = round_size(n)
         kind = pool_of(size)
         heap = self.heaps[kind]
         if self.books.movables and not self.closed:
+            if self.stacks:  # compaction plans on the heap: parked blocks are free space (Note [Fast path])
+                self.unpark()
             self.policy.before_take()
         block = heap.find(size, key)
+        if block is None and self.stacks:  # the heap falls short: the parked blocks first (Note [Fast path])
+            self.unpark()
+            block = heap.find(size, key)
         if block is None and heap.tag_count() > 1:
             self.settle_streams(wait=False)
             block = heap.find(size, key)

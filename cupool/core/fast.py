@@ -19,7 +19,11 @@ exact-size stack per (size, stream): still allocated in the heap's eyes, and
 handed to the next request of that size on that stream without best fit, split
 or coalesce.  Its accounting goes to a log (``+/-(requested + 1)``), which the
 books fold in, peaks exactly, before anything reads or changes them.  Parked
-blocks go back to the heap (``unpark``) before any other heap operation.
+blocks go back to the heap (``unpark``) when the heap needs them: when it cannot
+serve a request from its own free blocks (before the pool grows), before
+compaction plans, and before anyone reads the layout or closes the pool
+(``drain``).  A request the heap serves on its own leaves the stacks alone, so a
+mix of sizes keeps hitting them.
 
 Parking is off while some subscriber wants every small block's ``alloc`` and
 ``free`` (``Observers.exact``), while the pool releases memory eagerly
@@ -336,8 +340,9 @@ class FastPath:
                 if len(log) > LOG_MAX:
                     self.books.fold()
             else:
-                if self.pending or self.stacks:
-                    self.drain()
+                pending = self.pending
+                while pending:  # the parked stacks stay: the arena unparks only if the heap falls short
+                    pending.popleft().finalize_locked()
                 a = self.take_new(n, key)
                 if self.pending:
                     self.drain()
