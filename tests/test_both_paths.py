@@ -34,6 +34,8 @@ SUITES = (
     "tests/test_hooks_machine.py",
     "tests/test_expandable.py::TestExpandableMachine",
     "tests/test_testing.py",
+    "tests/test_fold.py",  # the log's two folds: fold_log compiled, numpy uncompiled
+    "tests/test_lifetimes.py",  # finalizers, re-entrancy and interrupts through the fast path
 )
 
 #: Reasons the compiled path does not run that are defects, not circumstances.

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fast import COMPILED, fold_log
 from .sizes import ALIGNMENT, POOL_NAMES, SMALL
 
 #: Rows of the tables, with the names ``stats()`` gives them.
@@ -51,8 +52,6 @@ NO_MAX_SPLIT_SIZE = -1
 ALL = 2
 COLUMNS = (*POOL_NAMES, "all")
 
-#: The log is folded once it is this long.
-LOG_MAX = 4096
 # Below this many entries a fold is cheaper in plain Python than through numpy.
 _FOLD_NUMPY_MIN = 64
 
@@ -139,27 +138,13 @@ class Books:
             return
         log = self.log[:]
         self.log.clear()  # in place: the arena's fast path holds this very list
-        if len(log) >= _FOLD_NUMPY_MIN:
-            hits = self._fold_numpy(log)
-        else:
-            hits = 0
-            rows = {ALLOCATIONS: [0, 0, 0], ALLOCATED: [0, 0, 0], REQUESTED: [0, 0, 0]}  # net, top, gained
-            for v in log:
-                if v > 0:
-                    n, sign = v - 1, 1
-                    hits += 1
-                else:
-                    n, sign = -v - 1, -1
-                size = ((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT or ALIGNMENT
-                for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
-                    r = rows[row]
-                    r[0] += d
-                    if r[0] > r[1]:
-                        r[1] = r[0]
-                    if d > 0:
-                        r[2] += d
-            for row, (net, top, gained) in rows.items():
+        if COMPILED or len(log) < _FOLD_NUMPY_MIN:  # a C loop compiled; plain Python for a short log
+            hits, *sums = fold_log(log)
+            for k, row in enumerate((ALLOCATIONS, ALLOCATED, REQUESTED)):
+                net, top, gained = sums[3 * k : 3 * k + 3]
                 self._fold_row(row, net, top, gained, gained - net)
+        else:
+            hits = self._fold_numpy(log)
         self.hits += hits
 
     def _fold_numpy(self, log: list[int]) -> int:

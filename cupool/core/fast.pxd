@@ -59,3 +59,8 @@ cdef class Allocation:
 
 
 cdef Allocation new_allocation(FastPath owner, object block, object size, object stream, int kind)
+
+@cython.locals(hits=cython.longlong, c_net=cython.longlong, c_top=cython.longlong, c_gain=cython.longlong, a_net=cython.longlong,
+               a_top=cython.longlong, a_gain=cython.longlong, r_net=cython.longlong, r_top=cython.longlong, r_gain=cython.longlong,
+               v=cython.longlong, n=cython.longlong, size=cython.longlong, align=cython.longlong)
+cpdef tuple fold_log(list log)

@@ -55,7 +55,6 @@ from typing import Any
 
 from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DoubleFreeError, ForeignAllocationError
-from .books import LOG_MAX
 from .interrupts import OWED, deliver
 from .sizes import ALIGNMENT, SMALL
 
@@ -76,6 +75,48 @@ def _probe() -> None:
 
 #: Whether this module runs compiled (Cython) or as plain Python.
 COMPILED: bool = type(_probe).__name__ != "function"
+
+#: The fast path's log is folded into the books once it is this long (or before any read).
+LOG_MAX = 4096
+
+
+def fold_log(log: list[int]) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+    """Sum a fast-path log (``+(requested + 1)`` per hit, ``-(requested + 1)`` per park).
+
+    Returns the hits, then for allocations, allocated bytes and requested bytes in
+    turn: the net change, the highest running total (from 0: the peak above the
+    start) and the bytes gained.  Compiled, a C loop (``fast.pxd``); the books fold
+    long logs through numpy when this module runs uncompiled.
+    """
+    align = ALIGNMENT
+    hits = 0
+    c_net = c_top = c_gain = 0
+    a_net = a_top = a_gain = 0
+    r_net = r_top = r_gain = 0
+    for v in log:
+        if v > 0:
+            n = v - 1
+            hits += 1
+            size = ((n + align - 1) // align) * align or align
+            c_net += 1
+            c_gain += 1
+            a_net += size
+            a_gain += size
+            r_net += n
+            r_gain += n
+            if c_net > c_top:
+                c_top = c_net
+            if a_net > a_top:
+                a_top = a_net
+            if r_net > r_top:
+                r_top = r_net
+        else:
+            n = -v - 1
+            size = ((n + align - 1) // align) * align or align
+            c_net -= 1
+            a_net -= size
+            r_net -= n
+    return hits, c_net, c_top, c_gain, a_net, a_top, a_gain, r_net, r_top, r_gain
 
 
 class Mutex:
