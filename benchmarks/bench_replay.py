@@ -1,6 +1,7 @@
 """Replay throughput: the compiled engine against the real Pool, on the same synthetic trace.
 
     python benchmarks/bench_replay.py [--events 2000000] [--repeat 5] [--live 2000] [--streams 2]
+    python benchmarks/bench_replay.py --traces ../shared/traces [--repeat 21]
 
 The trace mixes small (< 1 MiB) and large (1-64 MiB) requests.  It allocates
 until ``--live`` blocks are live, then allocations and frees are equally likely
@@ -9,6 +10,11 @@ is printed).  Throughput falls slowly as the live count grows: the compiled
 engine keeps its free index in per-stream treaps, O(log free blocks) per insert,
 removal or best-fit search, and more live blocks mean more cache misses.  Prints
 medians and the same-run ratio numba / pool.
+
+With ``--traces FOLDER`` it replays each trace there (PyTorch snapshots, cupool
+traces, RMM logs) instead, on its sized device, with plain segments, expandable
+segments, and expandable segments with stitching, on both engines, and prints
+the median events per second of each (events replayed, seeds left out).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -50,8 +57,37 @@ def synthetic(n: int, seed: int = 0, live_target: int = 2000, streams: int = 2) 
     return trace, live_sum / max(n, 1)
 
 
+SETTINGS = {
+    "plain": {},
+    "expandable": {"expandable_segments": True},
+    "expandable+stitch": {"expandable_segments": True, "stitch": True},
+}
+
+
+def real_traces(folder: Path, repeat: int) -> None:
+    """Median events/s of each engine and setting on every trace in ``folder``."""
+    from cupool.trace import load_trace
+
+    paths = sorted(p for pat in ("*.pickle", "*.h5", "*.csv") for p in folder.glob(pat))
+    for path in paths:
+        trace = load_trace(path)
+        for label, cfg in SETTINGS.items():
+            rates = {}
+            for engine in ("numba", "pool"):
+                runs = [replay(trace, cfg, engine=engine, progress=False) for _ in range(repeat if engine == "numba"
+                                                                                        else max(1, repeat // 4))]
+                per_s = [r.events_per_second for r in runs if r.events_per_second is not None]
+                rates[engine] = statistics.median(per_s) if per_s else None
+            r = runs[0]
+            shown = ", ".join(f"{e} {v / 1e6:.2f} M events/s" if v else f"{e}: nothing replayed"
+                              for e, v in rates.items())
+            print(f"{path.name} [{label}]: {r.replayed} events replayed; median of {repeat}: {shown} "
+                  f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", type=Path, default=None, help="replay the traces in this folder instead")
     ap.add_argument("--events", type=int, default=2_000_000)
     ap.add_argument("--pool-events", type=int, default=100_000, help="events for the (slow) Pool engine")
     ap.add_argument("--repeat", type=int, default=5)
@@ -60,6 +96,10 @@ def main() -> None:
     ap.add_argument("--capacity", default="64GiB",
                     help="sim device size; about 8 MiB per live allocation avoids OOMs (default 64GiB)")
     args = ap.parse_args()
+    if args.traces is not None:
+        replay(synthetic(1000)[0], stop=1000)  # load the compiled engine once
+        real_traces(args.traces, args.repeat)
+        return
     cfg = {"capacity": args.capacity}
     trace, mean_live = synthetic(args.events, live_target=args.live, streams=args.streams)
     print(f"trace: {args.events} events, {args.streams} stream(s), mean {mean_live:.0f} live allocations")

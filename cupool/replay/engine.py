@@ -96,7 +96,7 @@ def _grow(E, h, size, key, exact):
 
 @njit(cache=True)
 def _find_or_grow(E, h, size, key, exact):
-    b = find(E, h, size, key)
+    b = find(E.IX, E.TG, h, size, key)
     if b < 0:
         b = _grow(E, h, size, key, exact)
     return b
@@ -107,10 +107,10 @@ def _malloc(E, n, key, exact):
     st, cfg = E.st, E.cfg
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = SMALL if size <= SMALL_MAX else LARGE
-    b = find(E, h, size, key)
+    b = find(E.IX, E.TG, h, size, key)
     if b < 0 and st[NORD0 + h] > 1:
         settle(E, False)
-        b = find(E, h, size, key)
+        b = find(E.IX, E.TG, h, size, key)
     if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1

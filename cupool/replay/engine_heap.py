@@ -152,8 +152,8 @@ def _merge(IX, a, b):
 
 
 @njit(cache=True)
-def ix_insert(E, h, b):
-    B, IX, st, TG = E.B, E.IX, E.st, E.TG
+def ix_insert(B, IX, st, TG, h, b):
+    """Index free block ``b`` of heap ``h`` (hot: it takes just the tables it touches)."""
     size, addr = B[SIZE, b], B[ADDR, b]
     t = B[TAG, b] + 1
     pri = _priority(b)
@@ -190,8 +190,7 @@ def ix_insert(E, h, b):
 
 
 @njit(cache=True)
-def ix_remove(E, h, b):
-    B, IX, st, TG = E.B, E.IX, E.st, E.TG
+def ix_remove(B, IX, st, TG, h, b):
     t = B[TAG, b] + 1
     parent = IX[0, IX_UP, b]
     sub = _merge(IX, IX[0, IX_LEFT, b], IX[0, IX_RIGHT, b])
@@ -221,9 +220,8 @@ def _first_fit(IX, node, size):
 
 
 @njit(cache=True)
-def find(E, h, size, key):
+def find(IX, TG, h, size, key):
     """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
-    IX, TG = E.IX, E.TG
     a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
     u = _first_fit(IX, TG[h, ROOT, 0], size)
     if a < 0:
@@ -266,14 +264,14 @@ def coalesce(E, h, b):
     B = E.B
     nxt = B[NEXT, b]
     if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
-        ix_remove(E, h, nxt)
+        ix_remove(E.B, E.IX, E.st, E.TG, h, nxt)
         _absorb(E, b, nxt)
     prv = B[PREV, b]
     if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
-        ix_remove(E, h, prv)
+        ix_remove(E.B, E.IX, E.st, E.TG, h, prv)
         _absorb(E, prv, b)
         b = prv
-    ix_insert(E, h, b)
+    ix_insert(E.B, E.IX, E.st, E.TG, h, b)
     return b
 
 
@@ -295,7 +293,7 @@ def _absorb(E, left, right):
 @njit(cache=True)
 def take(E, h, b, size):
     B, S = E.B, E.S
-    ix_remove(E, h, b)
+    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
     rest = B[SIZE, b] - size
     if rest:
         tail = new_block(E, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
@@ -307,7 +305,7 @@ def take(E, h, b, size):
             S[S_TAIL, B[SEG, b]] = tail
         B[NEXT, b] = tail
         B[SIZE, b] = size
-        ix_insert(E, h, tail)
+        ix_insert(E.B, E.IX, E.st, E.TG, h, tail)
     B[FREE, b] = 0
     B[TAG, b] = -1
     S[S_USED, B[SEG, b]] += size
@@ -348,7 +346,7 @@ def settle(E, wait):
                 b = ids[j]
                 if B[ALIVE, b] == 1 and B[FREE, b] == 1 and B[TAG, b] == t:
                     moved += B[SIZE, b]
-                    ix_remove(E, h, b)
+                    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
                     B[TAG, b] = -1
                     coalesce(E, h, b)
     return moved

@@ -103,7 +103,7 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     S[S_KIND, s] = h
     S[S_ALIVE, s] = 1
     S[S_REGION, s] = region
-    ix_insert(E, h, b)
+    ix_insert(E.B, E.IX, E.st, E.TG, h, b)
     st[NSEG] += 1
     if st[NSEG] > st[PEAK_SEG]:
         st[PEAK_SEG] = st[NSEG]
@@ -117,7 +117,7 @@ def _forget_segment(E, s):
     b = S[S_HEAD, s]
     while b >= 0:
         nxt = E.B[NEXT, b]
-        ix_remove(E, S[S_KIND, s], b)
+        ix_remove(E.B, E.IX, E.st, E.TG, S[S_KIND, s], b)
         kill_block(E, b)
         b = nxt
     st[NSEG] -= 1
@@ -333,7 +333,7 @@ def trim(E, s):
         return end - lo
     n = end - lo
     h = S[S_KIND, s]
-    ix_remove(E, h, last)  # Heap.trim
+    ix_remove(E.B, E.IX, E.st, E.TG, h, last)  # Heap.trim
     if n == B[SIZE, last]:
         prev = B[PREV, last]
         S[S_TAIL, s] = prev
@@ -341,7 +341,7 @@ def trim(E, s):
         kill_block(E, last)
     else:
         B[SIZE, last] -= n
-        ix_insert(E, h, last)
+        ix_insert(E.B, E.IX, E.st, E.TG, h, last)
     S[S_SIZE, s] -= n
     st[DEV_USED] -= n
     st[RES] -= n
@@ -372,7 +372,7 @@ def _cut(E, h, b, lo, hi):
     B, S, R, st = E.B, E.S, E.R, E.st
     s = B[SEG, b]
     r = S[S_REGION, s]
-    ix_remove(E, h, b)
+    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
     end, after = B[ADDR, b] + B[SIZE, b], B[NEXT, b]
     right = -1
     if hi < S[S_ADDR, s] + S[S_SIZE, s]:
@@ -394,7 +394,7 @@ def _cut(E, h, b, lo, hi):
             B[NEXT, piece] = after
             if after >= 0:
                 B[PREV, after] = piece
-            ix_insert(E, h, piece)
+            ix_insert(E.B, E.IX, E.st, E.TG, h, piece)
             after = piece
         B[PREV, after] = -1
         S[S_HEAD, right] = after
@@ -411,7 +411,7 @@ def _cut(E, h, b, lo, hi):
         B[SIZE, b] = lo - B[ADDR, b]
         B[NEXT, b] = -1
         S[S_TAIL, s] = b
-        ix_insert(E, h, b)
+        ix_insert(E.B, E.IX, E.st, E.TG, h, b)
     elif B[PREV, b] >= 0:
         B[NEXT, B[PREV, b]] = -1
         S[S_TAIL, s] = B[PREV, b]
