@@ -392,3 +392,24 @@ class MonitorMachine(RuleBasedStateMachine):
 
 
 TestMonitorMachine = MonitorMachine.TestCase
+
+
+def test_a_monitor_never_closed_does_not_keep_its_pool_alive():
+    """Issue 21 #1: the arena reaches its subscribers, and outlives a dropped pool; a Monitor that held
+    its pool strongly kept it (and its dispatcher thread) alive for good."""
+    import gc
+    import threading
+    import weakref
+
+    before = {t for t in threading.enumerate() if t.name == "cupool-monitor"}
+    p = cupool.Pool("sim", capacity="64MiB")
+    mon = Monitor(p)
+    (thread,) = {t for t in threading.enumerate() if t.name == "cupool-monitor"} - before
+    p.malloc(3 << 20).free()
+    w = weakref.ref(p)
+    del p
+    gc.collect()
+    assert w() is None, "a monitor that was never closed keeps its pool alive"
+    assert mon.pool is None
+    thread.join(5)
+    assert not thread.is_alive(), "the dispatcher outlives the pool"

@@ -43,6 +43,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +185,10 @@ class Monitor:
         for cb in cbs:
             if not callable(cb):
                 raise TypeError(f"callbacks must be callables, got {cb!r}")
-        self.pool = pool
+        # Held weakly (Note [Lifetimes]): the pool's subscribers are reachable from its arena, which
+        # outlives a dropped pool while its allocations live; a strong reference here kept a pool
+        # whose Monitor was never closed alive for good.  Its death stops the dispatcher.
+        self._pool = weakref.ref(pool)
         self.min_reserved = parse_size(min_reserved, pool.limit, "min_reserved")
         #: Fragmentation warns only while reserved / limit is at least this.
         self.min_usage = min_usage
@@ -195,6 +199,7 @@ class Monitor:
         self._queue: queue.SimpleQueue[Alert | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._dispatch, name="cupool-monitor", daemon=True)
         self._thread.start()
+        weakref.finalize(pool, self._queue.put, None)
         # small_blocks=False keeps the pool's fast path on: small blocks' allocs and
         # frees reach the books, and the monitor sees them at its next event.
         self._unsubscribe = pool.subscribe(self._on_event, kinds=_KINDS, small_blocks=False)
@@ -202,6 +207,11 @@ class Monitor:
             self._evaluate()
 
     # ----------------------------------------------------------------- public
+    @property
+    def pool(self) -> Pool | None:
+        """The pool watched, or None once it is gone (a monitor does not keep its pool alive)."""
+        return self._pool()
+
     def add_callback(self, callback: Callable[[Alert], Any]) -> None:
         if not callable(callback):
             raise TypeError(f"add_callback() takes a callable, got {callback!r}")
@@ -251,6 +261,8 @@ class Monitor:
 
     def _evaluate(self) -> None:
         pool = self.pool
+        if pool is None:
+            return
         books = pool.view.books  # folds the frees the fast path has only logged so far
         reserved = books.reserved
         allocated = books.allocated
@@ -271,6 +283,8 @@ class Monitor:
         """A refused request is fragmentation's doing when the pool's free bytes, and what its limit
         still allows, add up to it but no free block is that large (an injected refusal finds one)."""
         pool = self.pool
+        if pool is None:
+            return
         books = pool.view.books
         reserved, allocated = books.reserved, books.allocated
         if request == 0 or request > pool.limit - allocated:
