@@ -22,7 +22,10 @@ Nothing in the pool refers back to the ``Pool`` object strongly: handles own the
 arena (an ``Allocation``) or the movable lifecycle, which owns the arena (a
 ``Movable``), not the pool; the arena's policy (``pressure/growth.py``) holds the
 arena, the buffers and the scheduler weakly; the scheduler looks its steps up by
-name and holds spill victims weakly.  A closed pool still gives its users their
+name and holds spill victims weakly.  Observers hold their pool weakly too (``Monitor``, a
+recording between ``start`` and ``stop``): the arena reaches its subscribers and
+the pool's own finalizer holds the arena, so a strong reference back would keep
+a pool nobody uses alive for good.  A closed pool still gives its users their
 data back: a spilled buffer's ``array()`` restores it (its block returns to the
 device when it is freed), and ``spill()`` on a closed pool is refused. So a dropped pool
 dies by reference counting, at once, and its spill file with it.
