@@ -92,3 +92,19 @@ def test_a_synthetic_snapshot_row(bench, tmp_path):
         s = row[label]["smallest_device"]
         assert s["smallest"] == 96 * MiB and not s["non_monotone"]
     assert "two.pickle" in bench.table([row])
+
+
+def test_the_issues_synthetic_case_a_split_cache_needs_virtual_memory(bench, tmp_path):
+    """benchmarks/synthetic_snapshots.py's split_before_big: the table's figures for it, and its verdicts."""
+    spec = importlib.util.spec_from_file_location("synthetic_snapshots", _PATH.parent / "synthetic_snapshots.py")
+    syn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(syn)
+    assert syn.main([str(tmp_path)]) == 0
+    row = bench.trace_row(tmp_path / "split_before_big.pickle", window=4)
+    assert row["peak_allocated"] == 1036 * MiB and row["recorded_peak_reserved"] == 2048 * MiB
+    assert row["defaults"]["smallest_device"]["smallest"] == 2048 * MiB  # the 12 MiB block pins the cache
+    assert not bench.meets(row, "defaults")["device"]
+    for label in ("expandable", "expandable+stitch"):
+        assert row[label]["smallest_device"]["smallest"] == 1036 * MiB
+        assert bench.meets(row, label) == {"reserved": True, "device": True, "monotone": True}
+    assert "split_before_big.pickle | 8 | 1,036.0 MiB | 2,048.0 MiB | expandable+stitch" in bench.table([row])

@@ -44,10 +44,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 from numba import types
 from numba.core import event
+from numba.core.registry import CPUDispatcher
 from numba.typed import Dict
 
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
@@ -162,31 +164,53 @@ class _CompileNotice(event.Listener):
     Numba raises ``numba:compile`` only when it really compiles, after its
     cache had no entry, so a load from the cache (well under a second) stays
     quiet and a compile (~14 s) is announced before the wait, not after it.
-    Only the engine's functions count (this module's and its ``engine_*`` parts'): ``Dict.empty`` compiles Numba's own
-    typed-dict helpers in every process (~0.3 s, never cached), which is no
-    news to the user.
+    Only the engine's functions count (this module's and its ``engine_*``
+    parts'): ``Dict.empty`` compiles Numba's own typed-dict helpers in every
+    process (~0.3 s, never cached), which is no news to the user.  On a
+    terminal, a bar then counts the engine's functions as they are compiled
+    (the wait is tens of seconds on two busy cores).
     """
 
     def __init__(self) -> None:
         self.compiled = False
+        self.bar: Any = None
+
+    @staticmethod
+    def _ours(ev: event.Event) -> bool:
+        fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+        return str(getattr(fn, "__module__", "")).startswith(__name__)
 
     def on_start(self, event: event.Event) -> None:
-        fn = getattr(event.data.get("dispatcher"), "py_func", None)
-        if self.compiled or not str(getattr(fn, "__module__", "")).startswith(__name__):
+        if self.compiled or not self._ours(event):
             return
         print(COMPILE_NOTICE, file=sys.stderr, flush=True)
         self.compiled = True
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            total = sum(isinstance(f, CPUDispatcher) for m in list(sys.modules.values())
+                        if getattr(m, "__name__", "").startswith(__name__) for f in vars(m).values())
+            self.bar = tqdm(total=total, desc="compiling", unit="fn", file=sys.stderr, leave=False)
 
     def on_end(self, event: event.Event) -> None:
-        pass
+        if self.bar is not None and self._ours(event):
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 @contextmanager
 def compile_notice() -> Iterator[_CompileNotice]:
     """Announce on stderr, once, any compilation in the block (its ``compiled`` says whether one ran)."""
     listener = _CompileNotice()
-    with event.install_listener("numba:compile", listener):
-        yield listener
+    try:
+        with event.install_listener("numba:compile", listener):
+            yield listener
+    finally:
+        listener.close()
 
 
 # ----------------------------------------------------------------- state
