@@ -2,7 +2,12 @@
 
 * ``driver``: ``replay`` and ``layout``, over either engine (see its docstring
   for what a replay models and the two engines' differences);
-* ``engine``: the numba-compiled twin of the pool that the fast engine runs;
+* ``config``, ``result``, ``seed``, ``calls``: settings, results, the state a replay
+  starts from, and the program's own ``empty_cache()``/``compact()`` calls;
+* ``pool_engine``, ``numba_engine``: the two engines' drivers; ``device``: the
+  replay's sim device;
+* ``engine`` (with ``engine_layout``, ``engine_heap``, ``engine_memory``): the
+  numba-compiled twin of the pool that the fast engine runs;
 * ``report``: ``plot_report``, the three-panel figure drawn from a replay;
 * ``commands``: ``cupool replay`` and ``cupool report``.
 

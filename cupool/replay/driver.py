@@ -22,20 +22,23 @@ with no history is its seed alone: a still picture (``ReplayResult.history``).
 The program's own ``empty_cache()`` calls (and, in cupool traces,
 ``compact()`` calls), read from the trace by ``cupool.replay.calls``, are made
 at the same points (the numba engine does what ``Pool.empty_cache`` does for
-either).  Frees of
-addresses the replay does not hold (an allocation the replay could not serve, a
+either).  Both engines start from the seed the same way (``cupool.replay.seed``).
+Frees of addresses the replay does not hold (an allocation the replay could not serve, a
 foreign trace with no seed) are skipped and counted; an ``alloc`` at an address
 still held frees the old block first (the trace missed that free).
 
 Two engines:
 
 * ``"numba"``: the compiled twin of the pool in ``cupool.replay.engine``; millions of
-  events per second.  It models raw allocations exactly (``tests/test_replay.py``
-  holds it equal to the pool engine) and movable buffers' exact-size growth, but
-  not compaction or spilling: for traces with movable buffers it follows the
-  recorded moves and spills and says, in ``ReplayResult.warnings``, that its
-  reserved memory may differ from the recording's.
-* ``"pool"``: the real ``Pool`` on a fresh ``SimDevice``; slow, but it is the pool
+  events per second.  It models raw allocations exactly, on plain segments and on
+  expandable segments with or without stitching (``tests/test_replay.py`` and
+  ``tests/test_replay_expandable.py`` hold it equal to the pool engine), and
+  movable buffers' exact-size growth, but not compaction or spilling: for traces
+  with movable buffers it follows the recorded moves and spills and says, in
+  ``ReplayResult.warnings``, that its reserved memory may differ from the recording's.
+* ``"pool"``: the real ``Pool`` on a fresh sim device (``cupool.replay.device``,
+  whose virtual ranges come first fit in address order, as the numba engine's
+  do, so that both break ties alike); slow, but it is the pool
   itself, it takes every ``Pool`` argument, and it reproduces compaction (and,
   with the recorded spill settings, spilling) on its own: movable buffers are
   replayed through ``pool.movable()``, so the recorded moves and spills only tell
