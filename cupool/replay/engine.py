@@ -130,7 +130,7 @@ def _malloc(E, n, key, exact):
     if b < 0:
         st[OOMS] += 1
         return -1
-    take(E, h, b, size)
+    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
     E.B[STREAM, b] = key
     st[ALLOC] += size
     if st[ALLOC] > st[PEAK_ALLOC]:
@@ -145,7 +145,7 @@ def _free(E, b):
     key = B[STREAM, b]
     st[ALLOC] -= B[SIZE, b]
     E.DT[key] = 1
-    merged = give(E, h, b, key)
+    merged = give(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, key)
     if cfg[C_VMM]:
         freed(E, merged)
     elif cfg[C_THRESHOLD] >= 0:

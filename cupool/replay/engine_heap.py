@@ -18,8 +18,7 @@ from .engine_layout import (
 
 # ---------------------------------------------------------------- blocks
 @njit(cache=True)
-def new_block(E, addr, size, seg, tag):
-    B, FB, st = E.B, E.FB, E.st
+def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
     if st[NFB] > 0:
         st[NFB] -= 1
         b = FB[st[NFB]]
@@ -39,10 +38,10 @@ def new_block(E, addr, size, seg, tag):
 
 
 @njit(cache=True)
-def kill_block(E, b):
-    E.B[ALIVE, b] = 0
-    E.FB[E.st[NFB]] = b
-    E.st[NFB] += 1
+def kill_block(B, FB, S, IX, st, TG, b):
+    B[ALIVE, b] = 0
+    FB[st[NFB]] = b
+    st[NFB] += 1
 
 
 # ------------------------------------------------------- the free index
@@ -260,25 +259,23 @@ def _mergeable(a, b):
 
 
 @njit(cache=True)
-def coalesce(E, h, b):
-    B = E.B
+def coalesce(B, FB, S, IX, st, TG, h, b):
     nxt = B[NEXT, b]
     if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
-        ix_remove(E.B, E.IX, E.st, E.TG, h, nxt)
-        _absorb(E, b, nxt)
+        ix_remove(B, IX, st, TG, h, nxt)
+        _absorb(B, FB, S, IX, st, TG, b, nxt)
     prv = B[PREV, b]
     if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
-        ix_remove(E.B, E.IX, E.st, E.TG, h, prv)
-        _absorb(E, prv, b)
+        ix_remove(B, IX, st, TG, h, prv)
+        _absorb(B, FB, S, IX, st, TG, prv, b)
         b = prv
-    ix_insert(E.B, E.IX, E.st, E.TG, h, b)
+    ix_insert(B, IX, st, TG, h, b)
     return b
 
 
 @njit(cache=True)
-def _absorb(E, left, right):
+def _absorb(B, FB, S, IX, st, TG, left, right):
     """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
-    B = E.B
     if B[TAG, left] == -1:
         B[TAG, left] = B[TAG, right]
     B[SIZE, left] += B[SIZE, right]
@@ -286,17 +283,16 @@ def _absorb(E, left, right):
     if B[NEXT, right] >= 0:
         B[PREV, B[NEXT, right]] = left
     else:
-        E.S[S_TAIL, B[SEG, left]] = left
-    kill_block(E, right)
+        S[S_TAIL, B[SEG, left]] = left
+    kill_block(B, FB, S, IX, st, TG, right)
 
 
 @njit(cache=True)
-def take(E, h, b, size):
-    B, S = E.B, E.S
-    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
+def take(B, FB, S, IX, st, TG, h, b, size):
+    ix_remove(B, IX, st, TG, h, b)
     rest = B[SIZE, b] - size
     if rest:
-        tail = new_block(E, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
+        tail = new_block(B, FB, S, IX, st, TG, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
         B[PREV, tail] = b
         B[NEXT, tail] = B[NEXT, b]
         if B[NEXT, b] >= 0:
@@ -305,19 +301,18 @@ def take(E, h, b, size):
             S[S_TAIL, B[SEG, b]] = tail
         B[NEXT, b] = tail
         B[SIZE, b] = size
-        ix_insert(E.B, E.IX, E.st, E.TG, h, tail)
+        ix_insert(B, IX, st, TG, h, tail)
     B[FREE, b] = 0
     B[TAG, b] = -1
     S[S_USED, B[SEG, b]] += size
 
 
 @njit(cache=True)
-def give(E, h, b, tag):
-    B = E.B
-    E.S[S_USED, B[SEG, b]] -= B[SIZE, b]
+def give(B, FB, S, IX, st, TG, h, b, tag):
+    S[S_USED, B[SEG, b]] -= B[SIZE, b]
     B[FREE, b] = 1
     B[TAG, b] = tag
-    return coalesce(E, h, b)
+    return coalesce(B, FB, S, IX, st, TG, h, b)
 
 
 # --------------------------------------------------------------- streams
@@ -348,5 +343,5 @@ def settle(E, wait):
                     moved += B[SIZE, b]
                     ix_remove(E.B, E.IX, E.st, E.TG, h, b)
                     B[TAG, b] = -1
-                    coalesce(E, h, b)
+                    coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
     return moved

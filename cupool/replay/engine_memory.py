@@ -93,7 +93,7 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     else:
         s = st[NS]
         st[NS] += 1
-    b = new_block(E, addr, nbytes, s, tag)
+    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, addr, nbytes, s, tag)
     S[S_ADDR, s] = addr
     S[S_SIZE, s] = nbytes
     S[S_USED, s] = 0
@@ -118,7 +118,7 @@ def _forget_segment(E, s):
     while b >= 0:
         nxt = E.B[NEXT, b]
         ix_remove(E.B, E.IX, E.st, E.TG, S[S_KIND, s], b)
-        kill_block(E, b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
         b = nxt
     st[NSEG] -= 1
     S[S_ALIVE, s] = 0
@@ -292,12 +292,12 @@ def _extend(E, h, s, n, tag):
     """``Heap.extend``: ``n`` free bytes under ``tag`` at the end of segment ``s``; the (merged) last block."""
     B, S = E.B, E.S
     last = S[S_TAIL, s]
-    b = new_block(E, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
+    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
     B[PREV, b] = last
     B[NEXT, last] = b
     S[S_TAIL, s] = b
     S[S_SIZE, s] += n
-    return coalesce(E, h, b)
+    return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
 
 
 @njit(cache=True)
@@ -338,7 +338,7 @@ def trim(E, s):
         prev = B[PREV, last]
         S[S_TAIL, s] = prev
         B[NEXT, prev] = -1
-        kill_block(E, last)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, last)
     else:
         B[SIZE, last] -= n
         ix_insert(E.B, E.IX, E.st, E.TG, h, last)
@@ -390,7 +390,7 @@ def _cut(E, h, b, lo, hi):
         S[S_ALIVE, right] = 1
         S[S_REGION, right] = r
         if hi < end:
-            piece = new_block(E, hi, end - hi, right, B[TAG, b])
+            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[TAG, b])
             B[NEXT, piece] = after
             if after >= 0:
                 B[PREV, after] = piece
@@ -415,13 +415,13 @@ def _cut(E, h, b, lo, hi):
     elif B[PREV, b] >= 0:
         B[NEXT, B[PREV, b]] = -1
         S[S_TAIL, s] = B[PREV, b]
-        kill_block(E, b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     else:
         S[S_ALIVE, s] = 0
         E.FS[st[NFS]] = s
         st[NFS] += 1
         left = -1
-        kill_block(E, b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     S[S_SIZE, s] = lo - S[S_ADDR, s]
     st[RES] -= hi - lo
     st[DEV_FREES] += 1
