@@ -31,6 +31,7 @@ def _agree(trace, config):
     fast = replay(trace, config, engine="numba")
     exact = replay(trace, config, engine="pool")
     assert {k: getattr(fast, k) for k in _SAME} == {k: getattr(exact, k) for k in _SAME}
+    assert fast.fragmentation_at_peak <= fast.max_fragmentation  # the peak's is one of the samples
     return fast
 
 

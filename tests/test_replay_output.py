@@ -190,3 +190,19 @@ def test_compare_rows_stream_as_each_replay_finishes(tmp_path, capsys, monkeypat
                  "--progress"]) == 0
     assert "recorded " not in seen[0] and any(line.startswith("recorded ") for line in seen[1].splitlines())
     assert "replay (numba engine)" in capsys.readouterr().err  # the bar, on stderr
+
+
+def test_fragmentation_at_peak_is_never_above_the_maximum(tmp_path):
+    """Before: the preallocated segment set the peak with nothing allocated, and its 1.000 was printed
+    as the fragmentation at peak, above a maximum of 0.5; a seeded start state was not a sample either."""
+    from cupool.trace import Trace
+
+    trace = Trace.from_events([(0, "alloc", 1, 16 << 20, 0), (1, "free", 1, 16 << 20, 0)])
+    for engine in ("numba", "pool"):
+        r = replay(trace, {"capacity": "256MiB", "initial_size": "32MiB"}, engine=engine)
+        assert r.peak_reserved == 32 << 20 and r.max_fragmentation == pytest.approx(0.5)
+        assert r.fragmentation_at_peak == pytest.approx(0.5)
+    _cached_mid_run(tmp_path / "mid.pickle")
+    for engine in ("numba", "pool"):
+        r = replay(load_trace(tmp_path / "mid.pickle"), {"capacity": "1GiB"}, engine=engine)
+        assert 0 < r.fragmentation_at_peak <= r.max_fragmentation

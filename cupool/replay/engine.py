@@ -57,7 +57,7 @@ from ..kernels.caching import njit  # numba.njit; cache=True caches outside the 
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
-    DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
+    DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, PEAK_SAMPLED, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
     NORD0, NR, NRF, NS, NSEG, NSF, NVA, OOMS, PEAK_ALLOC, PEAK_RES, PEAK_SEG, RES, ROOT, S_ADDR, S_ALIVE, S_HEAD,
     S_KEEP, S_KIND, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
 )
@@ -247,7 +247,6 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
         made = _initial(E, initial)
         if made < 0:
             raise ValueError(f"initial_size {initial} does not fit the sim device")
-        E.fst[F_PEAK] = 1.0  # the peak so far is the empty preallocated segment
     return {"E": E, "live": Dict.empty(types.int64, types.int64)}
 
 
@@ -369,13 +368,17 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
                 tl_alloc[i] = st[ALLOC]
             continue
         frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
-        if st[PEAK_RES] > peak0:
-            fst[F_PEAK] = frag
+        if st[PEAK_RES] > peak0:  # a new peak: its fragmentation is its first sample's
+            st[PEAK_SAMPLED] = 0
+            fst[F_PEAK] = 0.0
         if st[ALLOC]:
             fst[F_SUM] += frag
             if frag > fst[F_MAX]:
                 fst[F_MAX] = frag
             st[SAMPLES] += 1
+            if st[PEAK_SAMPLED] == 0 and st[RES] == st[PEAK_RES]:
+                fst[F_PEAK] = frag
+                st[PEAK_SAMPLED] = 1
         if timeline:
             tl_res[i] = st[RES]
             tl_alloc[i] = st[ALLOC]

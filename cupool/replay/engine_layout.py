@@ -1,9 +1,11 @@
 """The replay engine's state: one named tuple of arrays, and the names of their rows and entries.
 
-Every compiled function of the engine (``engine``, ``engine_heap``,
-``engine_memory``) takes the whole state as one argument, ``E``, so that a
-function's signature does not change when it needs one more table.  The tables
-grow only between events (``engine.run``), which rebuilds the tuple.
+The engine's compiled functions (``engine``, ``engine_heap``,
+``engine_memory``) take the whole state as one argument, ``E``, so that a
+function's signature does not change when it needs one more table; the heap's
+hot functions, called several times per event, take just the six tables they
+touch (a call passes every field of every array it is given).  The tables grow
+only between events (``engine.run``), which rebuilds the tuple.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ R_BASE, R_SIZE, R_FRONTIER, R_TAIL, R_NSEG, R_GROW, R_STITCHED, R_ALIVE = range(
 NRF = 8
 # Scalars (entries of st).
 (NB, NFB, NS, NFS, NEXT_N, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG, PEAK_SEG, DEV_ALLOCS, OOMS,
- UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, SAMPLES, MOVING, NR, NFR, NVA, STITCHES) = range(26)
-N_ST = 26  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+ UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, SAMPLES, MOVING, NR, NFR, NVA, STITCHES,
+ PEAK_SAMPLED) = range(27)
+N_ST = 27  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+# PEAK_SAMPLED: whether F_PEAK has a sample taken at the present peak reserved (see engine.run).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
 # Configuration (entries of cfg): C_VMM expandable segments, C_STITCH stitching, C_VSPAN a growing

@@ -106,8 +106,11 @@ def _seed(state: dict, ops: np.ndarray) -> None:
     fst[:] = 0.0
     st[eng.SAMPLES] = 0
     st[eng.PEAK_RES], st[eng.PEAK_ALLOC], st[eng.PEAK_SEG] = st[eng.RES], st[eng.ALLOC], st[eng.NSEG]
-    if st[eng.RES]:
-        fst[eng.F_PEAK] = (st[eng.RES] - st[eng.ALLOC]) / st[eng.RES]
+    st[eng.PEAK_SAMPLED] = 0
+    if st[eng.ALLOC]:  # the starting state is the first sample, and the peak's so far
+        frag = (st[eng.RES] - st[eng.ALLOC]) / st[eng.RES]
+        fst[eng.F_SUM] = fst[eng.F_MAX] = fst[eng.F_PEAK] = frag
+        st[eng.SAMPLES], st[eng.PEAK_SAMPLED] = 1, 1
     state["seeded_books"] = (int(st[eng.RES]), int(st[eng.ALLOC]))
 
 

@@ -87,9 +87,13 @@ def replay_pool(
     moving = None
     unmatched = 0
     frag_sum = frag_max = 0.0
-    # The peak so far is the starting state: the seed, or the empty preallocated segment.
-    frag_peak = (books.reserved - books.allocated) / books.reserved if books.reserved else 0.0
     samples = 0
+    # Fragmentation is sampled after each event while something is allocated; the peak's is the
+    # first sample at the present peak reserved.  The starting state (a seed) is the first sample.
+    frag_peak, peak_sampled = 0.0, False
+    if books.allocated:
+        frag_peak = frag_sum = frag_max = (books.reserved - books.allocated) / books.reserved
+        samples, peak_sampled = 1, True
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
     bar = progress_bar(n - seeded, progress, "replay (pool engine)")
@@ -163,11 +167,13 @@ def replay_pool(
         res, alloc = books.reserved, books.allocated
         f = (res - alloc) / res if res else 0.0
         if books.peak > peak0:
-            frag_peak = f
+            frag_peak, peak_sampled = 0.0, False
         if alloc:
             frag_sum += f
             frag_max = max(frag_max, f)
             samples += 1
+            if not peak_sampled and res == books.peak:
+                frag_peak, peak_sampled = f, True
         if bar is not None and not i & 1023:
             bar.update(i - seeded - bar.n)
     seconds = time.perf_counter() - t0

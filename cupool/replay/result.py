@@ -21,8 +21,9 @@ class ReplayResult:
     something is allocated: a pool that holds nothing but cache has
     fragmentation 1.0 by that formula, which says nothing about placement and
     would make every run's maximum 1.0 at its teardown.
-    ``fragmentation_at_peak`` is taken after the event that set peak reserved,
-    where fragmentation costs the most.  ``seeded_blocks`` counts the blocks
+    ``fragmentation_at_peak`` is the first of those samples taken at the peak
+    reserved, where fragmentation costs the most, so it is never above the
+    maximum (0.0 when nothing was allocated while reserved memory peaked).  ``seeded_blocks`` counts the blocks
     alive before the recording started, which the replay began from (see
     ``cupool.trace.load_torch_snapshot``); ``events`` counts the trace's events
     read, seed included, and ``replayed`` those replayed after the seed (what
