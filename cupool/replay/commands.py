@@ -119,7 +119,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             ("OOMs", str(r.ooms)),
             ("peak segments", str(r.peak_segments)),
             ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started; the replay starts from "
-                              "them in their recorded segments)"),
+                              "them, at their recorded offsets)"),
             ("unmatched frees", str(r.unmatched_frees)),
             ("time", f"{r.seconds:.3f} s for {r.replayed} events ("
                      + (f"{rate / 1e6:.2f} M events/s, " if rate is not None else "")
