@@ -58,7 +58,9 @@ def test_both_engines_start_a_mid_run_window_from_the_recorded_cache(tmp_path):
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=8),
        st.lists(st.tuples(st.booleans(), st.integers(1, 30 << 20), st.integers(0, 99)), max_size=30),
-       st.sampled_from([{}, {"release_threshold": 0}, {"initial_size": "8MiB"}, {"max_size": "100MiB"}]))
+       st.sampled_from([{}, {"release_threshold": 0}, {"initial_size": "8MiB"}, {"max_size": "100MiB"},
+                        {"expandable_segments": True, "stitch": True},
+                        {"expandable_segments": True, "stitch": True, "max_size": "100MiB", "initial_size": "8MiB"}]))
 def test_engines_agree_on_generated_mid_run_windows(tmp_path_factory, segs, ops, cfg):
     """Random old segments (some holding an old block at their start, of half their size) and a random window."""
     segments, addr, old = [], 1 << 32, []
