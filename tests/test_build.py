@@ -50,8 +50,8 @@ def _copy_checkout(dest: Path) -> Path:
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", f"*{SOURCE_HASH_SUFFIX}", f"*{BUILD_ERROR_SUFFIX}")
-    for name in ("cupool", "kernels"):
-        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    for name in ("cupool", "kernels", "src"):  # src/cupool and cupool/kernels are links: kept as links
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore, symlinks=True)
     return dest
 
 
