@@ -487,7 +487,7 @@ def test_torch_snapshot_import(tmp_path):
     assert tr.stream.tolist() == [0, 0, 1, 0, 0]  # streams renumbered densely
     r = replay(tr, {"capacity": "1GiB"})
     assert r.peak_allocated == (4 << 20) + 512 and r.ooms == 1 and r.unmatched_frees == 0
-    with pytest.raises(TraceError, match="no device 5"):
+    with pytest.raises(TraceError, match="device 5 holds nothing"):
         load_torch_snapshot(p, device=5)
 
 
