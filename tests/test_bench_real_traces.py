@@ -87,7 +87,7 @@ def test_a_synthetic_snapshot_row(bench, tmp_path):
     row = bench.trace_row(tmp_path / "two.pickle", window=8)
     assert row["events"] == 6 and row["history"]
     assert row["peak_allocated"] == 96 * MiB and row["recorded_peak_reserved"] == 96 * MiB
-    for label in ("defaults", "release_threshold=0"):
+    for label in ("plain", "plain, release_threshold=0", "expandable+stitch"):
         assert row[label]["peak_reserved"] == 96 * MiB and row[label]["ooms"] == 0
         s = row[label]["smallest_device"]
         assert s["smallest"] == 96 * MiB and not s["non_monotone"]
@@ -102,8 +102,8 @@ def test_the_issues_synthetic_case_a_split_cache_needs_virtual_memory(bench, tmp
     assert syn.main([str(tmp_path)]) == 0
     row = bench.trace_row(tmp_path / "split_before_big.pickle", window=4)
     assert row["peak_allocated"] == 1036 * MiB and row["recorded_peak_reserved"] == 2048 * MiB
-    assert row["defaults"]["smallest_device"]["smallest"] == 2048 * MiB  # the 12 MiB block pins the cache
-    assert not bench.meets(row, "defaults")["device"]
+    assert row["plain"]["smallest_device"]["smallest"] == 2048 * MiB  # the 12 MiB block pins the cache
+    assert not bench.meets(row, "plain")["device"]
     for label in ("expandable", "expandable+stitch"):
         assert row[label]["smallest_device"]["smallest"] == 1036 * MiB
         assert bench.meets(row, label) == {"reserved": True, "device": True, "monotone": True}

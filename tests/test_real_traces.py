@@ -209,9 +209,10 @@ def test_sized_capacity_rounds_up_to_a_page_and_is_said(tmp_path, capsys):
 def test_report_says_the_capacity_and_the_ooms(tmp_path, capsys):
     _mid_run(tmp_path / "mid.pickle")
     path, out = str(tmp_path / "mid.pickle"), str(tmp_path / "r.png")
-    assert main(["report", path, "-o", out]) == 0
+    plain = ["--config", "expandable_segments=false"]  # plain segments: 16 MiB is too small for them
+    assert main(["report", path, "-o", out, *plain]) == 0
     assert f"capacity 28 MiB ({_SIZED_22}); 0 OOMs" in capsys.readouterr().out
-    assert main(["report", path, "-o", out, "--capacity", "16MiB"]) == 0
+    assert main(["report", path, "-o", out, "--capacity", "16MiB", *plain]) == 0
     said = capsys.readouterr().out
     assert "capacity 16 MiB (from --capacity); " in said and "; 0 OOMs" not in said
 
@@ -249,11 +250,12 @@ def _phases(path: Path, between: str) -> None:
 def test_the_programs_own_empty_cache_is_followed(tmp_path, between, peak, segment_frees):
     _phases(tmp_path / "phases.pickle", between)
     trace = load_trace(tmp_path / "phases.pickle")
-    fast, exact = (replay(trace, {"capacity": "1GiB"}, engine=e) for e in ("numba", "pool"))
+    plain = {"capacity": "1GiB", "expandable_segments": False}  # the figures are plain segments
+    fast, exact = (replay(trace, plain, engine=e) for e in ("numba", "pool"))
     for r in (fast, exact):
         assert (r.peak_reserved, r.segment_frees, r.peak_allocated, r.ooms) == (peak, segment_frees, 90 * MiB, 0)
     assert fast.fragmentation_at_peak == exact.fragmentation_at_peak
-    timeline = replay(trace, {"capacity": "1GiB"}, timeline=True).timeline
+    timeline = replay(trace, plain, timeline=True).timeline
     assert timeline is not None and int(timeline["reserved"][-1]) == (50 if between == "empty_cache" else 140) * MiB
 
 
@@ -279,14 +281,14 @@ def test_real_snapshot_with_history_replays_at_its_recorded_peak():
     r = replay(trace, {"capacity": "8GiB"})
     assert r.peak_allocated == recorded_peak_allocated(trace) == 1_783_665_152
     assert (r.history, r.seeded_blocks, r.unmatched_frees, r.ooms) == (True, 0, 0, 0)
-    sized = replay(trace)  # 61 segments, 1,897,922,560 bytes, all allocated in the window and kept
+    sized = replay(trace, {"expandable_segments": False})  # plain: 61 segments, 1,897,922,560 bytes, all allocated and kept
     assert recorded_peak_reserved(trace) == 1_897_922_560
     assert (sized.capacity, sized.ooms, sized.peak_reserved) == (2_373_976_064, 0, 1_897_922_560)
 
 
 def test_real_snapshot_without_history_is_a_still_picture():
     trace = load_trace(_shared("yiyi_6a8eab0_oom_snapshot.pickle"))
-    r = replay(trace, {"capacity": "16GiB"})
+    r = replay(trace, {"capacity": "16GiB", "expandable_segments": False})  # plain: its recorded segments
     # The snapshot's own marker event carries the allocated total: 11,840,159,744 bytes.
     assert r.peak_allocated == recorded_peak_allocated(trace) == 11_840_159_744
     assert (r.history, r.seeded_blocks, r.unmatched_frees, r.ooms, r.peak_segments) == (False, 460, 0, 0, 176)

@@ -38,13 +38,13 @@ def _agree(trace, config):
 _OPS = st.lists(st.tuples(st.booleans(), st.one_of(st.integers(0, 1 << 20), st.integers(1 << 20, 30 << 20)),
                           st.integers(0, 2), st.integers(0, 99)), max_size=120)
 _VMM = st.sampled_from([
-    {"capacity": "64MiB", "expandable_segments": True},
+    {"capacity": "64MiB", "expandable_segments": True, "stitch": False},
     {"capacity": "64MiB", "expandable_segments": True, "stitch": True},
     {"capacity": "48MiB", "expandable_segments": True, "stitch": True, "release_threshold": "8MiB"},
     {"capacity": "128MiB", "expandable_segments": True, "stitch": True, "max_size": "40MiB", "initial_size": "6MiB"},
-    {"capacity": "64MiB", "expandable_segments": True, "release_threshold": 0},
+    {"capacity": "64MiB", "expandable_segments": True, "stitch": False, "release_threshold": 0},
     {"capacity": "64MiB", "expandable_segments": True, "stitch": True, "memory_fraction": 0.77},
-    {"capacity": "64MiB", "memory_fraction": 0.77},  # a limit off the 2 MiB page, on plain segments
+    {"capacity": "64MiB", "memory_fraction": 0.77, "expandable_segments": False},  # a limit off the page, plain
 ])
 
 
@@ -60,7 +60,7 @@ def test_stitching_under_pressure_is_modelled():
     ops += [(False, 0, 0, 0), (False, 0, 0, 1), (False, 0, 0, 2)]  # frees blocks 1, 3 and 5 of the 7 left
     ops += [(True, 24 << 20, 0, 0)]
     trace = _trace(ops)
-    plain = _agree(trace, {"capacity": "64MiB", "expandable_segments": True})
+    plain = _agree(trace, {"capacity": "64MiB", "expandable_segments": True, "stitch": False})
     stitched = _agree(trace, {"capacity": "64MiB", "expandable_segments": True, "stitch": True})
     assert plain.ooms == 1 and stitched.ooms == 0
 

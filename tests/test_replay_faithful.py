@@ -66,8 +66,10 @@ def test_a_programs_own_empty_cache_is_replayed():
         keep = [pool.malloc(45 << 20) for _ in range(2)]
         del keep
 
-    trace, stats = _recorded_run({"capacity": "1GiB"}, program)
+    trace, stats = _recorded_run({"capacity": "1GiB", "expandable_segments": False}, program)
     assert stats["reserved_bytes.all.peak"] == 92 << 20
+    _same_as_recorded(trace, stats)
+    trace, stats = _recorded_run({"capacity": "1GiB", "expandable_segments": True}, program)
     _same_as_recorded(trace, stats)
 
 
