@@ -114,7 +114,7 @@ def _segments(trace: Trace, seeded: int) -> list[dict[str, Any]]:
     return segs
 
 
-def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, int, bool]], list]:
+def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, bool]], list]:
     """The requests that fill ``seg`` from its start (its free tail too with ``tail``), and its blocks
     that cannot be placed in it.
 
@@ -131,7 +131,7 @@ def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, in
             continue
         fits.append([off, n, b[2], b[3], b[4]])
         at = off + n
-    out: list[tuple[int, int, int, int, bool]] = []
+    out: list[tuple[int, int, int, bool]] = []
     at = 0  # bytes the requests so far cover
     for off, n, strm, addr, mov in fits:
         end = off + n
