@@ -95,6 +95,8 @@ class Pool:
         ladder and of spill victims (see ``cupool.pressure.scheduler``).
     expandable_segments, stitch: grow one virtual segment per stream and size class, 2 MiB at a time, as
         PyTorch does; and let the ladder remap free granules of holes into one range (Note [Virtual memory]).
+        None (the default): both wherever the device has virtual memory (the sim device on Linux, a GPU
+        with cuda-bindings), which is what meets the real traces' targets (docs/benchmarks.md).
 
     ``malloc_key(n, key)`` is ``malloc`` for a validated size and a key from
     ``device.stream_key``: the hooks' hot path.  It is the arena's bound method and
@@ -117,8 +119,8 @@ class Pool:
         track_sites: bool = False,
         spill: str | os.PathLike | Any | None = None,
         spill_policy: str = "lru",
-        expandable_segments: bool = False,
-        stitch: bool = False,
+        expandable_segments: bool | None = None,
+        stitch: bool | None = None,
     ) -> None:
         if not isinstance(track_sites, bool):
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
@@ -144,17 +146,18 @@ class Pool:
         self.device = dev
         # Owns defrag_threshold and release_threshold (the properties below read and set them there).
         self._growth = growth = Growth(defrag_threshold, None)
-        # The settings as given; ``limit`` and ``release_threshold`` have owners of their own (properties).
+        vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
+        stitching = vm is not None and stitch is not False
+        # The settings in force; ``limit`` and the thresholds have owners of their own (properties).
         self._settings = {
             "device": dev.name,
             "capacity": getattr(dev, "capacity", None),
             "initial_size": init,
             "max_size": max_size,
             "memory_fraction": memory_fraction,
-            "expandable_segments": expandable_segments, "stitch": stitch,
+            "expandable_segments": vm is not None, "stitch": stitching,
         }
-        vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
-        source = None if vm is None else _expander(vm, stitch)
+        source = None if vm is None else _expander(vm, stitching)
         arena = self._arena = Arena(dev, limit, growth, track_sites, source)
         self._movables = Movables(arena)
         tier = make_tier(spill, dev, lambda: PinnedPool(pinned_device_beside(dev)), owner=self)

@@ -76,11 +76,26 @@ from .heap import Block, Heap, PlannedMove, Segment
 from .segments import execute
 
 
-def virtual_memory_of(device: Device, expandable: bool, stitch: bool) -> VirtualMemory | None:
-    """``device``'s virtual memory for a pool with ``expandable`` segments (else None), or a clear error why not."""
+def virtual_memory_of(device: Device, expandable: bool | None, stitch: bool | None) -> VirtualMemory | None:
+    """``device``'s virtual memory for a pool with ``expandable`` segments (else None), or a clear error why not.
+
+    ``None`` is the default, "where the device has virtual memory": on for the sim
+    device on Linux and for a GPU with ``cuda-bindings`` (the ``vmm`` extra), off
+    elsewhere, and ``stitch=None`` follows ``expandable_segments`` (Note [Virtual memory]).
+    """
     for name, flag in (("expandable_segments", expandable), ("stitch", stitch)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True, False or None (where the device has virtual memory), got {flag!r}")
+    if expandable is None:
+        if stitch is False and not device.capabilities.grow_in_place:
+            return None
+        try:
+            vm = device.virtual_memory() if device.capabilities.grow_in_place else None
+        except VirtualMemoryUnsupported:
+            vm = None
+        if vm is None and stitch:
+            raise VirtualMemoryUnsupported(f"stitch=True needs a device with virtual memory: {device.name} has none")
+        return vm
     if not expandable and not stitch:
         return None
     if stitch and not expandable:
