@@ -188,7 +188,5 @@ def test_no_module_reaches_into_another_objects_private_attributes():
 
 @pytest.mark.parametrize("mod", sorted(MODULES))
 def test_modules_stay_small(mod):
-    if mod == "cupool.replay.engine":  # the compiled replay engine is one numba unit
-        pytest.skip("the compiled replay engine is allowed to be long")
     lines = MODULES[mod].read_text().count("\n")
     assert lines <= 650, f"{mod} has {lines} lines"
