@@ -202,8 +202,12 @@ class Pool:
         Returns the bytes released.
         """
         with self.hold():
-            self._arena.settle_streams(wait=True)
-            return self._arena.release_free_segments()
+            arena = self._arena
+            arena.settle_streams(wait=True)
+            released = arena.release_free_segments()
+            if arena.observers.active:  # the program's own call, for a replay to make at this point
+                arena.observers.emit("call:empty_cache", 0, released, 0)
+            return released
 
     def movable(
         self,
@@ -232,6 +236,8 @@ class Pool:
             max_moves = as_nbytes(max_moves, "max_moves")
         with self.hold():
             report = compact(self._arena, self._movables, mb, max_moves)
+            if self._arena.observers.active:  # the program's own call, for a replay to make at this point
+                self._arena.observers.emit("call:compact", 0, report.bytes_moved, 0)
         self._arena.notify_moves()
         return report
 

@@ -18,8 +18,12 @@ Blocks (``size`` is the block's, i.e. rounded, size):
 
 Annotations: ``oom`` (size requested), ``compact`` (size: bytes moved),
 ``spill`` / ``restore`` (after the matching free_movable / alloc_movable) and
-``reclaim:<step>`` for each step of the reclaim ladder; their address is 0
-unless it names a block.
+``reclaim:<step>`` for each step of the reclaim ladder, and ``call:empty_cache``
+/ ``call:compact`` for the program's own ``Pool.empty_cache()`` and
+``Pool.compact()`` (size: bytes released, bytes moved), after what the call did,
+so that a replay makes the call at the same point even when it released or moved
+nothing; their address is 0 unless it names a block.  New kinds are appended:
+a trace stores its kinds by name, so older traces read as they were.
 
 See Note [Subscribers] below for the rules a subscriber lives by.
 
@@ -59,6 +63,7 @@ KINDS: tuple[str, ...] = (
     "alloc", "free", "alloc_movable", "free_movable", "move_out", "move_in", "segment_alloc",
     "segment_free", "segment_map", "segment_unmap", "compact", "spill", "restore", "oom",
     *(f"reclaim:{step}" for step in LADDER_STEPS),
+    "call:empty_cache", "call:compact",
 )
 
 #: Kinds emitted inside a pool operation, before the books reach a state any caller can see.

@@ -5,8 +5,10 @@ between phases would otherwise replay as if it held every phase's segments at
 once (three 30 MiB blocks freed, ``empty_cache()``, two 45 MiB blocks: 92 MiB
 reserved in the recording, 182 MiB in a replay that ignores the call).
 
-Neither call is an event of its own in today's traces, so each is read from
-what it leaves behind:
+cupool records each call as an event of its own (``call:empty_cache``,
+``call:compact``, after what the call did), and those are read as they are.
+Older cupool traces, and PyTorch's snapshots, do not have them, so there each
+call is read from what it leaves behind:
 
 * PyTorch snapshots: ``cupool.trace.importers.empty_cache_marks`` (a burst of
   segment frees that no allocation retried).
@@ -48,6 +50,14 @@ def program_calls(trace: Trace, n: int, seeded: int) -> np.ndarray:
         return empty_cache_marks(trace, n, seeded)
     marks = np.zeros(len(trace), np.int8)
     if trace.format != FORMAT or n <= seeded:
+        return marks
+    calls = [(trace.code("call:empty_cache"), EMPTY_CACHE), (trace.code("call:compact"), COMPACT)]
+    if any(code >= 0 for code, _ in calls):  # recorded as they were made
+        kind = trace.kind[:n]
+        for code, mark in calls:
+            if code >= 0:
+                at = np.flatnonzero(kind == code)
+                marks[at[at >= seeded]] = mark
         return marks
     kinds = trace.kinds
     kind = trace.kind[:n]
