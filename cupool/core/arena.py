@@ -236,21 +236,14 @@ class Arena(FastPath):
         me = threading.get_ident()
         return self.holder == me or self.observers.running == me
 
-    def enter(self, what: str) -> None:
+    def enter(self, what: str, freeing: bool = False) -> bool:
+        """``FastPath.enter``, refusing a call from a subscriber callback too (Note [Subscribers])."""
         if self.observers.running == threading.get_ident():
             raise RuntimeError(
                 f"cupool: {what} from a subscriber callback would deadlock: callbacks run with the "
                 "pool's lock held (Note [Subscribers]); read pool.view or pool.stats() there instead"
             )
-        super().enter(what)
-
-    def enter_to_free(self, what: str) -> bool:
-        if self.observers.running == threading.get_ident():
-            raise RuntimeError(
-                f"cupool: {what} from a subscriber callback would deadlock: callbacks run with the "
-                "pool's lock held (Note [Subscribers])"
-            )
-        return super().enter_to_free(what)
+        return super().enter(what, freeing)
 
     def notify_moves(self) -> None:
         """Run queued on_move callbacks outside the lock (they may use the pool).

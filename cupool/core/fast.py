@@ -278,8 +278,14 @@ class FastPath:
         self.default_key = device.fixed_default_key
 
     # ------------------------------------------------------------------ locking
-    def enter(self, what: str) -> None:
-        """Take the lock for ``what`` after a failed try, refusing to deadlock (Note [Finalizers])."""
+    def enter(self, what: str, freeing: bool = False) -> bool:
+        """Wait for the lock for ``what`` after a failed try, refusing to deadlock (Note [Finalizers]).
+
+        From the thread that holds the lock for a caller it raises a ``RuntimeError``
+        naming ``what``.  Under a garbage collection that interrupted this thread's own
+        pool operation, a free (``freeing``) returns False, for the caller to queue;
+        anything else raises.  Otherwise it takes the lock and returns True.
+        """
         me = threading.get_ident()
         if self.holder == me:
             raise RuntimeError(
@@ -288,26 +294,14 @@ class FastPath:
             )
         if _collecting[0] != me:
             self.lock.acquire()
-            return
+            return True
+        if freeing:
+            return False
         raise RuntimeError(
             f"cupool: {what} was called from a finalizer while a garbage collection had "
             "interrupted a pool operation; it would deadlock.  Free memory in finalizers, "
             "but allocate outside them."
         )
-
-    def enter_to_free(self, what: str) -> bool:
-        """Wait for the lock to free, after a failed try; False when a collection interrupted
-        this thread (the caller queues instead)."""
-        me = threading.get_ident()
-        if self.holder == me:
-            raise RuntimeError(
-                f"cupool: {what} while this thread holds the pool's lock (inside `with pool.hold():` "
-                "or a subscriber callback) would deadlock"
-            )
-        if _collecting[0] != me:
-            self.lock.acquire()
-            return True
-        return False
 
     def holds(self) -> bool:
         """Whether this thread holds the lock for a caller (inside ``hold()``, or a subscriber)."""
@@ -408,7 +402,7 @@ class FastPath:
         al = a  # typed (fast.pxd)
         if al.owner is not self:
             raise ForeignAllocationError(al.ptr)
-        if not self.lock.acquire(False) and not self.enter_to_free("free()"):
+        if not self.lock.acquire(False) and not self.enter("free()", freeing=True):
             if al.block is None:
                 raise DoubleFreeError(al.ptr)
             self.pending.append(al)  # a finalizer during a collection: the lock holder frees it

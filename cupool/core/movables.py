@@ -117,7 +117,7 @@ class Movables:
         if m.owner is not self:
             raise ForeignAllocationError(m.ptr or 0)
         arena = self.arena
-        if not arena.lock.acquire(False) and not arena.enter_to_free("Movable.free()"):
+        if not arena.lock.acquire(False) and not arena.enter("Movable.free()", freeing=True):
             if m.freed:
                 raise DoubleFreeError(m.ptr or 0, "the movable buffer was already freed")
             arena.pending.append(m)  # a finalizer during a collection: the lock holder frees it
