@@ -168,7 +168,7 @@ def test_a_dropped_pool_gives_its_granules_back():
 
 def test_granules_and_plain_segments_share_the_device_s_capacity():
     dev = SimDevice("16MiB")
-    plain = cupool.Pool(dev)
+    plain = cupool.Pool(dev, expandable_segments=False)  # device-malloc segments, beside the granules
     x = plain.malloc(12 * MiB)  # a segment of its own size
     pool = cupool.Pool(dev, expandable_segments=True)
     with pytest.raises(OutOfMemoryError):
@@ -227,7 +227,7 @@ def _holes(pool: cupool.Pool) -> list[cupool.Allocation]:
 
 
 def test_without_stitching_holes_do_not_serve_a_larger_request():
-    pool = expandable("16MiB")
+    pool = expandable("16MiB", stitch=False)  # stitch=None follows expandable_segments: on
     blocks = _holes(pool)
     with pytest.raises(OutOfMemoryError):
         pool.malloc(8 * MiB)
@@ -280,12 +280,28 @@ def test_a_device_without_virtual_memory_is_a_clear_error():
         cupool.Pool(SimPinnedDevice("16MiB"), expandable_segments=True)
 
 
+def test_the_defaults_are_on_where_the_device_has_virtual_memory_and_off_elsewhere():
+    """None (the default) means on wherever the device has virtual memory, and stitch follows."""
+    on = cupool.Pool(SimDevice("16MiB"))
+    assert (on.config["expandable_segments"], on.config["stitch"]) == (True, True)
+    on.malloc(MiB).free()
+    assert mapped_in(on)  # granules, not a device malloc
+    assert cupool.Pool(SimDevice("16MiB"), stitch=False).config["expandable_segments"] is True
+    off = cupool.Pool(SimPinnedDevice("16MiB"))
+    assert (off.config["expandable_segments"], off.config["stitch"]) == (False, False)
+    dev = SimPinnedDevice("16MiB")
+    with pytest.raises(VirtualMemoryUnsupported, match="stitch=True needs a device with virtual memory: pinned:sim"):
+        cupool.Pool(dev, stitch=True)  # asked for by name: refused, not quietly off
+    assert dev.mem_info()[0] == dev.capacity
+
+
 @pytest.mark.parametrize(
     "kw, error, match",
     [
-        ({"stitch": True}, ValueError, "needs expandable_segments=True"),
-        ({"expandable_segments": 1}, TypeError, "expandable_segments must be True or False"),
-        ({"expandable_segments": True, "stitch": "yes"}, TypeError, "stitch must be True or False"),
+        ({"expandable_segments": False, "stitch": True}, ValueError, "needs expandable_segments=True"),
+        ({"expandable_segments": 1}, TypeError, r"expandable_segments must be True, False or None .*got 1"),
+        ({"expandable_segments": True, "stitch": "yes"}, TypeError, r"stitch must be True, False or None .*got 'yes'"),
+        ({"stitch": 1}, TypeError, r"stitch must be True, False or None .*got 1"),
     ],
 )
 def test_bad_settings_are_refused(kw, error, match):
