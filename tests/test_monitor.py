@@ -88,13 +88,18 @@ def test_fragmentation_alert_reports_severity_and_rearms():
         del b
 
 
-def test_a_fresh_segments_free_tail_raises_no_alert(pool):
-    """Issue 20 #5: one 4 MiB block in a fresh 20 MiB segment is 0.8 "severe" by the ratio alone."""
+@pytest.mark.parametrize("expandable, ratio", [(False, 0.8), (None, 0.0)])
+def test_a_fresh_segments_free_tail_raises_no_alert(expandable, ratio):
+    """Issue 20 #5: one 4 MiB block in a fresh 20 MiB segment is 0.8 "severe" by the ratio alone.
+
+    That segment is a plain one (device malloc); an expandable segment (the default) maps just
+    the block's two granules, so it has no free tail at all."""
+    pool = cupool.Pool("sim", capacity="100MiB", expandable_segments=expandable)
     with Monitor(pool) as mon:
         got = collect_alerts(mon)
         a = pool.malloc(4 * MiB)
         mon.flush()
-        assert pool.stats()["fragmentation"] == pytest.approx(0.8)  # still the stat
+        assert pool.stats()["fragmentation"] == pytest.approx(ratio)  # still the stat
         assert got == [], [x.message for x in got]
         assert mon.fragmentation_level == "ok"
         del a
@@ -121,8 +126,10 @@ def test_the_same_ratio_warns_once_the_pool_is_under_pressure(pool):
 
 
 def fragmented_pool():
-    """60 MiB, full: three 20 MiB segments of 4 MiB blocks, every other block freed (32 MiB free in 4 MiB holes)."""
-    pool = cupool.Pool("sim", capacity="60MiB", defrag_threshold=None)
+    """60 MiB, full: three 20 MiB segments of 4 MiB blocks, every other block freed (32 MiB free in 4 MiB holes).
+
+    Plain segments: stitching (on by default with expandable segments) would serve 8 MiB from two holes."""
+    pool = cupool.Pool("sim", capacity="60MiB", defrag_threshold=None, expandable_segments=False)
     blocks = [pool.malloc(4 * MiB) for _ in range(15)]
     for b in blocks[::2]:
         b.free()
@@ -145,6 +152,21 @@ def test_a_request_refused_for_fragmentation_is_a_critical_alert():
     assert "fragmentation refused a request of 8 MiB: 32 MiB free" in refused[0].message
     assert "largest free block is 4 MiB" in refused[0].message
     del held
+
+
+def test_with_stitching_the_same_holes_serve_the_request_and_no_fragmentation_alert_fires():
+    pool = cupool.Pool("sim", capacity="60MiB", defrag_threshold=None)  # the default: expandable, stitching
+    held = [pool.malloc(4 * MiB) for _ in range(15)]
+    for b in held[::2]:
+        b.free()
+    with Monitor(pool) as mon:
+        got = collect_alerts(mon)
+        big = pool.malloc(8 * MiB)  # two 4 MiB holes' granules, mapped side by side
+        mon.flush()
+    assert pool.stats()["num_stitches"] == 1
+    assert [x for x in got if x.request] == []
+    pool.check()
+    del held, big
 
 
 @pytest.mark.parametrize("request_mib", [40, 200])
@@ -248,7 +270,8 @@ def test_a_small_allocation_that_grows_the_pool_is_evaluated(pool):
 
 def test_rehoming_raises_no_alert_for_its_passing_double_reservation():
     """The rehome step holds a segment and its exact-size copy at once, only while moving."""
-    p = cupool.Pool("sim", capacity="40MiB", defrag_threshold=None)
+    # Plain segments: expandable ones (the default) compact by remapping granules in place, with no re-home.
+    p = cupool.Pool("sim", capacity="40MiB", defrag_threshold=None, expandable_segments=False)
     raw = p.malloc(4 * MiB)  # a 20 MiB medium segment...
     ms = [p.movable(2 * MiB) for _ in range(7)] + [p.movable(3 * MiB // 2)]  # ...15.5 MiB of movables join it
     del raw  # usage 0.5, fragmentation 0.225: both quiet
