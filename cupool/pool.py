@@ -61,7 +61,7 @@ from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact
-from .pressure.growth import Growth
+from .pressure.growth import Growth, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
 
@@ -126,7 +126,7 @@ class Pool:
             raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
         if not isinstance(spill_policy, str) or spill_policy not in POLICIES:
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {spill_policy!r}")
-        _check_defrag(defrag_threshold)
+        check_defrag_threshold(defrag_threshold)
         if memory_fraction is not None:
             if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
                 raise TypeError(f"memory_fraction must be a number, got {memory_fraction!r}")
@@ -387,7 +387,7 @@ class Pool:
 
     @defrag_threshold.setter
     def defrag_threshold(self, value: float | None) -> None:
-        self._growth.defrag_threshold = _check_defrag(value)
+        self._growth.defrag_threshold = check_defrag_threshold(value)
 
     @property
     def release_threshold(self) -> int | None:
@@ -616,15 +616,6 @@ def _expander(vm: Any, stitch: bool) -> Callable[..., Expander]:
         return Expander(vm, device, heaps, books, observers, stitch)
 
     return make
-
-
-def _check_defrag(value: float | None) -> float | None:
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"defrag_threshold must be a number or None, got {value!r}")
-        if not 0 <= value < 1:
-            raise ValueError(f"defrag_threshold must be in [0, 1), got {value}")
-    return value
 
 
 def _admitted(ref: weakref.ref[Pool], malloc: Callable[[int, Any], Allocation]) -> Callable[[int, Any], Allocation]:

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedDict
 
 from .._units import format_bytes, parse_size
+from .ranges import FreeRanges
 from .vmm import GRANULE, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 
 _PROT_NONE, _PROT_RW = 0x0, 0x1 | 0x2
@@ -85,7 +85,7 @@ class SimVirtualMemory(VirtualMemory):
         self._libc = _libc()
         self._fd = os.memfd_create("cupool-vmm", os.MFD_CLOEXEC)
         self._file_end = 0
-        self._holes: SortedDict = SortedDict()  # free file offset -> nbytes
+        self._holes = FreeRanges()  # free ranges of the memfd
         self._punch = True
         self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
         self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
@@ -167,19 +167,12 @@ class SimVirtualMemory(VirtualMemory):
         self._check_live("create")
         off: int
         size: int
-        for off, size in self._holes.items():
-            if size >= nbytes:
-                del self._holes[off]
-                if size > nbytes:
-                    self._holes[off + nbytes] = size - nbytes
-                return off
+        hole = self._holes.take(nbytes)
+        if hole is not None:
+            return hole
         # No hole fits: take the tail of the file, merging a free hole that ends there.
-        off = self._file_end
-        if self._holes:
-            last, size = self._holes.peekitem(-1)
-            if last + size == self._file_end:
-                del self._holes[last]
-                off = last
+        last = self._holes.pop_ending_at(self._file_end)
+        off = self._file_end if last is None else last
         os.ftruncate(self._fd, off + nbytes)
         self._file_end = off + nbytes
         return off
@@ -190,18 +183,7 @@ class SimVirtualMemory(VirtualMemory):
         if self._punch:
             rc = self._libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle, nbytes)
             self._punch = rc == 0  # a kernel without hole punching keeps the pages until close
-        off, size = handle, nbytes
-        i = self._holes.bisect_left(off)
-        if i < len(self._holes):
-            nxt, nsize = self._holes.peekitem(i)
-            if nxt == off + size:
-                size += nsize
-                del self._holes[nxt]
-        if i > 0:
-            prev, psize = self._holes.peekitem(i - 1)
-            if prev + psize == off:
-                off, size = prev, psize + size
-        self._holes[off] = size
+        self._holes.give(handle, nbytes)
 
     def _map(self, addr: int, handle: Any, nbytes: int) -> None:
         self._check_live("map")

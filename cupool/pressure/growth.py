@@ -44,6 +44,16 @@ from .compact import compact, should_defrag
 from .scheduler import Scheduler
 
 
+def check_defrag_threshold(value: float | None) -> float | None:
+    """``value`` if it is a valid ``defrag_threshold`` (a fraction in [0, 1), or None), else a clear error."""
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"defrag_threshold must be a number or None, got {value!r}")
+        if not 0 <= value < 1:
+            raise ValueError(f"defrag_threshold must be in [0, 1), got {value}")
+    return value
+
+
 class Growth:
     """The ``Policy`` a pool gives its arena (see the module's table)."""
 

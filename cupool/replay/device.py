@@ -15,9 +15,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from sortedcontainers import SortedDict
 
 from ..device.sim import SimDevice
+from ..device.ranges import FreeRanges
 from ..device.sim_vmm import SimVirtualMemory
 from ..device.vmm import VirtualMemory, VirtualMemoryError
 from .engine_layout import arena_size
@@ -30,30 +30,17 @@ class OrderedVirtualMemory(SimVirtualMemory):
         super().__init__(capacity, outside=outside)
         self.arena = arena_size(self.capacity)
         self.arena_base = super()._reserve(self.arena)
-        self.free_ranges: SortedDict = SortedDict({self.arena_base: self.arena})
+        self.free_ranges = FreeRanges(self.arena_base, self.arena)
 
     def _reserve(self, nbytes: int) -> int:
-        for addr, size in self.free_ranges.items():
-            if size >= nbytes:
-                del self.free_ranges[addr]
-                if size > nbytes:
-                    self.free_ranges[addr + nbytes] = size - nbytes
-                return int(addr)
+        addr = self.free_ranges.take(nbytes)
+        if addr is not None:
+            return addr
         raise VirtualMemoryError(f"the replay's address arena ({self.arena} bytes) has no range of {nbytes} left")
 
     def _free_range(self, addr: int, nbytes: int) -> None:
         # The range stays reserved (inaccessible) in the arena; it is only free to hand out again.
-        i = self.free_ranges.bisect_left(addr)
-        if i < len(self.free_ranges):
-            nxt, size = self.free_ranges.peekitem(i)
-            if nxt == addr + nbytes:
-                nbytes += size
-                del self.free_ranges[nxt]
-        if i > 0:
-            prev, size = self.free_ranges.peekitem(i - 1)
-            if prev + size == addr:
-                addr, nbytes = prev, size + nbytes
-        self.free_ranges[addr] = nbytes
+        self.free_ranges.give(addr, nbytes)
 
 
 class ReplayDevice(SimDevice):
