@@ -129,20 +129,27 @@ def test_very_many_blocks_are_coalesced_and_the_element_count_is_capped():
     assert len(out) < 1_000_000
 
 
-def test_the_cap_holds_when_narrow_and_wide_blocks_alternate():
-    """Each wide block ends a run of narrow ones: the layout that makes the most pieces per bar."""
-    pool = cupool.Pool("sim", capacity="512MiB")
-    # 16 pairs fill each 2 MiB small segment exactly; at 100 bars a 120 KiB block is wide, an 8 KiB one narrow.
+@pytest.mark.parametrize("expandable, rows", [(False, display.MAX_ROWS), (None, 1)])
+def test_the_cap_holds_when_narrow_and_wide_blocks_alternate(expandable, rows):
+    """Each wide block ends a run of narrow ones: the layout that makes the most pieces per bar.
+
+    Plain segments: 16 pairs fill each 2 MiB small segment exactly, 100 bars; at 100 bars a 120 KiB block
+    is wide, an 8 KiB one narrow. Expandable ones (the default): all 6400 blocks in one stream's segment,
+    one bar, where the cap must hold within the row."""
+    pool = cupool.Pool("sim", capacity="512MiB", expandable_segments=expandable)
     held = [pool.malloc(n) for _ in range(display.MAX_ROWS * 16) for n in (8 << 10, 120 << 10)]
     assert 2 * len(held) > display.MAX_ELEMENTS  # a rect and a tooltip for each block would pass the cap
     _, root = parse(pool)
-    assert len(labels(root)) == display.MAX_ROWS
+    assert len(labels(root)) == rows
+    if rows == 1:
+        assert_names_every_segment(pool, root)
     assert elements(the_svg(root)) <= display.MAX_ELEMENTS
     del held
 
 
 def test_very_many_segments_stop_at_max_rows_and_say_so():
-    pool = cupool.Pool("sim", capacity="1GiB")
+    # Plain segments: expandable ones (the default) grow one segment per stream and size class.
+    pool = cupool.Pool("sim", capacity="1GiB", expandable_segments=False)
     held = [pool.malloc(MiB) for _ in range(2 * display.MAX_ROWS + 10)]  # two per 2 MiB small segment
     out, root = parse(pool)
     assert len(labels(root)) == display.MAX_ROWS
