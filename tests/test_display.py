@@ -134,7 +134,7 @@ def test_the_cap_holds_when_narrow_and_wide_blocks_alternate(expandable, rows):
     """Each wide block ends a run of narrow ones: the layout that makes the most pieces per bar.
 
     Plain segments: 16 pairs fill each 2 MiB small segment exactly, 100 bars; at 100 bars a 120 KiB block
-    is wide, an 8 KiB one narrow. Expandable ones (the default): all 6400 blocks in one stream's segment,
+    is wide, an 8 KiB one narrow. Expandable ones (the default): all 3200 blocks in one stream's segment,
     one bar, where the cap must hold within the row."""
     pool = cupool.Pool("sim", capacity="512MiB", expandable_segments=expandable)
     held = [pool.malloc(n) for _ in range(display.MAX_ROWS * 16) for n in (8 << 10, 120 << 10)]
