@@ -67,24 +67,42 @@ def _is_int(v: object) -> bool:
 
 
 # ------------------------------------------- a. closing and dropping a pool
-def test_a_dropped_pool_gives_its_segments_back():
+def _in_use(d: cupool.SimDevice) -> int:
+    """The device's bytes held: ``mem_info`` counts plain segments and mapped granules alike."""
+    free, total = d.mem_info()
+    return total - free
+
+
+# Both segment sources: plain (device-malloc) segments, and the default, expandable ones.
+SOURCES = pytest.mark.parametrize("expandable", [False, None], ids=["plain", "default"])
+
+
+@SOURCES
+def test_a_dropped_pool_gives_its_segments_back(expandable):
     d = cupool.SimDevice("64MiB")
-    p = cupool.Pool(d)
+    p = cupool.Pool(d, expandable_segments=expandable)
     p.malloc(1 << 20).free()
-    assert d.used > 0
+    assert _in_use(d) > 0
     del p
     gc.collect()
-    assert d.used == 0, f"a dropped pool still holds {d.used} bytes of its device"
+    assert _in_use(d) == 0, f"a dropped pool still holds {_in_use(d)} bytes of its device"
 
 
-def test_a_close_with_live_allocations_drains():
+# Device bytes held before the close, and after it while live1 and live2 hold their memory. Plain:
+# a 20 MiB medium segment (live1, live2), a 24 MiB one and a 2 MiB small one; the close gives back
+# the two wholly free ones. Expandable: the large region maps 4 MiB for live1 (3 MiB), grows to
+# 6 MiB for live2 (2 MiB, from the 1 MiB free tail and one granule), to 30 MiB for the 24 MiB
+# block, plus a 2 MiB small region; the close unmaps the small region and the large region's free
+# granules past live2's end (5 MiB), keeping 6 MiB.
+@pytest.mark.parametrize("expandable,before,after", [(False, 46, 20), (None, 32, 6)], ids=["plain", "default"])
+def test_a_close_with_live_allocations_drains(expandable, before, after):
     d = cupool.SimDevice("64MiB")
-    p = cupool.Pool(d)
-    live1 = p.malloc(3 * MiB)  # a 20 MiB medium segment
+    p = cupool.Pool(d, expandable_segments=expandable)
+    live1 = p.malloc(3 * MiB)
     live2 = p.malloc(2 * MiB)  # the same segment
-    p.malloc(24 * MiB).free()  # a wholly free segment of its own
+    p.malloc(24 * MiB).free()  # plain: a wholly free segment of its own
     p.malloc(1000).free()  # a wholly free small segment
-    assert d.used == (20 + 24 + 2) * MiB
+    assert _in_use(d) == before * MiB
 
     with pytest.warns(ResourceWarning) as record:
         p.close()
@@ -93,24 +111,25 @@ def test_a_close_with_live_allocations_drains():
         re.search(r"\b2\b", m) and _names_bytes(m, 5 * MiB) for m in msgs
     ), f"the ResourceWarning should name 2 live allocations and {5 * MiB} bytes: {msgs}"
 
-    # The wholly free segments went back at once; the one holding live blocks stays.
-    assert d.used == 20 * MiB
+    # The wholly free segments (and free tails) went back at once; the memory holding live blocks stays.
+    assert _in_use(d) == after * MiB
 
     with pytest.raises(ValueError, match="(?i)closed"):
         p.malloc(100)
 
     live1.free()
-    assert d.used == 20 * MiB  # live2 still holds the segment
+    assert _in_use(d) == after * MiB  # live2 still holds the segment
     live2.free()
-    assert d.used == 0, "the last free of a closed pool's segment should give it back"
+    assert _in_use(d) == 0, "the last free of a closed pool's segment should give it back"
 
 
-def test_a_with_block_closes_the_pool():
+@SOURCES
+def test_a_with_block_closes_the_pool(expandable):
     d = cupool.SimDevice("64MiB")
-    with cupool.Pool(d) as p:
+    with cupool.Pool(d, expandable_segments=expandable) as p:
         p.malloc(1 << 20).free()
-        assert d.used > 0
-    assert d.used == 0
+        assert _in_use(d) > 0
+    assert _in_use(d) == 0
     with pytest.raises(ValueError, match="(?i)closed"):
         p.malloc(100)
 
@@ -323,7 +342,8 @@ def test_h_filtered_subscribers_get_no_block_events():
     assert _stat(pool, "segment.all.current") == 1
 
     segment_events = []
-    pool.subscribe(segment_events.append, kinds={"segment_alloc", "segment_free"})
+    # The default pool maps granules: its segment events are segment_map / segment_unmap.
+    pool.subscribe(segment_events.append, kinds={"segment_map", "segment_unmap"})
     with cupool.Monitor(pool, min_reserved="4MiB") as mon:
         sizer = cupool.BatchSizer(pool, 8, 1, 64)
         for _ in range(2000):
@@ -346,7 +366,7 @@ def test_h_filtered_subscribers_get_no_block_events():
         # The sizer still sees the peak of a step it was not sent block events for.
         pool.malloc(56 << 20).free()
         assert sizer.update() == 6
-    assert [e[1] for e in segment_events] == ["segment_alloc"]
+    assert [(e[1], e[3]) for e in segment_events] == [("segment_map", 56 << 20)]  # a large region's granules
     pool.check()
 
 
