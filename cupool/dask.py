@@ -153,7 +153,7 @@ class CupoolSetup(WorkerPlugin):
     @property
     def key(self) -> tuple[Any, ...]:
         """What makes two setups the same: the device, the pool's arguments (leaving out those given
-        as their defaults, so ``expandable_segments=False`` is no change) and the hooks."""
+        as their defaults, so ``expandable_segments=None`` is no change) and the hooks."""
         defaults = pool_defaults()
         options = sorted((k, v) for k, v in self.options.items() if k not in defaults or defaults[k] != v)
         return (self.device, options, self.cupy, self.numba)
@@ -519,8 +519,10 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
 @click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back.")
 @click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only).")
 @click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact above it.")
-@click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=False, show_default=True)
-@click.option("--cupool-stitch/--no-cupool-stitch", default=False, show_default=True)
+@click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
+              help="Grow segments in place (default: Pool's, on where the device has virtual memory).")
+@click.option("--cupool-stitch/--no-cupool-stitch", default=None,
+              help="Stitch holes of expandable segments (default: Pool's, on with expandable segments).")
 @click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
 @click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports).")
 @click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba.")

@@ -3,6 +3,7 @@ local scheduler on 127.0.0.1, each bounded in time."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def test_a_worker_started_with_the_preload_has_its_pool(scheduler):
          "--preload cupool.dask: CupoolSetup: initial_size 128 MiB is above the pool's limit 64 MiB"),
         (["--cupool-spill", "/scratch/spill.h5"], r"spill path '/scratch/spill.h5' has no {worker}"),
         (["--cupool-device", "tpu"], "--preload cupool.dask: CupoolSetup: device must be 'auto'"),
+        (["--no-cupool-expandable-segments", "--cupool-stitch"], "stitch=True remaps granules of expandable"),
     ],
 )
 def test_bad_options_are_refused_as_the_command_line_is_read(options, message):
@@ -85,6 +87,43 @@ def test_bad_options_are_refused_as_the_command_line_is_read(options, message):
     with pytest.raises(click.UsageError) as err:
         cdask.dask_setup.make_context("dask_setup", list(options))
     assert message in err.value.format_message()
+
+
+class _Worker:
+    """Takes the plugin that ``dask_setup`` adds, as ``Worker.plugin_add`` would."""
+
+    def __init__(self) -> None:
+        self.plugins: dict[str, cdask.CupoolSetup] = {}
+
+    async def plugin_add(self, plugin: cdask.CupoolSetup, name: str, catch_errors: bool) -> None:
+        self.plugins[name] = plugin
+
+
+def _preload_plugin(*options: str) -> cdask.CupoolSetup:
+    """The plugin that ``--preload cupool.dask`` with ``options`` sets up in a worker."""
+    ctx = cdask.dask_setup.make_context("dask_setup", list(options))
+    worker = _Worker()
+    asyncio.run(cdask.dask_setup.callback(worker, **ctx.params))
+    return worker.plugins["cupool"]
+
+
+def test_a_preload_without_segment_options_builds_pool_s_defaults():
+    """The preload said --no-cupool-expandable-segments and --no-cupool-stitch unless told otherwise, so its
+    workers got plain segments where Pool's defaults give expandable ones (and a client's identical setup
+    replaced the preload's pool)."""
+    sim = ("--cupool-device", "sim", "--cupool-capacity", "64MiB")
+    plugin = _preload_plugin(*sim)
+    assert plugin.key == cdask.CupoolSetup("sim", capacity="64MiB").key
+    pool = plugin.make_pool("w")
+    try:
+        with cupool.Pool("sim", capacity="64MiB") as default:
+            assert pool.config["expandable_segments"] == default.config["expandable_segments"]
+            assert pool.config["stitch"] == default.config["stitch"]
+    finally:
+        pool.close()
+    plain = _preload_plugin(*sim, "--no-cupool-expandable-segments")
+    assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False).key
+    assert plain.key != plugin.key
 
 
 def test_a_bad_option_stops_dask_worker_before_it_starts():
