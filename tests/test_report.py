@@ -179,6 +179,30 @@ def test_a_snapshot_without_history_shows_what_it_holds(tmp_path):
     assert out.stat().st_size > 0
 
 
+def test_a_snapshot_is_drawn_on_its_own_segment_kind_unless_told_otherwise(tmp_path):
+    # cupool's default (expandable segments) would merge the recorded segments into one growing
+    # segment per stream and size class: a picture of cupool, not of the snapshot.
+    A = 1 << 32
+    segments = [_segment(A + i * 64 * MiB, [(8 * MiB, True), (12 * MiB, False)], 20 * MiB) for i in range(3)]
+    trace = _still(tmp_path / "plain.pickle", segments)
+    own = report_data(trace, {"capacity": "1GiB"})
+    assert own.summary["config"]["expandable_segments"] is False and len(own.segments) == 3
+    asked = report_data(trace, {"capacity": "1GiB", "expandable_segments": True})  # what the user asked
+    assert asked.summary["config"]["expandable_segments"] is True and len(asked.segments) == 1
+    _check_map(own)
+    _check_map(asked)
+    mapped = tmp_path / "mapped.pickle"  # recorded on PyTorch's expandable segments, which never stitch
+    mapped.write_bytes(pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "segment_map", "addr": A, "size": 20 * MiB, "stream": 0, "time_us": 1, "frames": []},
+        {"action": "alloc", "addr": A, "size": 8 * MiB, "stream": 0, "time_us": 2, "frames": []}]]}))
+    vmm = report_data(load_trace(mapped), {"capacity": "1GiB"})
+    assert {k: vmm.summary["config"][k] for k in ("expandable_segments", "stitch")} == \
+        {"expandable_segments": True, "stitch": False}
+    out = tmp_path / "plain.png"
+    plot_report(trace, out, {"capacity": "1GiB"})
+    assert out.stat().st_size > 0
+
+
 def test_the_map_of_a_window_opened_mid_run_includes_what_was_there_before(tmp_path):
     # Two segments were full when recording started; the window only frees one block: the peak is the seed.
     A = 1 << 32

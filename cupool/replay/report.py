@@ -30,6 +30,7 @@ import numpy as np
 from .._files import atomic_output
 from .._units import format_bytes
 from ..trace import Trace
+from .config import VMM_KEYS, recorded_on_vmm
 from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
 
 _MARKED = {"oom": ("tab:red", "x"), "move_in": ("tab:purple", "|"), "compact": ("tab:purple", "v"),
@@ -75,6 +76,7 @@ class ReportData:
 
 def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportData:
     """Replay ``trace`` (with ``config`` over the recorded settings) and gather what the report shows."""
+    config = _settings(trace, config)
     engine = default_engine(trace)
     result = replay(trace, config, engine=engine, timeline=True, progress=False)
     tl = result.timeline
@@ -104,6 +106,17 @@ def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportDat
                       segments)
 
 
+def _settings(trace: Trace, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``config``, with a PyTorch snapshot's own segment kind where ``config`` names none (see the module's note).
+
+    PyTorch's expandable segments never stitch, so neither does their replay here.
+    """
+    if trace.format != "torch" or any(k in (config or {}) for k in VMM_KEYS):
+        return config
+    vmm = recorded_on_vmm(trace)
+    return {"expandable_segments": vmm, **({"stitch": False} if vmm else {}), **(config or {})}
+
+
 def _seed_events(trace: Trace) -> int:
     """How many leading events describe the live state the recording started from.
 
@@ -123,8 +136,10 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     data = report_data(trace, config)
     fig = Figure(figsize=(11, 10), layout="constrained")
     title = Path(trace.source).name or "trace"
+    vmm = data.summary["config"].get("expandable_segments")
+    kind = {True: ", expandable segments", False: ", plain segments"}.get(vmm, "")
     fig.suptitle(f"{title}: {len(trace)} events ({trace.format}), replayed on the sim device "
-                 f"({data.engine} engine)", fontsize=12)
+                 f"({data.engine} engine{kind})", fontsize=12)
     if data.still:
         gs = fig.add_gridspec(2, 1, height_ratios=[0.6, 2.4])
         _still_panel(fig.add_subplot(gs[0]), data)
