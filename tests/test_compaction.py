@@ -122,7 +122,9 @@ def test_movable_basics_and_leases_pin(pool):
 
 
 def test_compaction_moves_only_unleased_movables_and_keeps_bytes():
-    p = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None)
+    # Plain segments, one per buffer, each given back whole once emptied (an expandable region
+    # returns only its free tail, and raw, pinned at its end, keeps the whole region mapped).
+    p = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None, expandable_segments=False)
     bufs = [p.movable(2 * MiB) for _ in range(8)]
     raw = p.malloc(2 * MiB)
     for i, m in enumerate(bufs):
@@ -155,7 +157,8 @@ def test_compaction_moves_only_unleased_movables_and_keeps_bytes():
 
 
 def test_compaction_gives_emptied_segments_back():
-    p = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None)
+    # Plain segments: the counts and the segment given back whole are theirs.
+    p = cupool.Pool("sim", capacity="256MiB", defrag_threshold=None, expandable_segments=False)
     big = [p.movable(18 * MiB) for _ in range(2)]
     del big  # two cached 18 MiB segments (movables grow by exactly what they need)
     bufs = [p.movable(3 * MiB) for _ in range(12)]  # six in each
@@ -214,8 +217,12 @@ def test_bad_input_for_movables_and_compact(pool):
 
 
 def test_oom_ladder_compacts_before_failing():
-    """Live bytes fit, contiguous space does not: compaction makes room."""
-    p = cupool.Pool("sim", capacity="24MiB", defrag_threshold=None)
+    """Live bytes fit, contiguous space does not: compaction makes room.
+
+    On plain segments: stitching (the default's) would serve the 8 MiB from the holes'
+    granules first, with no compaction (tests/test_expandable.py).
+    """
+    p = cupool.Pool("sim", capacity="24MiB", defrag_threshold=None, expandable_segments=False)
     p.movable(20 * MiB)  # dropped at once: leaves one cached 20 MiB segment
     bufs = [p.movable(2 * MiB) for _ in range(10)]  # which these fill
     assert p.stats()["segment.all.current"] == 1
@@ -235,12 +242,20 @@ def test_streaming_completes_on_a_device_5_percent_above_the_live_peak():
     shapes = workloads.mixed_shapes(80, seed=3)
     peak = workloads.peak_live_bytes(shapes)
     cap = int(peak * 1.05)
-    p = cupool.Pool("sim", capacity=cap)
+    p = cupool.Pool("sim", capacity=cap, expandable_segments=False)
     workloads.weight_streaming(p, shapes, fill=True, movable=True)
     assert p.stats()["num_ooms"] == 0
-    q = cupool.Pool("sim", capacity=cap)
+    # Without movables, plain segments fragment past the device: compaction is what made room.
+    q = cupool.Pool("sim", capacity=cap, expandable_segments=False)
     with pytest.raises(cupool.OutOfMemoryError):
         workloads.weight_streaming(q, shapes, fill=True, movable=False)
+    # The default (expandable segments with stitching) completes too, movable or not: stitching
+    # joins the holes' granules instead of moving bytes.
+    for movable in (True, False):
+        r = cupool.Pool("sim", capacity=cap)
+        workloads.weight_streaming(r, shapes, fill=True, movable=movable)
+        assert r.stats()["num_ooms"] == 0
+        r.check()
 
 
 def test_automatic_compaction_above_the_threshold():
