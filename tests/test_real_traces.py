@@ -259,6 +259,21 @@ def test_the_programs_own_empty_cache_is_followed(tmp_path, between, peak, segme
     assert timeline is not None and int(timeline["reserved"][-1]) == (50 if between == "empty_cache" else 140) * MiB
 
 
+@pytest.mark.parametrize(("between", "segment_frees", "final"),
+                         [("empty_cache", 1, 50 * MiB), ("retry", 0, 90 * MiB), ("nothing", 0, 90 * MiB)])
+def test_the_programs_own_empty_cache_is_followed_on_the_defaults(tmp_path, between, segment_frees, final):
+    """Pool's defaults: the three 30 MiB blocks share one growing segment, so once freed they are one 90 MiB
+    hole that holds the 50 MiB block (peak 90 MiB either way); the program's empty_cache unmaps that one
+    segment whole, and only then does the 50 MiB block map its own."""
+    _phases(tmp_path / "phases.pickle", between)
+    trace = load_trace(tmp_path / "phases.pickle")
+    fast, exact = (replay(trace, {"capacity": "1GiB"}, engine=e) for e in ("numba", "pool"))
+    for r in (fast, exact):
+        assert (r.peak_reserved, r.segment_frees, r.peak_allocated, r.ooms) == (90 * MiB, segment_frees, 90 * MiB, 0)
+    timeline = replay(trace, {"capacity": "1GiB"}, timeline=True).timeline
+    assert timeline is not None and int(timeline["reserved"][-1]) == final
+
+
 def test_a_cupool_trace_is_not_given_extra_empty_caches(tmp_path):
     """cupool's recorded settings reproduce its own segment frees: a replay adds none."""
     pool = cupool.Pool("sim", capacity="256MiB", release_threshold=0)
