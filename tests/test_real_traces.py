@@ -299,6 +299,11 @@ def test_real_snapshot_with_history_replays_at_its_recorded_peak():
     sized = replay(trace, {"expandable_segments": False})  # plain: 61 segments, 1,897,922,560 bytes, all allocated and kept
     assert recorded_peak_reserved(trace) == 1_897_922_560
     assert (sized.capacity, sized.ooms, sized.peak_reserved) == (2_373_976_064, 0, 1_897_922_560)
+    # Pool's defaults (expandable segments, stitched) on the same device: issue 19's target, no more reserved
+    # than the recorded allocator's, and both engines agree on it.
+    fast, exact = (replay(trace, engine=e) for e in ("numba", "pool"))
+    assert fast.peak_reserved == exact.peak_reserved and fast.ooms == exact.ooms == 0
+    assert fast.capacity == 2_373_976_064 and r.peak_allocated <= fast.peak_reserved < 1_897_922_560
 
 
 def test_real_snapshot_without_history_is_a_still_picture():
