@@ -74,7 +74,7 @@ def test_recording_is_off_by_default_and_detaches(pool, monkeypatch):
         pool.malloc(100).free()
     assert subscribers == [] and active_recorder(pool) is None
     kinds = [e[1] for e in rec.events()]
-    assert kinds == ["segment_alloc", "alloc", "free"]
+    assert kinds == ["segment_map", "alloc", "free"]  # the default pool maps a granule of expandable segment
     pool.malloc(100).free()
     assert rec.n_events == 3  # nothing recorded after stop
 
@@ -142,7 +142,7 @@ def test_files_written_before_a_kind_was_added_read_back_under_their_own_names(p
         f["kind"][-1] = len(old) - 1
     tr = load_trace(path)
     assert tr.kinds == old
-    assert [tr.kinds[k] for k in tr.kind] == ["segment_alloc", "alloc", "reclaim:gc"]
+    assert [tr.kinds[k] for k in tr.kind] == ["segment_map", "alloc", "reclaim:gc"]
     assert tr.code("reclaim:gc") == len(old) - 1 and tr.code("reclaim:streams") == -1
     assert replay(tr).peak_allocated == 512
 
@@ -187,7 +187,7 @@ def test_recorder_reads_the_live_state_and_subscribes_under_one_lock(pool, monke
     keep = pool.malloc(300)
     with pool.record() as rec:
         racer.join()
-    assert [e[1] for e in rec.events()] == ["segment_alloc", "alloc", "alloc", "free"]
+    assert [e[1] for e in rec.events()] == ["segment_map", "alloc", "alloc", "free"]  # the seed: keep's granule
     keep.free()
 
 
@@ -268,7 +268,7 @@ def test_a_killed_recorder_leaves_a_readable_trace(tmp_path):
     tr = load_trace(path)
     assert len(tr) == flushed  # everything up to the last flush, nothing half-written
     kinds = [tr.kinds[k] for k in tr.kind]
-    assert kinds[0] == "segment_alloc" and set(kinds) <= {"alloc", "free", "segment_alloc"}
+    assert kinds[0] == "segment_map" and set(kinds) <= {"alloc", "free", "segment_map"}  # expandable segments
     assert (tr.size > 0).all() and (np.diff(tr.t_ns) >= 0).all()
     r = replay(tr)
     signed = np.where(tr.kind == tr.code("alloc"), tr.size, np.where(tr.kind == tr.code("free"), -tr.size, 0))
@@ -586,13 +586,19 @@ def _exported(pool, tmp_path):
     return pickle.loads(path.read_bytes()), keep, path
 
 
-def test_export_snapshot_shape(pool, tmp_path):
+@pytest.mark.parametrize("expandable, grows, segments", [(False, "segment_alloc", 3), (True, "segment_map", 2)])
+def test_export_snapshot_shape(tmp_path, expandable, grows, segments):
+    # Three requests of three sizes: three plain segments, or three mappings into expandable ones
+    # (a small segment, and one large segment grown twice), as PyTorch writes each.
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=expandable)
     data, keep, path = _exported(pool, tmp_path)
     segs = pool.snapshot()["segments"]
-    assert [s["address"] for s in data["segments"]] == [s["address"] for s in segs]
+    assert [s["address"] for s in data["segments"]] == [s["address"] for s in segs] and len(segs) == segments
     assert all("blocks" in s and "total_size" in s for s in data["segments"])
     actions = [e["action"] for e in data["device_traces"][0]]
-    assert actions.count("segment_alloc") == 3 and actions.count("alloc") == 3
+    assert actions.count(grows) == 3 and actions.count("alloc") == 3
+    assert sum(e["size"] for e in data["device_traces"][0] if e["action"] == grows) == \
+        sum(s["total_size"] for s in data["segments"])
     i = actions.index("free_requested")
     assert actions[i + 1] == "free_completed"
     assert any(f["filename"].endswith("test_trace.py") for f in data["device_traces"][0][1]["frames"])
@@ -602,8 +608,9 @@ def test_export_snapshot_shape(pool, tmp_path):
     del keep
 
 
-def test_export_snapshot_renders_with_torch_memory_viz(pool, tmp_path):
+def test_export_snapshot_renders_with_torch_memory_viz(tmp_path):
     mv = pytest.importorskip("torch.cuda._memory_viz", reason="torch is not installed (pip install cupool[viz])")
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False)  # its figures are plain segments'
     data, keep, _ = _exported(pool, tmp_path)
     summary = mv.segsum(data)
     assert "segments: 3" in summary and "total_reserved: 52.0MiB" in summary
