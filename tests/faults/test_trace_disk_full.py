@@ -28,7 +28,9 @@ _CHILD = textwrap.dedent(
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     import cupool
     from cupool.trace import load_trace
-    pool = cupool.Pool("sim", capacity="64MiB")
+    # Under a file-size limit, plain segments: the sim device's virtual memory is a memfd, which
+    # RLIMIT_FSIZE limits too (a 2 MiB granule fails with EFBIG).  A full tmpfs keeps the defaults.
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False if limit else None)
     rec = pool.record(path, batch=batch, capacity=max(batch, 1 << 16), flush_interval=interval)
     error = None
     try:
