@@ -77,9 +77,11 @@ class RecordedPool(RuleBasedStateMachine):
         capacity=st.sampled_from([16 << 20, 48 << 20]),
         threshold=st.sampled_from([None, 0, 8 << 20]),
         initial=st.sampled_from([0, 4 << 20]),
+        expandable=st.sampled_from([None, False]),  # Pool's defaults (expandable segments here) and plain ones
     )
-    def setup(self, capacity, threshold, initial):
-        self.pool = cupool.Pool("sim", capacity=capacity, release_threshold=threshold, initial_size=initial)
+    def setup(self, capacity, threshold, initial, expandable):
+        self.pool = cupool.Pool("sim", capacity=capacity, release_threshold=threshold, initial_size=initial,
+                                expandable_segments=expandable)
         self.rec = self.pool.record(capacity=1 << 16)
         self.rec.start()
         self.live = []
@@ -135,7 +137,8 @@ def _synthetic_events(ops):
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
                 max_size=120),
        st.sampled_from([{"capacity": "64MiB"}, {"capacity": "64MiB", "release_threshold": "10MiB"},
-                        {"capacity": "128MiB", "max_size": "50MiB", "initial_size": "6MiB"}]))
+                        {"capacity": "128MiB", "max_size": "50MiB", "initial_size": "6MiB"},
+                        {"capacity": "64MiB", "expandable_segments": False}]))  # plain segments too
 def test_engines_agree_on_generated_traces(ops, config):
     _agree(_synthetic(ops), config)
 
@@ -143,7 +146,8 @@ def test_engines_agree_on_generated_traces(ops, config):
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
                 max_size=120),
        st.sets(st.integers(0, 119), max_size=6),
-       st.sampled_from([{"capacity": "64MiB"}, {"capacity": "128MiB", "initial_size": "6MiB"}]))
+       st.sampled_from([{"capacity": "64MiB"}, {"capacity": "128MiB", "initial_size": "6MiB"},
+                        {"capacity": "64MiB", "expandable_segments": False}]))  # plain segments too
 def test_engines_agree_on_a_programs_own_empty_cache(ops, empties, config):
     """A PyTorch program's empty_cache() (a burst of segment frees) is replayed alike by both engines."""
     events = []

@@ -45,6 +45,7 @@ _VMM = st.sampled_from([
     {"capacity": "64MiB", "expandable_segments": True, "stitch": False, "release_threshold": 0},
     {"capacity": "64MiB", "expandable_segments": True, "stitch": True, "memory_fraction": 0.77},
     {"capacity": "64MiB", "memory_fraction": 0.77, "expandable_segments": False},  # a limit off the page, plain
+    {"capacity": "64MiB"},  # Pool's defaults: each engine resolves them (expandable, stitched on the sim device)
 ])
 
 
