@@ -45,15 +45,17 @@ def test_adaptive_compacts_first_when_fragmented_and_spills_first_when_full():
     del rest
 
 
-def test_the_ladder_runs_in_order_and_records_every_step():
-    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None)
+# A pool that stitches (the default, on the sim device) tries stitching after release for a large request.
+@pytest.mark.parametrize("expandable,stitch", [(False, []), (None, ["stitch"])], ids=["plain", "default"])
+def test_the_ladder_runs_in_order_and_records_every_step(expandable, stitch):
+    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None, expandable_segments=expandable)
     views = [p.movable(SLOT).array() for _ in range(8)]  # all leased: nothing can spill
     events = []
     p.subscribe(events.append)
     with pytest.raises(cupool.OutOfMemoryError, match=r"nothing could be spilled: no unleased movable buffer is on the device; 8 movable buffer\(s\) \(16 MiB\) are leased"):
         p.movable(SLOT)
     steps = [d.step for d in p.scheduler.decisions]
-    assert steps == ["streams", "release", "compact", "rehome", "spill", "gc"]
+    assert steps == ["streams", "release", *stitch, "compact", "rehome", "spill", "gc"]
     assert not any(d.progress for d in p.scheduler.decisions)
     assert [e[1] for e in events if e[1].startswith("reclaim:")] == [f"reclaim:{s}" for s in steps]
     del views
@@ -151,8 +153,9 @@ def test_adaptive_order_counts_frees_still_in_the_fast_paths_log():
     del keep
 
 
-def test_decisions_count_only_what_their_step_freed():
-    p = cupool.Pool("sim", capacity="20MiB", spill="host", defrag_threshold=None)
+@pytest.mark.parametrize("expandable,stitch", [(False, {}), (None, {"stitch": 0})], ids=["plain", "default"])
+def test_decisions_count_only_what_their_step_freed(expandable, stitch):
+    p = cupool.Pool("sim", capacity="20MiB", spill="host", defrag_threshold=None, expandable_segments=expandable)
     keep = _fill_then_free_small(p, 2)  # 2 MiB freed through the fast path before the ladder runs
     cycle = [p.malloc(MiB)]  # in the small segment the frees emptied
     cycle.append(cycle)
@@ -164,7 +167,8 @@ def test_decisions_count_only_what_their_step_freed():
     finally:
         gc.enable()
     freed = {d.step: d.bytes_freed for d in p.scheduler.decisions}
-    assert freed == {"streams": 0, "release": 0, "compact": 0, "rehome": 0, "spill": 0, "gc": MiB}
+    # Stitching remaps granules and frees no block.
+    assert freed == {"streams": 0, "release": 0, **stitch, "compact": 0, "rehome": 0, "spill": 0, "gc": MiB}
     released = {d.step: d.bytes_released for d in p.scheduler.decisions}
     assert released["release"] == 0  # the emptied segment holds the cycle's block until gc
     del keep
@@ -197,12 +201,13 @@ def test_the_scheduler_does_not_keep_its_pool_alive():
         gc.enable()
 
 
-def test_one_device_synchronization_per_spilled_buffer(monkeypatch):
-    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None)
+@pytest.mark.parametrize("expandable", [False, None], ids=["plain", "default"])
+def test_one_device_synchronization_per_spilled_buffer(monkeypatch, expandable):
+    p = cupool.Pool("sim", capacity="16MiB", spill="host", defrag_threshold=None, expandable_segments=expandable)
     ms = [tagged(p, i) for i in range(3)]
-    calls, freeing = [], []
+    log, freeing = [], []
     real, real_free = p.device.synchronize, p.device.free
-    monkeypatch.setattr(p.device, "synchronize", lambda *a: (freeing or calls.append(a), real(*a)))
+    monkeypatch.setattr(p.device, "synchronize", lambda *a: (freeing or log.append("sync"), real(*a)))
 
     def free(*a):  # giving a segment back waits too, as cudaFree does: not the spill's own wait
         freeing.append(a)
@@ -212,8 +217,14 @@ def test_one_device_synchronization_per_spilled_buffer(monkeypatch):
             freeing.pop()
 
     monkeypatch.setattr(p.device, "free", free)
+    if p.config["expandable_segments"]:
+        # Unmapping granules waits first (cuMemUnmap does not wait, as cudaFree does): not the spill's wait.
+        vm = p.device.virtual_memory()
+        real_unmap = vm.unmap
+        monkeypatch.setattr(vm, "unmap", lambda *a: (log.append("unmap"), real_unmap(*a))[1])
     assert p.spill() == 3 * SLOT
-    assert len(calls) == 3
+    spill_waits = [i for i, x in enumerate(log) if x == "sync" and log[i + 1 : i + 2] != ["unmap"]]
+    assert len(spill_waits) == 3, log
     del ms
 
 
