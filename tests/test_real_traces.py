@@ -296,7 +296,8 @@ def test_real_snapshot_with_history_replays_at_its_recorded_peak():
     r = replay(trace, {"capacity": "8GiB"})
     assert r.peak_allocated == recorded_peak_allocated(trace) == 1_783_665_152
     assert (r.history, r.seeded_blocks, r.unmatched_frees, r.ooms) == (True, 0, 0, 0)
-    sized = replay(trace, {"expandable_segments": False})  # plain: 61 segments, 1,897,922,560 bytes, all allocated and kept
+    # Plain segments: 61 of them, 1,897,922,560 bytes, all allocated in the window and kept.
+    sized = replay(trace, {"expandable_segments": False})
     assert recorded_peak_reserved(trace) == 1_897_922_560
     assert (sized.capacity, sized.ooms, sized.peak_reserved) == (2_373_976_064, 0, 1_897_922_560)
     # Pool's defaults (expandable segments, stitched) on the same device: issue 19's target, no more reserved

@@ -318,7 +318,8 @@ def test_fragmentation_is_sampled_while_something_is_allocated():
     mib = 1 << 20
     events = [(0, "alloc", 1, 3 * mib, 0), (1, "alloc", 2, 8 * mib, 0), (2, "free", 1, 3 * mib, 0),
               (3, "free", 2, 8 * mib, 0)]  # the last free is teardown: all cache, nothing allocated
-    r = _agree(Trace.from_events(events), {"capacity": "64MiB", "expandable_segments": False})  # plain: one 20 MiB segment
+    # Plain segments: one 20 MiB segment (the samples' denominator).
+    r = _agree(Trace.from_events(events), {"capacity": "64MiB", "expandable_segments": False})
     samples = [17 / 20, 9 / 20, 12 / 20]
     assert r.max_fragmentation == pytest.approx(17 / 20)  # not 1.0 from the teardown
     assert r.mean_fragmentation == pytest.approx(sum(samples) / 3)
