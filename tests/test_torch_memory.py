@@ -32,18 +32,24 @@ def helpers(device=None):
     )
 
 
-def test_the_helpers_read_the_pool_this_thread_allocates_from():
-    pool = cupool.Pool("sim", capacity="256MiB")
+# Reserved MiB after a and b, then after a is freed and the cache emptied. Plain segments: a
+# segment of its own for a (12 MiB) and a 20 MiB medium one for b; empty_cache gives a's back.
+# Expandable (the default): the stream's large region maps 12 MiB for a, then grows by two
+# granules for b (16 MiB); a's free granules, wholly free, go back on empty_cache as PyTorch's
+# expandable segments unmap the pages of any free block, leaving b's two granules (4 MiB).
+@pytest.mark.parametrize("expandable,held,kept", [(False, 32, 20), (None, 16, 4)], ids=["plain", "default"])
+def test_the_helpers_read_the_pool_this_thread_allocates_from(expandable, held, kept):
+    pool = cupool.Pool("sim", capacity="256MiB", expandable_segments=expandable)
     with cupool.using(pool):
-        a = pool.malloc(12 * MiB)  # a segment of its own: 12 MiB reserved
-        b = pool.malloc(3 * MiB)  # a 20 MiB medium segment
-        assert helpers() == figures(pool) == (15 * MiB, 15 * MiB, 32 * MiB, 32 * MiB)
+        a = pool.malloc(12 * MiB)
+        b = pool.malloc(3 * MiB)
+        assert helpers() == figures(pool) == (15 * MiB, 15 * MiB, held * MiB, held * MiB)
         a.free()
         pool.empty_cache()
-        assert helpers() == figures(pool) == (3 * MiB, 15 * MiB, 20 * MiB, 32 * MiB)
+        assert helpers() == figures(pool) == (3 * MiB, 15 * MiB, kept * MiB, held * MiB)
         assert helpers(0) == helpers("sim:0") == helpers("sim") == helpers()
         cupool.reset_peak_memory_stats()
-        assert helpers() == (3 * MiB, 3 * MiB, 20 * MiB, 20 * MiB)
+        assert helpers() == (3 * MiB, 3 * MiB, kept * MiB, kept * MiB)
         del b
 
 

@@ -51,7 +51,8 @@ def scripted():
     Then a is freed (parked on the fast path), c is freed on stream 0 with work still
     queued there, so stream 1's e (5 MiB) may not take L1 and gets a segment L2 of its own.
     """
-    pool = cupool.Pool("sim", capacity="64MiB")
+    # Plain segments: the figures below are worked out from their size classes (2 and 20 MiB segments).
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False)
     a, b, c = pool.malloc(1000), pool.malloc(3000), pool.malloc(5 * MiB)
     d = pool.malloc(1000, stream=1)
     pool.device.enqueue(0)
