@@ -24,7 +24,8 @@ def filled(pool, n, size=2 * MiB):
 
 
 def test_pool_spill_is_recorded_as_decisions():
-    pool = cupool.Pool("sim", capacity="64MiB", spill="host", defrag_threshold=None)
+    # Plain segments: each spilled buffer empties a segment of its own, which goes back (bytes_released).
+    pool = cupool.Pool("sim", capacity="64MiB", spill="host", defrag_threshold=None, expandable_segments=False)
     ms = filled(pool, 4, 8 * MiB)  # four 8 MiB segments of their own
     events = []
     pool.subscribe(events.append)
