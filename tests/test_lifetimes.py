@@ -561,8 +561,14 @@ def test_5_sigint_at_random_points_keeps_the_books():
         except KeyboardInterrupt:
             interrupted = True
         finally:
+            # No SIGINT of this trial may land in the next one, or in pytest: block them, stop the
+            # sender, and take back any it sent meanwhile.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             done.set()
             sender.join()
+            while signal.sigtimedwait({signal.SIGINT}, 0) is not None:
+                pass
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         assert interrupted, f"trial {trial}: the SIGINT never reached the caller"
         _interrupted_books(p, live)
 

@@ -34,6 +34,7 @@ be deferred: it is not a signal.
 from __future__ import annotations
 
 import _thread
+import atexit
 import signal
 import threading
 import time
@@ -51,6 +52,7 @@ OWED: dict[int, BaseException] = {}
 # When the main thread's first owed interrupt was deferred.
 _since: list[float] = [0.0]
 _installed: list[bool] = [False]
+_exiting: list[bool] = [False]
 
 
 def install() -> None:
@@ -82,14 +84,24 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if me not in OWED:
         _since[0] = now
         OWED[me] = KeyboardInterrupt()
-    timer = threading.Timer(REDELIVER_S, _redeliver, (me,))
-    timer.daemon = True
-    timer.start()
+        timer = threading.Timer(REDELIVER_S, _redeliver, (me,))  # one per owed interrupt
+        timer.daemon = True
+        timer.start()
 
 
 def _redeliver(thread: int) -> None:
-    if thread in OWED:
+    """Deliver an interrupt still owed (the operation ended by raising something else): again
+    ``REDELIVER_S`` later, so that a Ctrl-C is never lost; never once Python is shutting down."""
+    if thread in OWED and not _exiting[0]:
         _thread.interrupt_main(signal.SIGINT)
+
+
+def _at_exit() -> None:
+    _exiting[0] = True
+    OWED.clear()
+
+
+atexit.register(_at_exit)
 
 
 def defer(error: BaseException) -> None:
