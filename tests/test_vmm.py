@@ -530,3 +530,25 @@ def test_cuda_virtual_memory_on_a_real_gpu():
         vm.free_range(a)
         vm.free_range(b)
         assert vm.in_use == 0 and not vm.mappings()
+
+
+def test_a_file_size_limit_is_an_out_of_memory_not_an_oserror():
+    """The sim's virtual memory is a memfd, which ``ulimit -f`` caps: a pool on it must say out of memory
+    (it raised a bare OSError), with its books intact (found when expandable segments became the default)."""
+    import subprocess
+    import sys
+
+    script = r"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+import cupool
+p = cupool.Pool("sim", capacity="64MiB")
+try:
+    p.malloc(1000)
+except cupool.OutOfMemoryError:
+    p.check()
+    print("oom")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "oom", r.stdout + r.stderr

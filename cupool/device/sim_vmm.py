@@ -13,6 +13,7 @@ Python's ``mmap`` module cannot map at a chosen address, so ``mmap``, ``munmap``
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
 import weakref
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._units import format_bytes, parse_size
+from ..errors import DeviceOutOfMemory
 from .ranges import FreeRanges
 from .vmm import GRANULE, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 
@@ -173,7 +175,15 @@ class SimVirtualMemory(VirtualMemory):
         # No hole fits: take the tail of the file, merging a free hole that ends there.
         last = self._holes.pop_ending_at(self._file_end)
         off = self._file_end if last is None else last
-        os.ftruncate(self._fd, off + nbytes)
+        try:
+            os.ftruncate(self._fd, off + nbytes)
+        except OSError as e:  # a file-size limit (ulimit -f) or a full /dev/shm caps the memfd too
+            if e.errno not in (errno.EFBIG, errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise DeviceOutOfMemory(
+                f"sim virtual memory: its memfd cannot grow to {format_bytes(off + nbytes)} ({e.strerror}: a "
+                "file-size limit, ulimit -f, applies to it; Pool(expandable_segments=False) does without it)"
+            ) from None
         self._file_end = off + nbytes
         return off
 
