@@ -303,10 +303,6 @@ class FastPath:
             "but allocate outside them."
         )
 
-    def holds(self) -> bool:
-        """Whether this thread holds the lock for a caller (inside ``hold()``, or a subscriber)."""
-        return self.holder == threading.get_ident()
-
     def unlock(self) -> None:
         """Release the lock, applying the finalizers' queue first (Note [Finalizers]); then raise
         an interrupt deferred to the end of this operation (Note [Interrupts]).
