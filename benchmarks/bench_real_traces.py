@@ -7,7 +7,7 @@ RMM logs ``*.csv``) it prints: the events and the live (allocated) peak; the
 recorded allocator's peak reserved, reconstructed from the snapshot
 (``recorded_peak_reserved``; PyTorch snapshots only); cupool's peak reserved with
 each setting of ``SETTINGS`` (Pool's defaults, plain segments with and without
-``release_threshold=0``, expandable segments, with stitching, and with both), each on a device sized from the trace
+``release_threshold=0`` and without release before split, expandable segments, with stitching, and with both), each on a device sized from the trace
 (``trace_capacity``); for each setting, the smallest device on which the replay
 has zero OOMs; and whether issue 19's targets are met (peak reserved no more
 than the recording's; smallest device within 1.02x the live peak or 4 MiB
@@ -47,6 +47,7 @@ SETTINGS = {
     "defaults": {},  # whatever Pool's defaults are
     "plain": {"expandable_segments": False},
     "plain, release_threshold=0": {"expandable_segments": False, "release_threshold": 0},
+    "plain, release_before_split=False": {"expandable_segments": False, "release_before_split": False},
     "expandable": {"expandable_segments": True, "stitch": False},
     "expandable+stitch": {"expandable_segments": True, "stitch": True},
     "expandable+stitch+rt=0": {"expandable_segments": True, "stitch": True, "release_threshold": 0},

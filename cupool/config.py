@@ -56,6 +56,7 @@ _KEYS: dict[str, Callable[[str, str], Any]] = {
     "max_size": _size,
     "memory_fraction": _fraction,
     "release_threshold": _size,
+    "release_before_split": _flag,
     "expandable_segments": _flag,
     "stitch": _flag,
 }

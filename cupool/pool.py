@@ -85,6 +85,9 @@ class Pool:
         the device at once while more than this many bytes are reserved.
     defrag_threshold: when an allocation would have to grow the pool while the
         fragmentation is above this, movable buffers are compacted first (None: never).
+    release_before_split: when the limit has no room for another segment like it, a
+        small request gives a wholly free cached segment back and gets one of its own
+        rather than pinning the big one (Note [Release before split]; plain segments only).
     track_sites: remember the allocating line and a short stack of each live
         allocation, for ``leaks()`` and ``largest_allocations()``.
     spill: where unleased movable buffers go when memory runs short: None (never
@@ -116,14 +119,16 @@ class Pool:
         memory_fraction: float | None = None,
         release_threshold: int | str | None = None,
         defrag_threshold: float | None = 0.3,
+        release_before_split: bool = True,
         track_sites: bool = False,
         spill: str | os.PathLike | Any | None = None,
         spill_policy: str = "lru",
         expandable_segments: bool | None = None,
         stitch: bool | None = None,
     ) -> None:
-        if not isinstance(track_sites, bool):
-            raise TypeError(f"track_sites must be True or False, got {track_sites!r}")
+        for name, flag in (("track_sites", track_sites), ("release_before_split", release_before_split)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if not isinstance(spill_policy, str) or spill_policy not in POLICIES:
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {spill_policy!r}")
         check_defrag_threshold(defrag_threshold)
@@ -144,8 +149,8 @@ class Pool:
             raise ValueError(f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}")
         threshold = None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
         self.device = dev
-        # Owns defrag_threshold and release_threshold (the properties below read and set them there).
-        self._growth = growth = Growth(defrag_threshold, None)
+        # Owns defrag_threshold, release_threshold and release_before_split (the properties below).
+        self._growth = growth = Growth(defrag_threshold, None, release_before_split)
         vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
         stitching = vm is not None and stitch is not False
         # The settings in force; ``limit`` and the thresholds have owners of their own (properties).
@@ -278,33 +283,7 @@ class Pool:
     def snapshot(self) -> dict[str, Any]:
         """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``."""
         with self.hold() as view:
-            layout = view.segments()
-        segments = []
-        for s in layout:
-            blocks = [
-                {
-                    "address": b.addr,
-                    "size": b.size,
-                    "requested_size": b.requested,
-                    "state": "inactive" if b.free else "active_allocated",
-                }
-                for b in s.blocks
-            ]
-            segments.append(
-                {
-                    "device": self.device.index,
-                    "address": s.addr,
-                    "total_size": s.size,
-                    "allocated_size": s.used,
-                    "active_size": s.used,
-                    "requested_size": sum(b.requested for b in s.blocks),
-                    "stream": s.stream,
-                    "segment_type": "small" if s.small else "large",
-                    "preallocated": s.keep,
-                    "blocks": blocks,
-                }
-            )
-        return {"device": self.device.name, "segments": segments}
+            return view.torch_snapshot()
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[str] | None = None, small_blocks: bool = True
@@ -366,7 +345,7 @@ class Pool:
         """The pool's settings: those given, and the ``limit`` and ``release_threshold`` in force."""
         out = dict(self._settings)
         out.update(limit=self.limit, release_threshold=self.release_threshold,
-                   defrag_threshold=self.defrag_threshold)
+                   defrag_threshold=self.defrag_threshold, release_before_split=self.release_before_split)
         return out
 
     @property
@@ -404,6 +383,19 @@ class Pool:
             over = threshold is not None and view.books.reserved > threshold
         if over:
             self.empty_cache()
+
+    @property
+    def release_before_split(self) -> bool:
+        """Whether a small request under pressure gives a wholly free cached segment back rather than
+        split it (Note [Release before split])."""
+        return self._growth.release_before_split
+
+    @release_before_split.setter
+    def release_before_split(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"release_before_split must be True or False, got {value!r}")
+        with self.hold():
+            self._growth.release_before_split = value
 
     @property
     def closed(self) -> bool:

@@ -98,6 +98,8 @@ class Books:
         self.ooms = 0
         self.device_allocs = 0
         self.device_frees = 0
+        # Cached segments given back rather than split (Note [Release before split]).
+        self.releases_before_split = 0
         self.compactions = 0
         self.bytes_moved = 0
         self.movables = 0

@@ -31,6 +31,7 @@ def figures(arena: Arena, limit: int) -> dict[str, int | float]:
     out["num_ooms"] = books.ooms
     out["num_device_alloc"] = books.device_allocs
     out["num_device_free"] = books.device_frees
+    out["num_releases_before_split"] = books.releases_before_split
     out["fragmentation"] = arena.fragmentation()
     out["largest_free_block"] = arena.largest_free()
     n = books.hits + books.misses

@@ -43,6 +43,7 @@ class _Arena(Protocol):
 
     limit: int
     heaps: tuple[Heap, Heap]
+    device: Any
 
     def parked(self) -> set[int]: ...
 
@@ -90,3 +91,22 @@ class ArenaView:
                 out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))
         out.sort(key=lambda s: s.addr)
         return out
+
+    def torch_snapshot(self) -> dict[str, Any]:
+        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()`` (``pool.snapshot()``)."""
+        device = self._arena.device
+        segments = []
+        for s in self.segments():
+            blocks = [
+                {"address": b.addr, "size": b.size, "requested_size": b.requested,
+                 "state": "inactive" if b.free else "active_allocated"}
+                for b in s.blocks
+            ]
+            segments.append({
+                "device": device.index, "address": s.addr, "total_size": s.size,
+                "allocated_size": s.used, "active_size": s.used,
+                "requested_size": sum(b.requested for b in s.blocks),
+                "stream": s.stream, "segment_type": "small" if s.small else "large",
+                "preallocated": s.keep, "blocks": blocks,
+            })
+        return {"device": device.name, "segments": segments}

@@ -10,6 +10,7 @@ knows the arena, the movable buffers and the scheduler, never the ``Pool``.
 | ``before_take()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
 | ``expand(kind, size, key, exact)``: no free block fits | a request larger than the limit fails at once; else grow within the limit; else run the scheduler's ladder, retrying after each step that made progress; else ``OutOfMemoryError`` (Note [Out of memory]) |
 | ``freed(kind, block)``: a free emptied memory while the pool releases eagerly | above ``release_threshold``, the segment (or free tail) goes back now |
+| ``split(kind, size, block)``: a large request would split a wholly free plain segment larger than its pages | with ``release_before_split``, when the limit has no room for another segment that size, give it back and let the request grow by its pages (Note [Release before split]); else split |
 
 Everything here holds the arena, the buffers and the scheduler weakly: the
 arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
@@ -26,6 +27,30 @@ progress. The error names the request, the reserved and allocated bytes, the
 limit, the largest free block and the fragmentation; a pool with a spill tier
 also says what spilling could and could not do. A pool without one does not
 suggest spilling.
+
+Note [Release before split]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Without virtual memory a segment goes back to the device whole or not at all.
+A block placed at the front of a bigger cached segment pins all of it: the
+rest serves only requests that fit the remainder, and no step of the ladder
+can free it while the block lives (raw blocks do not move).  A pool that
+releases eagerly (``release_threshold=0``) never has the problem, because the
+cached segment went back when it emptied; the ladder runs too late to recover
+that.  So the decision is taken at the split.  When a large request would
+split a wholly free plain segment larger than the request's own pages, and the
+limit has no room left for another segment as big as that one (pressure), the
+pool gives the cached segment back and the request grows a segment of just its
+pages.  The freed bytes are then one contiguous reserve that any later request
+can grow into, rather than a remainder inside a pinned segment; what is lost is
+the rounding of one request to whole pages.  With room to spare it splits, as
+PyTorch does, and keeps its cache (no device call).  A 12 MiB request before a
+1 GiB one, on a 1 GiB cached segment, needs a 2 GiB device with the split and
+1,036 MiB without it (``split_before_big`` in docs/benchmarks.md).
+
+Expandable segments never need it: the free tail behind a block is unmapped
+granule by granule.  Both replay engines model it (``cupool.replay.engine``);
+the preallocated segment, small requests (their 2 MiB segments cannot shrink)
+and movable buffers (compaction can move them) are never served this way.
 """
 
 from __future__ import annotations
@@ -57,9 +82,11 @@ def check_defrag_threshold(value: float | None) -> float | None:
 class Growth:
     """The ``Policy`` a pool gives its arena (see the module's table)."""
 
-    def __init__(self, defrag_threshold: float | None, release_threshold: int | None) -> None:
+    def __init__(self, defrag_threshold: float | None, release_threshold: int | None,
+                 release_before_split: bool = True) -> None:
         self.defrag_threshold = defrag_threshold
         self.release_threshold = release_threshold
+        self.release_before_split = release_before_split
         self._arena: weakref.ref[Arena] | None = None
         self._movables: weakref.ref[Movables] | None = None
         self._scheduler: weakref.ref[Scheduler] | None = None
@@ -112,6 +139,14 @@ class Growth:
         threshold = self.release_threshold
         if arena is not None and threshold is not None and arena.books.cur[RESERVED][ALL] > threshold:
             arena.segments.trim(kind, block)
+
+    def split(self, kind: int, size: int, block: Block) -> bool:
+        arena, _, _ = self._parts()
+        if not self.release_before_split or arena.room() >= block.size:
+            return True
+        arena.segments.drop(kind, block.segment)  # Note [Release before split]
+        arena.books.releases_before_split += 1
+        return False
 
     # -------------------------------------------------------------- helpers
     @staticmethod

@@ -16,7 +16,7 @@ from ..trace.importers import recorded_peak_reserved, sized_capacity
 
 #: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
 CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold",
-               "expandable_segments", "stitch")
+               "release_before_split", "expandable_segments", "stitch")
 #: Recorded settings that only the pool engine models (through movable buffers).
 POOL_KEYS = ("defrag_threshold", "spill", "spill_policy")
 #: Settings of virtual memory (expandable segments).

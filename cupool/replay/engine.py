@@ -30,7 +30,12 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   twice its capacity, and refuses past its capacity;
 * expandable segments and stitching (``expandable_segments``, ``stitch``): as
   ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
-  after releasing, for large requests.
+  after releasing, for large requests;
+* release before split (``release_before_split``, Note [Release before split]
+  in ``cupool.pressure.growth``): a large raw request whose best fit is a wholly
+  free plain segment, not preallocated, larger than the request's pages, gives
+  that segment back and grows by just those pages instead, when the limit has
+  no room for another segment that size.
 
 The state is one named tuple of growable arrays (``engine_layout.Engine``), so
 that a trace can be replayed in chunks (for a progress bar) without leaving
@@ -56,10 +61,10 @@ from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMA
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
-    ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
+    ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
     DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, PEAK_SAMPLED, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
     NORD0, NR, NRF, NS, NSEG, NSF, NVA, OOMS, PEAK_ALLOC, PEAK_RES, PEAK_SEG, RES, ROOT, S_ADDR, S_ALIVE, S_HEAD,
-    S_KEEP, S_KIND, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
+    S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, stitch, vm_new_segment,
@@ -113,6 +118,13 @@ def _malloc(E, n, key, exact):
     if b < 0 and st[NORD0 + h] > 1:
         settle(E, False)
         b = find(E.IX, E.TG, h, size, key)
+    if b >= 0 and cfg[C_SPLIT] and h == LARGE and not exact:  # Note [Release before split]
+        S, s = E.S, E.B[SEG, b]
+        if (E.B[SIZE, b] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
+                and -(-size // PAGE) * PAGE < E.B[SIZE, b] and max(0, cfg[C_LIMIT] - st[RES]) < E.B[SIZE, b]):
+            drop_segment(E, s)
+            b = -1
+            exact = True  # the released room serves just this request
     if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
@@ -215,7 +227,7 @@ def compile_notice() -> Iterator[_CompileNotice]:
 
 # ----------------------------------------------------------------- state
 def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, initial: int,
-              expandable: bool = False, stitching: bool = False) -> dict:
+              expandable: bool = False, stitching: bool = False, release_before_split: bool = True) -> dict:
     """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release).
 
     The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address (``"live"``).
@@ -226,6 +238,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     cfg[C_CAPACITY], cfg[C_SPAN], cfg[C_LIMIT] = capacity, capacity * 2, limit
     cfg[C_THRESHOLD] = -1 if threshold is None else threshold
     cfg[C_VMM], cfg[C_STITCH], cfg[C_VSPAN], cfg[C_ARENA] = expandable, stitching, 2 * capacity, arena_size(capacity)
+    cfg[C_SPLIT] = release_before_split
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
     st[NEXT_N] = 1

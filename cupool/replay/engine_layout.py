@@ -38,9 +38,10 @@ N_ST = 27  # MOVING: 1 + the block between a move_out and its move_in (0: none),
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
 # Configuration (entries of cfg): C_VMM expandable segments, C_STITCH stitching, C_VSPAN a growing
-# region's size (twice the device), C_ARENA the addresses regions are reserved from.
-C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_VMM, C_STITCH, C_VSPAN, C_ARENA = range(8)
-N_CFG = 8
+# region's size (twice the device), C_ARENA the addresses regions are reserved from, C_SPLIT
+# release_before_split (Note [Release before split]).
+C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_VMM, C_STITCH, C_VSPAN, C_ARENA, C_SPLIT = range(9)
+N_CFG = 9
 # The free index: per block id, a treap node (see engine_heap); per heap and tag + 1 in TG: free
 # block count, seen, first-seen order (by position), tree root.
 IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)

@@ -34,6 +34,7 @@ def replay_numba(
     capacity = pool_capacity(probe)
     limit, threshold, initial = probe.limit, probe.release_threshold, probe.config["initial_size"]
     vmm, stitching = bool(probe.config["expandable_segments"]), bool(probe.config["stitch"])
+    split = probe.release_before_split
     del probe
     seeded = seed_count(trace, n)
     tl_res = np.zeros(n if timeline else 0, np.int64)
@@ -42,7 +43,7 @@ def replay_numba(
     empties = program_calls(trace, n, seeded)  # the numba engine empties its cache at either call
     streams = int(trace.stream.max()) + 1 if len(trace) else 1
     with eng.compile_notice():
-        state = eng.new_state(streams, capacity, limit, threshold, initial, vmm, stitching)
+        state = eng.new_state(streams, capacity, limit, threshold, initial, vmm, stitching, split)
         if seeded:
             _seed(state, seed_program(trace, seeded, limit, initial, threshold))
         # An empty range with the real arguments: compiles (or loads) the very signature the
@@ -93,8 +94,12 @@ def _seed(state: dict, ops: np.ndarray) -> None:
     """Run a seed program (``cupool.replay.seed``) through the engine, as the pool engine runs it on a Pool.
 
     The state it leaves is where the replay starts: its fragmentation is the peak's
-    so far, and its samples do not count towards the replay's.
+    so far, and its samples do not count towards the replay's.  The seed is built
+    with the pool's giving back switched off (the module ``seed``'s step 4).
     """
+    cfg = state["E"].cfg
+    rules = cfg[eng.C_THRESHOLD], cfg[eng.C_SPLIT]
+    cfg[eng.C_THRESHOLD], cfg[eng.C_SPLIT] = -1, 0
     m = ops.shape[0]
     kind = np.array([_SEED_KINDS[c] for c in ops[:, 0].tolist()], np.uint8).reshape(m)
     empties = (ops[:, 0] == EMPTY).astype(np.int8)
@@ -102,6 +107,7 @@ def _seed(state: dict, ops: np.ndarray) -> None:
     none = np.zeros(0, np.int64)
     eng.run_range(state, kind, ops[:, 1].copy(), ops[:, 2].copy(), ops[:, 3].copy(), empties, 0, m, codes,
                   none, none)
+    cfg[eng.C_THRESHOLD], cfg[eng.C_SPLIT] = rules
     st, fst = state["E"].st, state["E"].fst
     fst[:] = 0.0
     st[eng.SAMPLES] = 0

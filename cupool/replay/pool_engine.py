@@ -200,7 +200,19 @@ def replay_pool(
 
 
 def seed_pool(pool: Pool, ops: np.ndarray, live: dict[int, Any]) -> None:
-    """Run a seed program (``cupool.replay.seed``) on ``pool``; its blocks go to ``live`` by recorded address."""
+    """Run a seed program (``cupool.replay.seed``) on ``pool``; its blocks go to ``live`` by recorded address.
+
+    The seed is built with the pool's giving back switched off (the module ``seed``'s step 4).
+    """
+    rules = pool.release_threshold, pool.release_before_split
+    pool.release_threshold, pool.release_before_split = None, False
+    try:
+        _run_seed(pool, ops, live)
+    finally:
+        pool.release_threshold, pool.release_before_split = rules
+
+
+def _run_seed(pool: Pool, ops: np.ndarray, live: dict[int, Any]) -> None:
     for code, ident, size, stream in ops.tolist():
         if code == ALLOC or code == MOVABLE:
             try:

@@ -24,10 +24,13 @@ calls (``seed_program``), so that they start from the same stated state:
    would never have kept the inherited ones;
 5. the peaks start from the state this leaves (fillers never count).
 
-Under a ``release_threshold`` a segment made this way is given back as soon as
-its making buffer is freed, so its blocks land where the pool's own rules put
-them; the two engines still start from the same state.  A free block's stream
-is not recorded: the free space left by fillers belongs to its segment's stream.
+The pool's own giving back (``release_threshold``, Note [Release before
+split]) is switched off while the seed is built, and back on after it, so that
+every setting starts from the recorded state itself: a policy that gives memory
+back changes what happens next, not what the program already held.  Step 4 is
+the one release, and it takes only wholly free segments (and, on expandable
+segments, free tails).  A free block's stream is not recorded: the free space
+left by fillers belongs to its segment's stream.
 
 Placing a block requires what the pool's placement allows: in a large
 segment, a free gap of 1 MiB or less cannot be filled by a large request, so it
