@@ -62,6 +62,18 @@ _KEYS: dict[str, Callable[[str, str], Any]] = {
 }
 
 
+#: ``PYTORCH_CUDA_ALLOC_CONF`` keys users bring along, and what cupool does instead (the error says so).
+TORCH_KEYS = {
+    "max_split_size_mb": "cupool does not pin cached segments under small blocks when memory is short "
+                         "(release_before_split, on by default) and expandable segments unmap free tails",
+    "garbage_collection_threshold": "release_threshold gives cached memory back while more than that is "
+                                    "reserved, e.g. release_threshold=80%",
+    "roundup_power2_divisions": "cupool rounds requests to 512 bytes and serves them best fit; "
+                                "there is no power-of-two rounding to tune",
+    "backend": "cupool is the allocator; route CuPy and Numba to it with cupool.install()",
+}
+
+
 def parse_conf(text: str) -> dict[str, Any]:
     """Keyword arguments for ``Pool`` from a ``CUPOOL_CONF`` string."""
     if not isinstance(text, str):
@@ -72,8 +84,15 @@ def parse_conf(text: str) -> dict[str, Any]:
             continue
         key, sep, value = entry.partition("=")
         key = key.strip().lower()
+        torch_key = key.partition(":")[0]  # PyTorch writes key:value
+        if torch_key in TORCH_KEYS:
+            raise ValueError(
+                f"{ENV_VAR}: {torch_key!r} is a PYTORCH_CUDA_ALLOC_CONF key, not cupool's: {TORCH_KEYS[torch_key]} "
+                f"(known keys: {', '.join(sorted(_KEYS))})"
+            )
         if not sep or not value.strip():
-            raise ValueError(f"{ENV_VAR}: entry {entry.strip()!r} is not key=value")
+            hint = " (PYTORCH_CUDA_ALLOC_CONF writes key:value; cupool writes key=value)" if ":" in entry else ""
+            raise ValueError(f"{ENV_VAR}: entry {entry.strip()!r} is not key=value{hint}")
         if key not in _KEYS:
             raise ValueError(
                 f"{ENV_VAR}: unknown key {key!r} in {entry.strip()!r} (known keys: {', '.join(sorted(_KEYS))})"

@@ -245,10 +245,14 @@ def test_streaming_completes_on_a_device_5_percent_above_the_live_peak():
     p = cupool.Pool("sim", capacity=cap, expandable_segments=False)
     workloads.weight_streaming(p, shapes, fill=True, movable=True)
     assert p.stats()["num_ooms"] == 0
-    # Without movables, plain segments fragment past the device: compaction is what made room.
-    q = cupool.Pool("sim", capacity=cap, expandable_segments=False)
+    # Without movables, plain segments that split their cache fragment past the device: compaction
+    # is what made room.  Releasing before the split makes room too (Note [Release before split]).
+    q = cupool.Pool("sim", capacity=cap, expandable_segments=False, release_before_split=False)
     with pytest.raises(cupool.OutOfMemoryError):
         workloads.weight_streaming(q, shapes, fill=True, movable=False)
+    q = cupool.Pool("sim", capacity=cap, expandable_segments=False)
+    workloads.weight_streaming(q, shapes, fill=True, movable=False)
+    assert q.stats()["num_ooms"] == 0 and q.stats()["num_releases_before_split"] > 0
     # The default (expandable segments with stitching) completes too, movable or not: stitching
     # joins the holes' granules instead of moving bytes.
     for movable in (True, False):

@@ -147,3 +147,14 @@ def test_engines_agree_under_pressure_with_and_without_it(ops, capacity_mib, spl
     config = {"capacity": capacity_mib * MiB, "expandable_segments": False, "release_before_split": split}
     fast, exact = (replay(trace, config, engine=e) for e in ("numba", "pool"))
     assert {k: getattr(fast, k) for k in _SAME} == {k: getattr(exact, k) for k in _SAME}
+
+
+@pytest.mark.parametrize("entry, says", [
+    ("max_split_size_mb:512", "'max_split_size_mb' is a PYTORCH_CUDA_ALLOC_CONF key, not cupool's: .*release_before_split"),
+    ("garbage_collection_threshold=0.6", "'garbage_collection_threshold' is a PYTORCH_CUDA_ALLOC_CONF key.*release_threshold=80%"),
+    ("roundup_power2_divisions:4", "'roundup_power2_divisions' is a PYTORCH_CUDA_ALLOC_CONF key.*512 bytes"),
+    ("expandable_segments:True", r"is not key=value \(PYTORCH_CUDA_ALLOC_CONF writes key:value; cupool writes key=value\)"),
+])
+def test_pytorch_habits_in_cupool_conf_say_what_cupool_does_instead(entry, says):
+    with pytest.raises(ValueError, match=says):
+        parse_conf(entry)
