@@ -55,7 +55,7 @@ from .core.figures import figures
 from .core.handles import DeviceArray, Movable, array_nbytes, as_shape
 from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
-from .core.sizes import LARGE, round_page, round_size
+from .core.sizes import LARGE, round_size
 from .core.view import ArenaView
 from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
@@ -64,6 +64,7 @@ from .pressure.compact import BackgroundCompactor, CompactionReport, compact
 from .pressure.growth import Growth, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
+from .sizing import check_fraction, resolve
 
 if TYPE_CHECKING:
     from .trace.recorder import EventRecorder
@@ -132,22 +133,9 @@ class Pool:
         if not isinstance(spill_policy, str) or spill_policy not in POLICIES:
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {spill_policy!r}")
         check_defrag_threshold(defrag_threshold)
-        if memory_fraction is not None:
-            if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
-                raise TypeError(f"memory_fraction must be a number, got {memory_fraction!r}")
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        check_fraction(memory_fraction)
         dev = make_device(device, capacity)
-        total = dev.total
-        limit = total
-        if max_size is not None:
-            limit = min(limit, parse_size(max_size, total, "max_size"))
-        if memory_fraction is not None:
-            limit = min(limit, int(total * memory_fraction))
-        init = 0 if initial_size is None else round_page(parse_size(initial_size, total, "initial_size"))
-        if init > limit:
-            raise ValueError(f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}")
-        threshold = None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
+        limit, init, threshold = resolve(dev.total, max_size, memory_fraction, initial_size, release_threshold)
         self.device = dev
         # Owns defrag_threshold, release_threshold and release_before_split (the properties below).
         self._growth = growth = Growth(defrag_threshold, None, release_before_split)
@@ -165,7 +153,7 @@ class Pool:
         source = None if vm is None else _expander(vm, stitching)
         arena = self._arena = Arena(dev, limit, growth, track_sites, source)
         self._movables = Movables(arena)
-        tier = make_tier(spill, dev, lambda: PinnedPool(pinned_device_beside(dev)), owner=self)
+        tier = make_tier(spill, dev, lambda: _spill_pinned_pool(dev), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.
         self.scheduler = Scheduler(arena, self._movables, tier, spill_policy)
         growth.attach(arena, self._movables, self.scheduler)
@@ -200,7 +188,8 @@ class Pool:
         return arr
 
     def empty_cache(self) -> int:
-        """Give every wholly free segment (except the preallocated one), and free tails of expandable ones, back.
+        """Give every wholly free segment (except the preallocated one) back, and on expandable segments
+        every free granule, at a segment's end or between live blocks, as PyTorch's ``empty_cache`` does.
 
         Waits for the device first, so memory freed on any stream is safe to release
         and, while at it, free blocks of all streams become usable by every stream.
@@ -209,7 +198,7 @@ class Pool:
         with self.hold():
             arena = self._arena
             arena.settle_streams(wait=True)
-            released = arena.release_free_segments()
+            released = arena.release_free_segments(holes=True)
             if arena.observers.active:  # the program's own call, for a replay to make at this point
                 arena.observers.emit("call:empty_cache", 0, released, 0)
             return released
@@ -600,6 +589,15 @@ class PinnedPool(Pool):
             return pointer(malloc(nbytes), 0)
 
         return allocate
+
+
+def _spill_pinned_pool(dev: Device) -> PinnedPool:
+    """The host tier's pinned pool.  It holds only the tier's copies, each freed by its handle, so
+    a ``gc.collect()`` in its ladder frees nothing and costs more than the copy (the tier falls
+    back to pageable memory when the pinned pool is full or fragmented)."""
+    pinned = PinnedPool(pinned_device_beside(dev))
+    pinned.scheduler.collect_garbage = False
+    return pinned
 
 
 def _expander(vm: Any, stitch: bool) -> Callable[..., Expander]:

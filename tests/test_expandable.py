@@ -22,6 +22,8 @@ from cupool.core.books import ALL, RESERVED
 from cupool.device import GRANULE, SimDevice, SimPinnedDevice
 from cupool.device.vmm import VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 from cupool.errors import OutOfMemoryError
+from cupool.replay import replay
+from cupool.trace import load_trace
 
 MiB = 1 << 20
 
@@ -93,6 +95,29 @@ def test_empty_cache_unmaps_free_tails_and_the_bytes_are_gone():
     c = pool.malloc(4 * MiB)  # and the segment grows again where it shrank
     assert c.ptr == a.ptr + 2 * MiB
     pool.check()
+
+
+def test_empty_cache_unmaps_the_granules_under_holes_between_live_blocks_as_pytorch_does(tmp_path):
+    """Once a known defect: only free tails went back, so a hole in front of a live block stayed mapped."""
+    pool = expandable()
+    with pool.record(tmp_path / "holes.h5"):
+        a, b, c = pool.malloc(5 * MiB), pool.malloc(3 * MiB), pool.malloc(MiB + 512)
+        data_b, data_c = fill(pool, b, 2), fill(pool, c, 3)  # b straddles granules 2 and 3
+        hole = a.ptr
+        pool.free(a)
+        assert pool.empty_cache() == 4 * MiB  # a's granules 0 and 1; granule 2 still holds b's first bytes
+        assert reserved(pool) == 10 * MiB - 4 * MiB == sum(n for _, n in mapped_in(pool))
+        with pytest.raises(VirtualMemoryError, match="not mapped"):
+            pool.device.bytes_at(hole, 1)
+        assert np.array_equal(pool.device.to_host(b.ptr, b.size), data_b)
+        assert np.array_equal(pool.device.to_host(c.ptr, c.size), data_c)
+        pool.check()
+        pool.free(b), pool.free(c)
+    trace = load_trace(tmp_path / "holes.h5")
+    fast, exact = (replay(trace, engine=e) for e in ("numba", "pool"))
+    same = ("peak_reserved", "peak_segments", "segment_allocs", "segment_frees", "ooms")
+    assert {k: getattr(fast, k) for k in same} == {k: getattr(exact, k) for k in same}
+    assert exact.segment_frees == pool.stats()["num_device_free"]
 
 
 def test_the_release_threshold_unmaps_free_tails_at_once():

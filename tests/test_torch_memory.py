@@ -39,10 +39,7 @@ def helpers(device=None):
 # expandable segments unmap the pages of any free block, leaving b's two granules (4 MiB).
 @pytest.mark.parametrize("expandable,held,kept", [
     (False, 32, 20),
-    pytest.param(None, 16, 4, marks=pytest.mark.xfail(strict=True, reason=(
-        "known defect, left for the next change: empty_cache() on expandable segments gives back only "
-        "free tails, not the granules under a hole in front of a live block (giving them back in the "
-        "ladder's release step too makes stitching moot and needs the replay engine to model it)"))),
+    (None, 16, 4),  # once a known defect: empty_cache() gave back free tails only, not a's granules
 ], ids=["plain", "default"])
 def test_the_helpers_read_the_pool_this_thread_allocates_from(expandable, held, kept):
     pool = cupool.Pool("sim", capacity="256MiB", expandable_segments=expandable)

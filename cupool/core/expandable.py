@@ -35,7 +35,11 @@ and extends that block (``Heap.extend``), within the limit, before the ladder; a
 segment of a fixed size (``initial_size``, compaction's re-homing, stitching) gets
 a range of its own. Free granule-aligned tails are unmapped and their chunks
 released by ``empty_cache()`` and the ladder's release step (``trim_all``), and at
-once, after a free, above ``release_threshold``. Each granule is its own chunk
+once, after a free, above ``release_threshold``.  ``empty_cache()`` also unmaps
+the granules under free blocks between live ones, as PyTorch's expandable
+segments do, which splits their segments (``Heap.cut``); the ladder's release
+step leaves those holes to stitching, which remaps them side by side exactly
+where a request needs them. Each granule is its own chunk
 because the driver maps only whole chunks from their start (H100, driver 580):
 that is what lets granules move independently.
 
@@ -58,8 +62,7 @@ instead of copying (``Expander.move``; the expander is the arena's segment sourc
 names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
 contiguous mapped range as a segment with ``is_expandable``. The device work of a
 grow, unmap or stitch is a few calls per granule, whatever the number of live
-blocks. The numba replay engine does not model virtual memory: replays of such
-traces, or with ``--compare expandable_segments=True``, run on the pool engine.
+blocks. The numba replay engine models all of this (``cupool.replay.engine_memory``).
 """
 
 from __future__ import annotations
@@ -267,11 +270,13 @@ class Expander:
             region.frontier = lo
         return end - lo
 
-    def trim_all(self, kept_too: bool) -> int:
-        """Unmap every free tail (``empty_cache``, the ladder's release step); returns the bytes.
+    def trim_all(self, kept_too: bool, holes: bool = False) -> int:
+        """Unmap every free tail (the ladder's release step), and with ``holes`` every free granule
+        between live blocks too (``empty_cache``); returns the bytes.
 
         ``kept_too`` is the closing pool's call: the preallocated segment goes too,
-        and from now on so does every range left empty.
+        and from now on so does every range left empty.  Holes are cut in address
+        order, as the replay engine cuts them (``engine_memory.release_holes``).
         """
         if kept_too:
             self.closing = True
@@ -280,6 +285,18 @@ class Expander:
             for seg in list(heap.segments.values()):
                 if seg.region is not None and (kept_too or not seg.keep):
                     released += self._trim_tail(kind, seg)
+        if holes:
+            g = self.granule
+            cuts = [
+                (self._round(b.addr), (b.addr + b.size) // g * g, kind, b)
+                for kind, heap in enumerate(self.heaps) for seg in heap.segments.values()
+                if seg.region is not None and (kept_too or not seg.keep)
+                for b in seg.blocks() if b.free
+            ]
+            for lo, hi, kind, b in sorted((c for c in cuts if c[1] > c[0]), key=lambda c: c[0]):
+                for chunk in self._cut(kind, b, lo, hi):
+                    self.vm.release(chunk)
+                released += hi - lo
         if self.closing:
             for region in [r for r in self.ranges.values() if not r.segments]:
                 self._forget(region)

@@ -19,7 +19,10 @@ implements these hooks, each called with the arena's lock held:
 4. ``trim(kind, block) -> int``: after a free left ``block`` free, give back
    what can go at once around it (its segment if wholly free and not kept; a
    free tail of granules); returns the bytes.
-5. ``trim_all(kept_too) -> int``: the same for every segment (``empty_cache``).
+5. ``trim_all(kept_too, holes) -> int``: the same for every segment (the
+   ladder's release step); with ``holes``, also what lies under free blocks
+   between live ones, where the source can give part of a segment back
+   (``empty_cache``).
 6. ``after_free(kind, block) -> None``: the source's own rule after any free
    (a stitched segment goes back as soon as it is wholly free).
 7. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
@@ -59,7 +62,7 @@ class SegmentSource(Protocol):
     def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None: ...
     def drop(self, kind: int, seg: Segment) -> None: ...
     def trim(self, kind: int, block: Block) -> int: ...
-    def trim_all(self, kept_too: bool) -> int: ...
+    def trim_all(self, kept_too: bool, holes: bool = False) -> int: ...
     def after_free(self, kind: int, block: Block) -> None: ...
     def move(self, moves: Sequence[PlannedMove]) -> None: ...
     def stitch(self, kind: int, size: int, key: Any, room: int) -> bool: ...
@@ -135,8 +138,8 @@ class DeviceSegments:
         self.drop(kind, seg)
         return seg.size
 
-    def trim_all(self, kept_too: bool) -> int:
-        released = 0
+    def trim_all(self, kept_too: bool, holes: bool = False) -> int:
+        released = 0  # a device segment goes back whole or not at all: no holes to give
         for kind, heap in enumerate(self.heaps):
             for seg in heap.free_segments():
                 if kept_too or not seg.keep:

@@ -59,6 +59,7 @@ from numba.typed import Dict
 
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
+from .calls import EMPTY_CACHE
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
@@ -67,7 +68,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
 )
 from .engine_memory import (
-    drop_segment, freed, grow, need, new_segment, release_free_segments, stitch, vm_new_segment,
+    drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
 
 #: Event kinds ``run`` acts on, in the order of its ``codes`` argument.
@@ -376,6 +377,8 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
             if empties[i]:
                 settle(E, True)
                 release_free_segments(E, E.cfg[C_VMM])
+                if empties[i] == EMPTY_CACHE and E.cfg[C_VMM]:  # empty_cache() gives holes back too
+                    release_holes(E)
             if timeline:
                 tl_res[i] = st[RES]
                 tl_alloc[i] = st[ALLOC]

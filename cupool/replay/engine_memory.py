@@ -184,6 +184,40 @@ def release_free_segments(E, vmm):
     return released
 
 
+@njit(cache=True)
+def release_holes(E):
+    """``Expander.trim_all(holes=True)`` after the tails: unmap the granules under free blocks between
+    live ones (``empty_cache``), in address order; the bytes."""
+    B, S, st = E.B, E.S, E.st
+    m = 0
+    for s in range(st[NS]):
+        if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
+            b = S[S_HEAD, s]
+            while b >= 0:
+                if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
+                    m += 1
+                b = B[NEXT, b]
+    lo = np.empty(m, np.int64)
+    blk = np.empty(m, np.int64)
+    j = 0
+    for s in range(st[NS]):
+        if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
+            b = S[S_HEAD, s]
+            while b >= 0:
+                if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
+                    lo[j], blk[j] = _round(B[ADDR, b]), b
+                    j += 1
+                b = B[NEXT, b]
+    released = 0
+    for i in np.argsort(lo, kind="mergesort"):
+        b = blk[i]
+        hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
+        _cut(E, S[S_KIND, B[SEG, b]], b, lo[i], hi)
+        st[DEV_USED] -= hi - lo[i]
+        released += hi - lo[i]
+    return released
+
+
 # ------------------------------------------------------------- regions
 @njit(cache=True)
 def _new_region(E, nbytes, growable, stitched):

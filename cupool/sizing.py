@@ -1,0 +1,46 @@
+"""A pool's size settings, checked and resolved to bytes.
+
+Charter: knows the device's total and the units (``cupool._units``), nothing of
+pools, heaps or devices beyond that number.  ``Pool`` calls ``check_fraction``
+before it makes a device (a bad setting must not leave one behind) and
+``resolve`` once the device's total is known.
+
+| setting | resolves to |
+| --- | --- |
+| ``max_size`` (bytes, "2GB", "50%") | the limit: at most this, and at most the device |
+| ``memory_fraction`` (0 < f <= 1) | the limit: at most this share of the device |
+| ``initial_size`` | a preallocated segment, whole pages, within the limit |
+| ``release_threshold`` | bytes above which emptied memory goes back at once |
+"""
+
+from __future__ import annotations
+
+from ._units import format_bytes, parse_size
+from .core.sizes import round_page
+
+
+def check_fraction(memory_fraction: float | None) -> None:
+    """A clear error unless ``memory_fraction`` is None or a number in (0, 1]."""
+    if memory_fraction is None:
+        return
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+        raise TypeError(f"memory_fraction must be a number, got {memory_fraction!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
+def resolve(
+    total: int, max_size: int | str | None, memory_fraction: float | None,
+    initial_size: int | str | None, release_threshold: int | str | None,
+) -> tuple[int, int, int | None]:
+    """``(limit, initial bytes, release threshold)`` on a device of ``total`` bytes (see the table)."""
+    limit = total
+    if max_size is not None:
+        limit = min(limit, parse_size(max_size, total, "max_size"))
+    if memory_fraction is not None:
+        limit = min(limit, int(total * memory_fraction))
+    init = 0 if initial_size is None else round_page(parse_size(initial_size, total, "initial_size"))
+    if init > limit:
+        raise ValueError(f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}")
+    threshold = None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
+    return limit, init, threshold
