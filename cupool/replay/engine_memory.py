@@ -23,8 +23,8 @@ from ..kernels.caching import njit  # numba.njit; cache=True caches outside the 
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
     ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, GR_NONE, NEXT, NEXT_N, NFR, NFS,
-    NR, NS, NSEG, NVA, PEAK_RES, PEAK_SEG, PREV, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED,
-    R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
+    NIX0, NIX1, NR, NS, NSEG, NVA, PEAK_RES, PEAK_SEG, PREV, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE,
+    R_STITCHED, R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
     TAG,
 )
 
@@ -189,27 +189,19 @@ def release_holes(E):
     """``Expander.trim_all(holes=True)`` after the tails: unmap the granules under free blocks between
     live ones (``empty_cache``), in address order; the bytes."""
     B, S, st = E.B, E.S, E.st
+    lo = np.empty(st[NIX0] + st[NIX1], np.int64)  # at most one hole per free block
+    blk = np.empty_like(lo)
     m = 0
     for s in range(st[NS]):
         if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
             b = S[S_HEAD, s]
             while b >= 0:
                 if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
+                    lo[m], blk[m] = _round(B[ADDR, b]), b
                     m += 1
                 b = B[NEXT, b]
-    lo = np.empty(m, np.int64)
-    blk = np.empty(m, np.int64)
-    j = 0
-    for s in range(st[NS]):
-        if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
-            b = S[S_HEAD, s]
-            while b >= 0:
-                if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
-                    lo[j], blk[j] = _round(B[ADDR, b]), b
-                    j += 1
-                b = B[NEXT, b]
     released = 0
-    for i in np.argsort(lo, kind="mergesort"):
+    for i in np.argsort(lo[:m], kind="mergesort"):
         b = blk[i]
         hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
         _cut(E, S[S_KIND, B[SEG, b]], b, lo[i], hi)
