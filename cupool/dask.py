@@ -46,6 +46,7 @@ from ._dask_arguments import (  # after distributed: it needs click, which comes
     pool_keywords,
     spill_template,
 )
+from ._units import parse_size
 from .errors import add_note
 from .hooks import existing_pool, install, installed, uninstall
 from .pool import Pool
@@ -152,11 +153,18 @@ class CupoolSetup(WorkerPlugin):
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """What makes two setups the same: the device, the pool's arguments (leaving out those given
-        as their defaults, so ``expandable_segments=None`` is no change) and the hooks."""
+        """What makes two setups the same: the device, the pool's arguments (sizes in bytes, so
+        ``max_size="1GiB"`` is ``max_size=1 << 30``; leaving out those given as their defaults, so
+        ``expandable_segments=None`` is no change) and the hooks.  A percentage stays as written:
+        only the worker's device knows what it comes to."""
         defaults = pool_defaults()
-        options = sorted((k, v) for k, v in self.options.items() if k not in defaults or defaults[k] != v)
-        return (self.device, options, self.cupy, self.numba)
+        options = []
+        for k, v in self.options.items():
+            if k in _SIZE_KEYS and isinstance(v, str) and not v.strip().endswith("%"):
+                v = parse_size(v, name=k)
+            if k not in defaults or defaults[k] != v:
+                options.append((k, v))
+        return (self.device, sorted(options, key=lambda kv: kv[0]), self.cupy, self.numba)
 
     def make_pool(self, worker_name: str) -> Pool:
         """The pool this plugin builds for the worker named ``worker_name`` (its spill path filled in)."""
@@ -210,6 +218,8 @@ class CupoolSetup(WorkerPlugin):
 
 
 _HOOK_DEFAULTS: dict[str, bool | None] = {"cupy": None, "numba": True}
+#: ``Pool``'s arguments that are sizes (``cupool._units.parse_size``).
+_SIZE_KEYS = ("capacity", "initial_size", "max_size", "release_threshold")
 
 
 def _leave(entry: _Installed, address: str, now: bool = False) -> None:

@@ -121,6 +121,10 @@ def test_a_preload_without_segment_options_builds_pool_s_defaults():
             assert pool.config["stitch"] == default.config["stitch"]
     finally:
         pool.close()
+    # The same sizes written another way are the same setup (once, "64MiB" and 64 << 20 were not).
+    assert plugin.key == cdask.CupoolSetup("sim", capacity=64 << 20).key
+    assert cdask.CupoolSetup("sim", max_size="1GiB").key == cdask.CupoolSetup("sim", max_size="1024 MiB").key
+    assert cdask.CupoolSetup("sim", max_size="50%").key != cdask.CupoolSetup("sim", max_size="1GiB").key
     plain = _preload_plugin(*sim, "--no-cupool-expandable-segments")
     assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False).key
     assert plain.key != plugin.key
