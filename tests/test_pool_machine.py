@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import needs_gpu
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, invariant, rule
 
@@ -141,7 +142,32 @@ class _no_warning:
         self._catch.__exit__(*exc)
 
 
-TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine = PoolMachine.TestCase  # the defaults: expandable segments with stitching on the sim device
+
+#: The same machine over every configuration of segments, placement and spilling (the compiled and
+#: pure fast paths: ``tests/test_both_paths.py`` runs this file on the path the main run did not take).
+CONFIGURATIONS = {
+    "plain": {"expandable_segments": False},  # release before split on (the default)
+    "plain_split": {"expandable_segments": False, "release_before_split": False},
+    "expandable": {"expandable_segments": True, "stitch": False},
+    "spill": {"spill": "host"},
+    "plain_spill_eager": {"expandable_segments": False, "spill": "host", "release_threshold": "8MiB"},
+}
+
+
+def _configured(name: str, options: dict) -> type:
+    class Configured(PoolMachine):
+        def make_pool(self):
+            return cupool.Pool(SimDevice("48MiB"), **options)
+
+    Configured.__name__ = Configured.__qualname__ = f"PoolMachine_{name}"
+    case = Configured.TestCase
+    case.settings = settings(case.settings, max_examples=max(case.settings.max_examples // 3, 1))
+    return case
+
+
+for _name, _options in CONFIGURATIONS.items():
+    globals()[f"TestPoolMachine_{_name}"] = _configured(_name, _options)
 
 
 class CudaPoolMachine(PoolMachine):

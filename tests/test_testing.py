@@ -531,3 +531,20 @@ def test_without_hypothesis_the_import_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "hypothesis", None)
     with pytest.raises(ImportError, match=r"pip install 'cupool\[testing\]'"):
         importlib.import_module("cupool.testing")
+
+
+def test_the_spill_rule_expects_a_closed_pool_to_refuse():
+    """Once, a subclass that closed its spilling pool failed in the base's spill rule with ClosedError."""
+    from cupool.testing import PoolStateMachine
+
+    class Closing(PoolStateMachine):
+        pass
+
+    m = Closing()
+    try:
+        m.pool.movable(1 << 20)
+        m.pool.close()
+        m.closed = True
+        m.spill(None)  # refused, and the rule says that is right
+    finally:
+        m.teardown()

@@ -225,6 +225,14 @@ class PoolStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool.scheduler.tier is not None)
     @rule(nbytes=st.one_of(st.none(), _SIZES))
     def spill(self, nbytes: int | None) -> None:
+        if self.closed:  # a closed pool's buffers stay where they are
+            before = self.pool.stats()
+            try:
+                self.pool.spill(nbytes)
+            except ClosedError:
+                assert self.pool.stats() == before, "a refused spill() changed the pool"
+                return
+            raise AssertionError("spill() on a closed pool was not refused")
         self.pool.spill(nbytes)
 
     @rule()
