@@ -331,7 +331,7 @@ class Pool:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The pool's settings: those given, and the ``limit`` and ``release_threshold`` in force."""
+        """The pool's settings: those given, and the ``limit``, thresholds and ``release_before_split`` in force."""
         out = dict(self._settings)
         out.update(limit=self.limit, release_threshold=self.release_threshold,
                    defrag_threshold=self.defrag_threshold, release_before_split=self.release_before_split)
