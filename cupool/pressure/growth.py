@@ -43,7 +43,19 @@ pool gives the cached segment back and the request grows a segment of just its
 pages.  The freed bytes are then one contiguous reserve that any later request
 can grow into, rather than a remainder inside a pinned segment; what is lost is
 the rounding of one request to whole pages.  With room to spare it splits, as
-PyTorch does, and keeps its cache (no device call).  A 12 MiB request before a
+PyTorch does, and keeps its cache (no device call).
+
+The price: on a device that cannot hold the big segment and the small one
+together, a loop that frees a big block, takes a small one, frees it and takes
+the big one again gives the big segment back and maps it again on every turn
+(two device allocations and two frees a turn: 1 GiB and 12 MiB alternating on a
+1,030 MiB sim device), where splitting costs none; a device 12 MiB larger holds
+both and the exchange stops after the first turn.  A back-off ("the release
+bought no room for the next request as large as the segment: stop until the next
+out-of-memory") removed that cost and the benefit with it: a weight-streaming run
+that completes at 1.05 x its live peak failed again, because streaming gives the
+same sizes back repeatedly and usefully.  So the rule has no back-off;
+``release_before_split=False`` is the switch for such a loop.  A 12 MiB request before a
 1 GiB one, on a 1 GiB cached segment, needs a 2 GiB device with the split and
 1,036 MiB without it (``split_before_big`` in docs/benchmarks.md).
 
