@@ -158,3 +158,18 @@ def test_engines_agree_under_pressure_with_and_without_it(ops, capacity_mib, spl
 def test_pytorch_habits_in_cupool_conf_say_what_cupool_does_instead(entry, says):
     with pytest.raises(ValueError, match=says):
         parse_conf(entry)
+
+
+@pytest.mark.parametrize("capacity_mib, split, device_calls", [
+    (1030, True, (20, 19)),  # the documented price: the big segment is exchanged on every turn
+    (1030, False, (1, 0)),  # the switch for such a loop
+    (1036, True, (3, 1)),  # room for both: one exchange, then both stay cached
+])
+def test_the_price_in_an_alternating_loop_is_the_one_the_note_states(capacity_mib, split, device_calls):
+    pool = _plain(capacity_mib, release_before_split=split)
+    for _ in range(10):
+        pool.malloc(1024 * MiB).free()
+        pool.malloc(12 * MiB).free()
+    s = pool.stats()
+    assert (s["num_device_alloc"], s["num_device_free"]) == device_calls
+    assert s["num_ooms"] == 0
