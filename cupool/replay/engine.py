@@ -271,24 +271,32 @@ def _initial(E, nbytes):
     return new_segment(E, LARGE, nbytes, -1, 1)
 
 
+# The state's arrays, grown along their last axis.  Plain loops, not slice assignment: Numba
+# compiles a slice assignment's broadcasting and its error messages, seconds of a cold start.
 @njit(cache=True)
 def _grown1(a, n):
-    out = np.zeros(n, a.dtype)
-    out[: a.shape[0]] = a
+    out = np.zeros(n, np.int64)
+    for i in range(a.shape[0]):
+        out[i] = a[i]
     return out
 
 
 @njit(cache=True)
 def _grown2(a, n):
-    out = np.zeros((a.shape[0], n), a.dtype)
-    out[:, : a.shape[1]] = a
+    out = np.zeros((a.shape[0], n), np.int64)
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            out[i, j] = a[i, j]
     return out
 
 
 @njit(cache=True)
 def _grown3(a, n):
-    out = np.zeros((a.shape[0], a.shape[1], n), a.dtype)
-    out[:, :, : a.shape[2]] = a
+    out = np.zeros((a.shape[0], a.shape[1], n), np.int64)
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            for k in range(a.shape[2]):
+                out[i, j, k] = a[i, j, k]
     return out
 
 
