@@ -414,3 +414,20 @@ def test_a_users_own_tier_serves_the_pool_and_is_recorded_by_name(tmp_path):
 def test_a_tier_that_is_not_one_is_refused_by_name():
     with pytest.raises(TypeError, match="store"):
         cupool.Pool("sim", capacity="64MiB", spill=object())
+
+
+def test_spilling_to_host_runs_no_gc_collect_in_the_pinned_pool(monkeypatch):
+    """The host tier's pinned pool holds only the tier's copies, so its ladder's gc.collect() freed
+    nothing: once it ran on nearly every spill into a fragmented pinned pool (76 times in this loop)."""
+    import cupool
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    p = cupool.Pool("sim", capacity="16MiB", spill="host")
+    rng = np.random.default_rng(0)
+    bufs = [p.movable(int(n)) for n in rng.integers(1 << 19, 2 << 20, 40)]
+    for _ in range(3):
+        for i in rng.permutation(len(bufs)):
+            bufs[i].array()
+    assert p.scheduler.spills > len(bufs)
+    assert calls == [], f"gc.collect ran {len(calls)} times"
