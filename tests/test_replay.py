@@ -16,9 +16,7 @@ from cupool.cli import main
 from cupool.core.events import KINDS
 from cupool.replay import parse_config, replay
 from cupool.trace import Trace, load_trace
-
-_SAME = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "ooms",
-         "unmatched_frees", "max_fragmentation", "mean_fragmentation", "fragmentation_at_peak")
+from engines import COUNTS, engines_agree, synthetic, synthetic_events
 
 
 def _recorded(pool_stats, r):
@@ -28,13 +26,6 @@ def _recorded(pool_stats, r):
     assert r.segment_allocs == pool_stats["num_device_alloc"]
     assert r.segment_frees == pool_stats["num_device_free"]
     assert r.ooms == pool_stats["num_ooms"]
-
-
-def _agree(trace, config=None):
-    fast = replay(trace, config)
-    exact = replay(trace, config, engine="pool")
-    assert {k: getattr(fast, k) for k in _SAME} == {k: getattr(exact, k) for k in _SAME}
-    return fast
 
 
 @pytest.mark.parametrize(
@@ -63,7 +54,7 @@ def test_record_then_replay_reproduces_the_run(tmp_path, settings_):
                     pass
     stats = pool.stats()
     trace = load_trace(tmp_path / "run.h5")
-    r = _agree(trace)  # the recorded configuration, by default
+    r = engines_agree(trace)  # the recorded configuration, by default
     _recorded(stats, r)
     if "max_size" in settings_:
         assert r.ooms > 0  # the case with a limit really exercises the reclaim ladder
@@ -108,30 +99,12 @@ class RecordedPool(RuleBasedStateMachine):
         if not hasattr(self, "pool"):
             return
         self.rec.stop()
-        r = _agree(self.rec.trace())
+        r = engines_agree(self.rec.trace())
         _recorded(self.pool.stats(), r)
 
 
 TestRecordedPool = RecordedPool.TestCase
 TestRecordedPool.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
-
-
-def _synthetic(ops):
-    """A trace from (is_alloc, size, stream, which) tuples, with made-up addresses."""
-    return Trace.from_events(_synthetic_events(ops))
-
-
-def _synthetic_events(ops):
-    events, live, nxt = [], [], 0
-    for t, (is_alloc, size, stream, which) in enumerate(ops):
-        if is_alloc or not live:
-            nxt += 1
-            live.append((nxt, size, stream))
-            events.append((t, "alloc", nxt, size, stream))
-        else:
-            a, s, strm = live.pop(which % len(live))
-            events.append((t, "free", a, s, strm))
-    return events
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
@@ -140,7 +113,7 @@ def _synthetic_events(ops):
                         {"capacity": "128MiB", "max_size": "50MiB", "initial_size": "6MiB"},
                         {"capacity": "64MiB", "expandable_segments": False}]))  # plain segments too
 def test_engines_agree_on_generated_traces(ops, config):
-    _agree(_synthetic(ops), config)
+    engines_agree(synthetic(ops), config)
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30 << 20), st.integers(0, 3), st.integers(0, 99)),
@@ -151,22 +124,22 @@ def test_engines_agree_on_generated_traces(ops, config):
 def test_engines_agree_on_a_programs_own_empty_cache(ops, empties, config):
     """A PyTorch program's empty_cache() (a burst of segment frees) is replayed alike by both engines."""
     events = []
-    for t, ev in enumerate(_synthetic_events(ops)):
+    for t, ev in enumerate(synthetic_events(ops)):
         events.append(ev)
         if t in empties:
             events.append((ev[0], "segment_free", 1 << 40, 2 << 20, 0))
-    _agree(Trace.from_events(events, format="torch"), config)
+    engines_agree(Trace.from_events(events, format="torch"), config)
 
 
 def test_foreign_quirks_unmatched_frees_and_reused_addresses():
     events = [(0, "free", 99, 512, 0), (1, "alloc", 5, 4096, 0), (2, "alloc", 5, 8192, 0), (3, "free", 5, 8192, 0)]
-    r = _agree(Trace.from_events(events), {"capacity": "64MiB"})
+    r = engines_agree(Trace.from_events(events), {"capacity": "64MiB"})
     assert r.unmatched_frees == 1 and r.peak_allocated == 8192
 
 
 def test_timeline_matches_the_summary():
     ops = [(True, (i % 7 + 1) << 19, 0, 0) if i % 3 else (False, 0, 0, i) for i in range(300)]
-    trace = _synthetic(ops)
+    trace = synthetic(ops)
     r = replay(trace, {"capacity": "1GiB"}, timeline=True)
     assert r.timeline["reserved"].max() == r.peak_reserved
     assert r.timeline["allocated"].max() == r.peak_allocated
@@ -178,7 +151,7 @@ def test_config_parsing_and_bad_keys():
         "max_size": "1GiB", "release_threshold": None, "memory_fraction": 0.5, "capacity": 1024}
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_config("max_size")
-    trace = _synthetic([(True, 100, 0, 0)])
+    trace = synthetic([(True, 100, 0, 0)])
     with pytest.raises(ValueError, match="unknown configuration key 'max_sise'"):
         replay(trace, {"max_sise": "1GiB"})
     with pytest.raises(ValueError, match="--engine pool"):
@@ -235,7 +208,7 @@ def test_annotations_and_segment_events_do_not_drive_a_replay():
               (3, "segment_free", 7, 1 << 21, 0), (4, "free", 1, 4096, 0)]
     trace = Trace.from_events(events)
     assert trace.kinds == KINDS  # the reclaim kinds are known ones, not appended
-    r = _agree(trace, {"capacity": "64MiB"})
+    r = engines_agree(trace, {"capacity": "64MiB"})
     assert r.peak_allocated == 4096 and r.unmatched_frees == 0
 
 
@@ -269,7 +242,10 @@ def test_moves_and_spills_carry_a_blocks_identity(engine):
 
 def test_engines_agree_on_movables_without_compaction():
     events = [e for e in _MOVED if e[1] not in ("compact",)]
-    _agree(Trace.from_events(events), {"capacity": "64MiB"})
+    # The numba engine follows the recorded moves and the pool engine does not move (no compact
+    # event), so their layouts, and fragmentation, differ; peaks and counts do not.  (This compared
+    # the pool engine with itself once: the default engine of a trace with movables is the pool's.)
+    engines_agree(Trace.from_events(events), {"capacity": "64MiB"}, on=COUNTS)
     fast = replay(Trace.from_events(events), {"capacity": "64MiB"}, engine="numba")
     assert fast.warnings and "does not compact" in fast.warnings[0]
 
@@ -319,7 +295,7 @@ def test_fragmentation_is_sampled_while_something_is_allocated():
     events = [(0, "alloc", 1, 3 * mib, 0), (1, "alloc", 2, 8 * mib, 0), (2, "free", 1, 3 * mib, 0),
               (3, "free", 2, 8 * mib, 0)]  # the last free is teardown: all cache, nothing allocated
     # Plain segments: one 20 MiB segment (the samples' denominator).
-    r = _agree(Trace.from_events(events), {"capacity": "64MiB", "expandable_segments": False})
+    r = engines_agree(Trace.from_events(events), {"capacity": "64MiB", "expandable_segments": False})
     samples = [17 / 20, 9 / 20, 12 / 20]
     assert r.max_fragmentation == pytest.approx(17 / 20)  # not 1.0 from the teardown
     assert r.mean_fragmentation == pytest.approx(sum(samples) / 3)
