@@ -35,6 +35,7 @@ the run.  Prints what it did and checked; exit status 1 on any failure.
 from __future__ import annotations
 
 import argparse
+import bisect
 import faulthandler
 import gc
 import sys
@@ -58,6 +59,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "expandable": {"expandable_segments": True, "stitch": True},
 }
 _RAW_CHECKED = 4 * KiB  # raw blocks never move: the head of each is enough to see it overwritten
+#: Each step's operation: a uniform draw below a bound picks the first operation whose bound it is
+#: below (so "release" takes 22% of the steps, "malloc" 8%, ...).
+_MIX_TABLE = (
+    (0.22, "release"), (0.30, "malloc"), (0.52, "movable"), (0.60, "lease"), (0.68, "unlease"),
+    (0.76, "verify"), (0.86, "compact"), (0.93, "spill"), (0.97, "empty_cache"), (1.0, "collect"),
+)
+_MIX_BOUNDS = [bound for bound, _ in _MIX_TABLE[:-1]]
+_MIX = [op for _, op in _MIX_TABLE]
 
 
 def _crc(a: np.ndarray) -> int:
@@ -180,27 +189,11 @@ class _Worker:
     def step(self) -> None:
         s, rng = self.s, self.rng
         raw = sum(not e.movable for e in self.live)
-        x = rng.random()
-        if len(self.live) >= s.max_live or x < 0.22:
+        op = _MIX[bisect.bisect_right(_MIX_BOUNDS, rng.random())]
+        if len(self.live) >= s.max_live:
             op = "release"
-        elif x < 0.30:
-            op = "malloc" if raw < s.max_raw else "movable"
-        elif x < 0.52:
+        elif op == "malloc" and raw >= s.max_raw:
             op = "movable"
-        elif x < 0.60:
-            op = "lease"
-        elif x < 0.68:
-            op = "unlease"
-        elif x < 0.76:
-            op = "verify"
-        elif x < 0.86:
-            op = "compact"
-        elif x < 0.93:
-            op = "spill"
-        elif x < 0.97:
-            op = "empty_cache"
-        else:
-            op = "collect"
         try:
             if op == "compact":
                 s.pool.compact(max_bytes=int(rng.integers(1, 32)) * MiB)
