@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from cupool.device.cuda_vmm import CudaVirtualMemory
 from cupool.device.sim_vmm import SimVirtualMemory
-from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported
+from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported, address_arena
 from cupool.errors import DeviceOutOfMemory
 
 MiB = 1 << 20
@@ -312,14 +312,16 @@ def test_cuda_backend_calls_the_driver_as_documented():
         "cuMemAddressFree", "cuDevicePrimaryCtxRelease",
     ]
     args = dict(driver_calls)
-    assert args["cuMemAddressReserve"] == (4 * GRANULE, GRANULE, 0, 0)
+    # One arena of addresses is reserved for every range, and freed at close (Note [Address arena])
+    arena = address_arena(vm.capacity)
+    assert args["cuMemAddressReserve"] == (arena, GRANULE, 0, 0)
     assert args["cuMemCreate"][0] == 2 * GRANULE and args["cuMemCreate"][2] == 0
     assert args["cuMemMap"] == (r + GRANULE, 2 * GRANULE, 0, ("handle", 1), 0)  # whole chunk, offset 0
     (desc,), count = args["cuMemSetAccess"][2:]
     assert count == 1 and (desc.flags, desc.location.type, desc.location.id) == (3, 1, 1)
     assert args["cuMemUnmap"] == (r + GRANULE, 2 * GRANULE)
     assert args["cuMemRelease"] == (("handle", 1),)
-    assert args["cuMemAddressFree"] == (r, 4 * GRANULE)
+    assert args["cuMemAddressFree"] == (r, arena)
     # every memory call ran inside the primary context, and the caller's was restored
     assert sum(n == "cuCtxPushCurrent" for n, _ in calls) == 7 and st_["ctx"] == []
 
@@ -552,3 +554,36 @@ except cupool.OutOfMemoryError:
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "oom", r.stdout + r.stderr
+
+
+# ------------------------------------------------ Note [Address arena]
+def test_ranges_come_first_fit_in_address_order_wherever_the_os_maps():
+    """Linux maps top down, so the second of two reserved ranges landed below the first; a recording
+    then broke best-fit ties unlike its replay (issue 25).  Ranges now come from one arena, in order."""
+    with SimVirtualMemory(64 * GRANULE) as vm:
+        a = vm.reserve(4 * GRANULE)
+        b = vm.reserve(8 * GRANULE)
+        c = vm.reserve(2 * GRANULE)
+        assert a < b < c and b == a + 4 * GRANULE and c == b + 8 * GRANULE
+        vm.free_range(a)
+        assert vm.reserve(2 * GRANULE) == a  # the lowest range that fits, again
+        assert vm.reserve(4 * GRANULE) == c + 2 * GRANULE  # a's remainder is too small: the next one up
+        assert vm.arena_fallback is None
+
+
+def test_a_backend_that_refuses_an_arena_reserves_range_by_range():
+    drv, calls, _ = fake_driver()
+    real = drv.cuMemAddressReserve
+
+    def reserve(nbytes, *rest):
+        if nbytes > 64 * GRANULE:  # less address space than an arena: the driver's out-of-memory
+            return (drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+        return real(nbytes, *rest)
+
+    drv.cuMemAddressReserve = reserve
+    vm = CudaVirtualMemory(1, driver=drv)
+    r = vm.reserve(4 * GRANULE)
+    assert vm.arena_fallback is not None and "refused an arena" in vm.arena_fallback
+    vm.free_range(r)
+    assert vm.reserve(2 * GRANULE) == r  # a freed range is lent again before the backend is asked
+    vm.close()

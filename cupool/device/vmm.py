@@ -28,6 +28,22 @@ The rules are CUDA's, made strict where CUDA is loose or undefined:
 * a chunk still mapped cannot be released and a range still mapped cannot be
   freed (CUDA defers the first and leaves the second undefined).
 
+Note [Address arena]
+~~~~~~~~~~~~~~~~~~~~
+Placement breaks ties by address: best fit takes the lowest address among equal
+sizes, stitching the lowest among equal holes.  So where a reserved range lies
+must not depend on where the operating system or the driver likes to put a
+mapping, or a replay of a recording (on the sim device, in the numba engine)
+places differently from the recording.  ``reserve`` therefore hands out ranges
+first fit, lowest address first, from an *arena* of addresses the backend
+reserves once (``address_arena(capacity)``), and ``free_range`` only returns the
+range to the arena; the backend's ``_free_range`` runs for a whole arena, at
+``close``.  The numba replay engine models exactly this (``cupool.replay.engine_memory``).
+An arena that runs out is followed by another, wherever the backend puts it:
+from then on only the order within each arena is the rule's.  A backend that
+cannot reserve a whole arena (a driver with less address space) reserves each
+range on its own, and says so in ``arena_fallback``.
+
 Backends: ``SimVirtualMemory`` (``cupool.device.sim_vmm``, a memfd on Linux) and
 ``CudaVirtualMemory`` (``cupool.device.cuda_vmm``, ``cuda.bindings.driver``).
 """
@@ -46,9 +62,19 @@ from .._units import format_bytes
 from ..errors import DeviceOutOfMemory
 from ..errors import VirtualMemoryError as VirtualMemoryError  # re-exported: the device layer's errors
 from ..errors import VirtualMemoryUnsupported as VirtualMemoryUnsupported
+from .ranges import FreeRanges
 
 #: What ``cuMemGetAllocationGranularity`` reports on every current NVIDIA GPU.
 GRANULE = 2 << 20
+#: Addresses are reserved from the backend this many growing regions (each twice the device) at a
+#: time, capped at 64 TiB: Note [Address arena].
+ARENA_REGIONS = 64
+ARENA_MAX = 1 << 46
+
+
+def address_arena(capacity: int) -> int:
+    """The addresses one arena holds, for a device of ``capacity`` bytes (Note [Address arena])."""
+    return min(2 * capacity * ARENA_REGIONS, ARENA_MAX)
 
 
 _chunk_ids = itertools.count()
@@ -105,6 +131,12 @@ class VirtualMemory(ABC):
         self._mapped_of: dict[int, int] = {}  # chunk id -> number of mappings
         self._in_use = 0
         self._closed = False
+        # Note [Address arena]: the arenas reserved from the backend (base -> bytes), and
+        # their addresses not lent to a range.
+        self._arenas: dict[int, int] = {}
+        self._addresses = FreeRanges()
+        #: Why ranges are reserved one by one from the backend (it refused an arena), or None.
+        self.arena_fallback: str | None = None
 
     # -- reading the state ------------------------------------------------------
     @property
@@ -140,9 +172,28 @@ class VirtualMemory(ABC):
         with self._lock:
             self._check_open()
             self._check_size(nbytes, "nbytes")
-            addr = self._reserve(nbytes)
+            addr = self._addresses.take(nbytes)
+            if addr is None:
+                addr = self._new_arena(nbytes)
             self._ranges[addr] = nbytes
             return addr
+
+    def _new_arena(self, nbytes: int) -> int:
+        """Reserve another arena from the backend and take ``nbytes`` from its front (Note [Address arena])."""
+        g = self.granularity
+        size = max(nbytes, address_arena(self.capacity) // g * g)
+        if self.arena_fallback is None:
+            try:
+                base = self._reserve(size)
+            except (DeviceOutOfMemory, VirtualMemoryError, OSError) as e:
+                self.arena_fallback = f"the backend refused an arena of {format_bytes(size)}: {e}"
+        if self.arena_fallback is not None:
+            size = nbytes
+            base = self._reserve(size)
+        self._arenas[base] = size
+        if size > nbytes:
+            self._addresses.give(base + nbytes, size - nbytes)
+        return base
 
     def free_range(self, addr: int) -> None:
         """Give back a reserved range; refused while anything is mapped in it."""
@@ -152,8 +203,8 @@ class VirtualMemory(ABC):
                 raise VirtualMemoryError(f"free_range: {addr:#x} is not the base of a reserved range")
             if self._mappings_within(addr, addr + nbytes):
                 raise VirtualMemoryError(f"free_range: [{addr:#x}, +{format_bytes(nbytes)}) still has mappings")
-            self._free_range(addr, nbytes)
             del self._ranges[addr]
+            self._addresses.give(addr, nbytes)  # the arena keeps it reserved (Note [Address arena])
 
     def create(self, nbytes: int) -> Chunk:
         """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""
@@ -228,6 +279,10 @@ class VirtualMemory(ABC):
                 self.release(c)
             for a in list(self._ranges):
                 self.free_range(a)
+            for base, size in self._arenas.items():
+                self._free_range(base, size)
+            self._arenas.clear()
+            self._addresses = FreeRanges()
             self._close()
             self._closed = True
 

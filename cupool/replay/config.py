@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from ..device.sim import SimDevice
-from .device import ReplayDevice
+from ..device.sim import SimDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
@@ -164,7 +164,7 @@ def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None 
     """
     try:
         settings = {k: v for k, v in config.items() if k != "capacity"}
-        pool = Pool(ReplayDevice(config.get("capacity", "4GiB")), **settings)
+        pool = Pool(SimDevice(config.get("capacity", "4GiB")), **settings)
     except (OutOfMemoryError, ValueError, TypeError) as e:
         where = f"{trace.source}: " if trace.source else ""
         mine = f" (given: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""

@@ -36,9 +36,9 @@ Two engines:
   movable buffers' exact-size growth, but not compaction or spilling: for traces
   with movable buffers it follows the recorded moves and spills and says, in
   ``ReplayResult.warnings``, that its reserved memory may differ from the recording's.
-* ``"pool"``: the real ``Pool`` on a fresh sim device (``cupool.replay.device``,
-  whose virtual ranges come first fit in address order, as the numba engine's
-  do, so that both break ties alike); slow, but it is the pool
+* ``"pool"``: the real ``Pool`` on a fresh sim device (whose virtual ranges come
+  first fit in address order, as every device's do and as the numba engine models
+  them: Note [Address arena]); slow, but it is the pool
   itself, it takes every ``Pool`` argument, and it reproduces compaction (and,
   with the recorded spill settings, spilling) on its own: movable buffers are
   replayed through ``pool.movable()``, so the recorded moves and spills only tell

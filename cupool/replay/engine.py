@@ -57,6 +57,7 @@ from numba.core import event
 from numba.core.registry import CPUDispatcher
 from numba.typed import Dict
 
+from ..device.vmm import address_arena
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
@@ -65,7 +66,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
     DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, PEAK_SAMPLED, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
     NORD0, NR, NRF, NS, NSEG, NSF, NVA, OOMS, PEAK_ALLOC, PEAK_RES, PEAK_SEG, RES, ROOT, S_ADDR, S_ALIVE, S_HEAD,
-    S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
+    S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
@@ -238,7 +239,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     cfg = np.zeros(N_CFG, np.int64)
     cfg[C_CAPACITY], cfg[C_SPAN], cfg[C_LIMIT] = capacity, capacity * 2, limit
     cfg[C_THRESHOLD] = -1 if threshold is None else threshold
-    cfg[C_VMM], cfg[C_STITCH], cfg[C_VSPAN], cfg[C_ARENA] = expandable, stitching, 2 * capacity, arena_size(capacity)
+    cfg[C_VMM], cfg[C_STITCH], cfg[C_VSPAN], cfg[C_ARENA] = expandable, stitching, 2 * capacity, address_arena(capacity)
     cfg[C_SPLIT] = release_before_split
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]

@@ -50,12 +50,3 @@ ROOT = 3
 #: An empty entry of GR (no growing region for that size class and stream).
 GR_NONE = -1
 
-#: Addresses for virtual-memory regions: this many growing regions' worth (capped at 64 TiB); the
-#: replay's pool reserves the same arena (``cupool.replay.device``).
-ARENA_REGIONS = 256
-ARENA_MAX = 1 << 46
-
-
-def arena_size(capacity: int) -> int:
-    """The addresses regions are reserved from, for a device of ``capacity`` bytes."""
-    return min(2 * capacity * ARENA_REGIONS, ARENA_MAX)

@@ -9,9 +9,10 @@ tail segment grows by whole granules (``grow``) and shrinks from its free end
 free granules out of holes (``cut``) and maps them side by side in a fresh
 range.  Reserved bytes are mapped granules; every map is one device
 allocation and every unmap one device free, as the pool counts them.  Region
-addresses come first fit, in address order, from one arena: the replay's pool
-reserves its ranges the same way (``cupool.replay.device``), so that ties in best
-fit and in stitching's choice of holes break alike in both engines.
+addresses come first fit, in address order, from one arena, as every pool's
+virtual memory hands them out (Note [Address arena] in ``cupool.device.vmm``), so
+that ties in best fit and in stitching's choice of holes break alike in the
+recording and in both engines.
 """
 
 from __future__ import annotations
