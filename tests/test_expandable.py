@@ -248,12 +248,19 @@ def _holes(pool: cupool.Pool) -> list[cupool.Allocation]:
     return blocks
 
 
-def test_without_stitching_holes_do_not_serve_a_larger_request():
+def test_without_stitching_the_ladder_unmaps_holes_and_grows_anew():
+    """Issue 25: a pool that does not stitch once failed here, where the program's own empty_cache()
+    succeeds; its ladder's release step now unmaps the holes' granules (``release_cuts_holes``)."""
     pool = expandable("16MiB", stitch=False)  # stitch=None follows expandable_segments: on
     blocks = _holes(pool)
-    with pytest.raises(OutOfMemoryError):
-        pool.malloc(8 * MiB)
-    del blocks
+    kept = {i: fill(pool, blocks[i], i) for i in (1, 3)}
+    big = pool.malloc(8 * MiB)  # the holes' 8 MiB of granules, unmapped and mapped afresh elsewhere
+    assert reserved(pool) == 16 * MiB and pool.stats()["num_stitches"] == 0
+    assert [d.step for d in pool.scheduler.decisions if d.progress][-1] == "release"
+    for i, d in kept.items():
+        assert np.array_equal(pool.device.to_host(blocks[i].ptr, blocks[i].size), d)
+    pool.check()
+    del big, blocks
 
 
 def test_stitching_maps_the_free_granules_of_holes_side_by_side_without_a_copy():

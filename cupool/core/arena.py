@@ -23,7 +23,7 @@ from . import interrupts
 from .heap import Block, Heap, Segment
 from .segments import DeviceSegments, SegmentSource
 from .sites import SiteTracker
-from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_page, round_size
+from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_size
 from .streams import StreamEpochs
 from .view import ArenaView
 
@@ -38,17 +38,20 @@ class Policy(Protocol):
        ``OutOfMemoryError``.
     3. ``freed(kind, block)``: a free left ``block`` free while the arena releases
        eagerly (``Arena.set_eager``): give memory back now, or not.
-    4. ``split(kind, size, block) -> bool``: a large request of ``size`` bytes
-       would split ``block``, a wholly free plain segment larger than the
-       request's pages: whether it may.  False means the policy gave the segment
-       back, and the request is served as if nothing had fit, growing by just its
-       pages (Note [Release before split] in ``cupool.pressure.growth``).
+    4. ``gives_back(size, block) -> bool``: a large request of ``size`` bytes
+       would split ``block``, a wholly free segment of a source that gives
+       segments back only whole: whether the arena should give it back instead,
+       and serve the request as if nothing had fit, growing by just its pages
+       (Note [Release before split] in ``cupool.pressure.growth``).
+
+    Every hook answers; only ``expand`` and ``before_take`` act, and through the
+    arena's own verbs.
     """
 
     def before_take(self) -> None: ...
     def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block: ...
     def freed(self, kind: int, block: Block) -> None: ...
-    def split(self, kind: int, size: int, block: Block) -> bool: ...
+    def gives_back(self, size: int, block: Block) -> bool: ...
 
 
 class Arena(FastPath):
@@ -137,12 +140,14 @@ class Arena(FastPath):
         if block is None and heap.tag_count() > 1:
             self.settle_streams(wait=False)
             block = heap.find(size, key)
-        if (block is not None and kind == LARGE and not exact and block.size == block.segment.size
-                and block.segment.region is None and not block.segment.keep
-                and round_page(size) < block.size and not self.policy.split(kind, size, block)):
-            block = None  # the segment went back: its room serves just this request
-            exact = True
         books = self.books
+        if (block is not None and kind == LARGE and not exact and self.segments.whole
+                and block.size == block.segment.size and not block.segment.keep
+                and self.policy.gives_back(size, block)):
+            self.segments.drop(kind, block.segment)  # Note [Release before split]
+            books.releases_before_split += 1
+            block = None  # its room serves just this request
+            exact = True
         if block is None:
             books.misses += 1
             block = self.policy.expand(kind, size, key, exact)

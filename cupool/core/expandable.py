@@ -145,6 +145,7 @@ class Expander:
         self.observers = observers
         self.span = 2 * vm.capacity  # a stream's region: twice the device (addresses cost nothing)
         self.stitching = stitch
+        self.whole = False  # free granules go back one by one, wherever they lie
         self.regions: dict[tuple[int, Any], Region] = {}  # (kind, stream) -> growable region
         self.ranges: dict[int, Region] = {}  # every region, by base address
         self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there

@@ -57,6 +57,9 @@ class SegmentSource(Protocol):
 
     #: Whether ``stitch`` can ever succeed (the scheduler's ladder has a stitch step only then).
     stitching: bool
+    #: Whether a segment goes back to the device only whole (plain segments), so that a block
+    #: placed in a bigger cached segment pins all of it (Note [Release before split]).
+    whole: bool
 
     def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment: ...
     def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None: ...
@@ -85,6 +88,7 @@ class DeviceSegments:
     """Segments allocated one by one from the device (``cudaMalloc``, the sim arena)."""
 
     stitching = False
+    whole = True
 
     def __init__(self, device: Any, heaps: tuple[Heap, Heap], books: Books, observers: Observers) -> None:
         self.device = device

@@ -1,7 +1,7 @@
 """The arena's policy: when to compact before placing, how to find room, when to give memory back.
 
-Charter: this module answers the three questions of ``cupool.core.arena.Policy``
-for a pool.  It owns the pool's ``defrag_threshold`` and ``release_threshold``
+Charter: this module answers the four questions of ``cupool.core.arena.Policy``
+for a pool; the rules it answers by are ``cupool.core.rules``'.  It owns the pool's ``defrag_threshold`` and ``release_threshold``
 (``Pool``'s properties read and set them here); the limit is the arena's.  It
 knows the arena, the movable buffers and the scheduler, never the ``Pool``.
 
@@ -10,7 +10,7 @@ knows the arena, the movable buffers and the scheduler, never the ``Pool``.
 | ``before_take()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
 | ``expand(kind, size, key, exact)``: no free block fits | a request larger than the limit fails at once; else grow within the limit; else run the scheduler's ladder, retrying after each step that made progress; else ``OutOfMemoryError`` (Note [Out of memory]) |
 | ``freed(kind, block)``: a free emptied memory while the pool releases eagerly | above ``release_threshold``, the segment (or free tail) goes back now |
-| ``split(kind, size, block)``: a large request would split a wholly free plain segment larger than its pages | with ``release_before_split``, when the limit has no room for another segment that size, give it back and let the request grow by its pages (Note [Release before split]); else split |
+| ``gives_back(size, block)``: a large request would split a wholly free plain segment | with ``release_before_split``, as ``cupool.core.rules.gives_back_before_split`` says: when the request is smaller than the segment, the limit has no room for another segment that size, and the released room serves the request (Note [Release before split]); else split |
 
 Everything here holds the arena, the buffers and the scheduler weakly: the
 arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
@@ -40,7 +40,11 @@ that.  So the decision is taken at the split.  When a large request would
 split a wholly free plain segment larger than the request's own pages, and the
 limit has no room left for another segment as big as that one (pressure), the
 pool gives the cached segment back and the request grows a segment of just its
-pages.  The freed bytes are then one contiguous reserve that any later request
+pages, provided the limit then has room for those pages: a release the growth
+cannot follow would give the cache away and fail all the same (a limit set below
+what is reserved), and a failed request changes nothing (Note [Out of memory]).
+The rule is ``cupool.core.rules.gives_back_before_split``, which both replay
+engines call too.  The freed bytes are then one contiguous reserve that any later request
 can grow into, rather than a remainder inside a pinned segment; what is lost is
 the rounding of one request to whole pages.  With room to spare it splits, as
 PyTorch does, and keeps its cache (no device call).
@@ -75,6 +79,7 @@ from ..core.arena import Arena
 from ..core.books import ALL, RESERVED
 from ..core.heap import Block
 from ..core.movables import Movables
+from ..core.rules import gives_back_before_split
 from ..core.sizes import round_page
 from ..errors import ClosedError, DeviceOutOfMemory, LimitReached, OutOfMemoryError
 from .compact import compact, should_defrag
@@ -152,13 +157,12 @@ class Growth:
         if arena is not None and threshold is not None and arena.books.cur[RESERVED][ALL] > threshold:
             arena.segments.trim(kind, block)
 
-    def split(self, kind: int, size: int, block: Block) -> bool:
+    def gives_back(self, size: int, block: Block) -> bool:
+        if not self.release_before_split:
+            return False
         arena, _, _ = self._parts()
-        if not self.release_before_split or arena.room() >= block.size:
-            return True
-        arena.segments.drop(kind, block.segment)  # Note [Release before split]
-        arena.books.releases_before_split += 1
-        return False
+        reserved = int(arena.books.cur[RESERVED][ALL])
+        return gives_back_before_split(round_page(size), block.size, arena.limit, reserved)
 
     # -------------------------------------------------------------- helpers
     @staticmethod

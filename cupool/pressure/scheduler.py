@@ -47,6 +47,7 @@ from ..core.arena import Arena
 from ..core.events import LADDER_STEPS
 from ..core.handles import Movable
 from ..core.movables import Movables
+from ..core.rules import release_cuts_holes
 from ..core.sizes import LARGE
 from ..errors import SpillError
 from .compact import compact, rehome
@@ -190,7 +191,9 @@ class Scheduler:
         return self._arena.settle_streams(wait=True) > 0
 
     def _release(self) -> bool:
-        return self._arena.release_free_segments() > 0
+        request, segments = self._request, self._arena.segments
+        holes = request is not None and release_cuts_holes(request[0] == LARGE, segments.stitching)
+        return self._arena.release_free_segments(holes=holes) > 0
 
     def _compact(self) -> bool:
         if not self._arena.books.movables:

@@ -57,8 +57,9 @@ from numba.core import event
 from numba.core.registry import CPUDispatcher
 from numba.typed import Dict
 
-from ..device.vmm import address_arena
+from ..core import rules
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
+from ..device.vmm import address_arena
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
 from .engine_heap import find, give, settle, take
@@ -71,6 +72,10 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
+
+# The rule book's rules (``cupool.core.rules``), compiled: the pool calls the same functions.
+_gives_back_before_split = njit(cache=True)(rules.gives_back_before_split)
+_release_cuts_holes = njit(cache=True)(rules.release_cuts_holes)
 
 #: Event kinds ``run`` acts on, in the order of its ``codes`` argument.
 CODES = ("alloc", "free", "oom", "alloc_movable", "free_movable", "move_out", "move_in")
@@ -123,7 +128,7 @@ def _malloc(E, n, key, exact):
     if b >= 0 and cfg[C_SPLIT] and h == LARGE and not exact:  # Note [Release before split]
         S, s = E.S, E.B[SEG, b]
         if (E.B[SIZE, b] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
-                and -(-size // PAGE) * PAGE < E.B[SIZE, b] and max(0, cfg[C_LIMIT] - st[RES]) < E.B[SIZE, b]):
+                and _gives_back_before_split(-(-size // PAGE) * PAGE, E.B[SIZE, b], cfg[C_LIMIT], st[RES])):
             drop_segment(E, s)
             b = -1
             exact = True  # the released room serves just this request
@@ -136,8 +141,12 @@ def _malloc(E, n, key, exact):
     # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
     if b < 0 and settle(E, True) > 0:
         b = _find_or_grow(E, h, size, key, exact)
-    if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:
-        b = _find_or_grow(E, h, size, key, exact)
+    if b < 0:  # release: wholly free segments and free tails, and holes where stitching will not gather them
+        released = release_free_segments(E, cfg[C_VMM])
+        if cfg[C_VMM] and _release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
+            released += release_holes(E)
+        if released > 0:
+            b = _find_or_grow(E, h, size, key, exact)
     if b < 0 and cfg[C_STITCH] and h == LARGE:
         if stitch(E, h, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
             b = _find_or_grow(E, h, size, key, exact)
