@@ -25,7 +25,10 @@ arena, the buffers and the scheduler weakly; the scheduler looks its steps up by
 name and holds spill victims weakly.  Observers hold their pool weakly too (``Monitor``, a
 recording between ``start`` and ``stop``): the arena reaches its subscribers and
 the pool's own finalizer holds the arena, so a strong reference back would keep
-a pool nobody uses alive for good.  A closed pool still gives its users their
+a pool nobody uses alive for good.  A dropped pool lets its subscribers go, too:
+a subscriber may hold the pool's own arrays, and a NumPy array takes no part in
+cyclic garbage collection, so arena -> subscriber -> array -> allocation -> arena
+would be a cycle nothing ever collects (issue 28).  A closed pool still gives its users their
 data back: a spilled buffer's ``array()`` restores it (its block returns to the
 device when it is freed), and ``spill()`` on a closed pool is refused. So a dropped pool
 dies by reference counting, at once, and its spill file with it.
@@ -245,7 +248,7 @@ class Pool:
         with self.hold():
             if self._background[0] is not None:
                 raise RuntimeError("background compaction is already running for this pool")
-            self._background[0] = BackgroundCompactor(self._movables, self.defrag_threshold, interval, budget)
+            self._background[0] = BackgroundCompactor(self._movables, self._growth, interval, budget)
 
     def stop_background_compaction(self) -> None:
         with self.hold():
@@ -309,15 +312,12 @@ class Pool:
         if arena.holds():  # already ours: inside hold() or a subscriber callback on this thread
             yield arena.view
             return
-        if not arena.lock.acquire(False):
-            arena.enter("hold()")
-        try:
-            arena.drain()
+        with arena.locked("hold()"):  # Note [Lock protocol]
             arena.holder = threading.get_ident()
-            yield arena.view
-        finally:
-            arena.holder = None
-            arena.unlock()
+            try:
+                yield arena.view
+            finally:
+                arena.holder = None
 
     def peak_window(self) -> PeakWindow:
         """A window whose ``peak`` is the highest allocated bytes since it was made or last reset.
@@ -626,7 +626,9 @@ def _stop_background(holder: list[BackgroundCompactor | None]) -> None:
 
 
 def _shut(arena: Arena, background: list[BackgroundCompactor | None]) -> None:
-    """A dropped pool closes quietly: its memory goes back, now or when the last allocation dies."""
+    """A dropped pool closes quietly: its memory goes back, now or when the last allocation dies;
+    its subscribers are let go (Note [Lifetimes])."""
     _stop_background(background)
+    arena.observers.detach_all()
     arena.close_soon()
 

@@ -219,14 +219,9 @@ class Arena(FastPath):
         Returns the allocations and bytes still alive: their segments go back as
         soon as they are freed.
         """
-        if not self.lock.acquire(False):
-            self.enter("close()")
-        try:
-            self.drain()
+        with self.locked("close()"):  # Note [Lock protocol]
             self.close_locked()
             return self.books.cur[ALLOCATIONS][ALL], self.books.cur[ALLOCATED][ALL]
-        finally:
-            self.unlock()
 
     def close_soon(self) -> None:
         """``close()`` for a finalizer: now if the lock is free, else by the lock holder (Note [Finalizers])."""

@@ -160,6 +160,13 @@ class Observers:
                 self._stale = True
                 log_callback_error(f"cupool: subscriber {sub.callback!r} raised on a {kind} event; it is detached")
 
+    def detach_all(self) -> None:
+        """Every subscription ends now (a dropped pool's: Note [Lifetimes]); never waits, like ``unsubscribe``."""
+        for s in self._subs:
+            s.live = False
+        self._stale = True
+        self._prune()
+
     def _prune(self) -> None:
         if self._lock.acquire(False):  # busy: a subscribe is running and prunes anyway
             try:

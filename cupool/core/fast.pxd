@@ -8,6 +8,10 @@ from cpython.pystate cimport PyThreadState
 cdef extern from "Python.h":
     PyThreadState* PyEval_SaveThread()
     void PyEval_RestoreThread(PyThreadState*)
+    int PyErr_CheckSignals() except -1
+
+cdef extern from "pythread.h":
+    int PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
 
 cdef class Allocation
 

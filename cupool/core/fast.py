@@ -44,6 +44,25 @@ that interrupted a pool operation would deadlock; it raises instead, naming the
 call.  So does any pool call from the thread that holds the lock (inside
 ``Pool.hold()``, or from a subscriber callback): it raises a ``RuntimeError``
 naming the call instead of waiting for itself, and reads (``stats()``) work there.
+
+Note [Lock protocol]
+~~~~~~~~~~~~~~~~~~~~
+Every pool operation outside the fast path enters and leaves the lock the same
+way, written once, in ``FastPath.locked(what)``:
+
+1. take the lock if it is free; else ``enter``: refuse what would deadlock (this
+   thread holds the lock for a caller, or a finalizer runs under a collection
+   that interrupted this thread's own operation), and otherwise wait, in slices
+   of ``LOCK_SLICE_S``, so that a Ctrl-C that arrives while waiting is raised
+   at once, compiled or not: nothing has changed yet (Note [Interrupts]);
+2. apply the frees finalizers queued (``drain``);
+3. the operation;
+4. ``unlock``: apply the queue again, release, take the lock back for frees
+   queued in between, then raise an interrupt deferred to the end of the
+   operation.
+
+``Pool.hold()`` adds the holder's thread; the fast path (``malloc``/``free``)
+inlines steps 1 and 4.
 """
 
 from __future__ import annotations
@@ -57,6 +76,9 @@ from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DoubleFreeError, ForeignAllocationError
 from .interrupts import OWED, deliver
 from .sizes import ALIGNMENT, SMALL
+
+#: How long one wait for a busy lock lasts before it looks for an interrupt owed (Note [Lock protocol]).
+LOCK_SLICE_S = 0.05
 
 # The thread Python's garbage collector is running in, if any (Note [Finalizers]).
 _collecting: list[int | None] = [None]
@@ -136,16 +158,22 @@ class Mutex:
             PyThread_free_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """``threading.Lock.acquire``: a signal that arrives while waiting runs its Python handler
+        (Note [Lock protocol]), as Python's own lock does; a handler that raises ends the wait."""
         if PyThread_acquire_lock(self.handle, 0):  # type: ignore[name-defined]  # noqa: F821
             return True
         if not blocking:
             return False
-        if timeout != -1:
-            raise ValueError("cupool's lock takes no timeout")
-        state = PyEval_SaveThread()  # type: ignore[name-defined]  # noqa: F821  (waits without the GIL)
-        PyThread_acquire_lock(self.handle, 1)  # type: ignore[name-defined]  # noqa: F821
-        PyEval_RestoreThread(state)  # type: ignore[name-defined]  # noqa: F821
-        return True
+        us = -1 if timeout < 0 else int(timeout * 1e6)
+        while True:
+            state = PyEval_SaveThread()  # type: ignore[name-defined]  # noqa: F821  (waits without the GIL)
+            status = PyThread_acquire_lock_timed(self.handle, us, 1)  # type: ignore[name-defined]  # noqa: F821
+            PyEval_RestoreThread(state)  # type: ignore[name-defined]  # noqa: F821
+            if status == 1:  # PY_LOCK_ACQUIRED
+                return True
+            PyErr_CheckSignals()  # type: ignore[name-defined]  # noqa: F821  (raises what a handler raised)
+            if us >= 0:  # timed out, or interrupted: a timed wait ends either way
+                return False
 
     def release(self) -> None:
         PyThread_release_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
@@ -293,7 +321,10 @@ class FastPath:
                 "or a subscriber callback) would deadlock; read pool.view there instead"
             )
         if _collecting[0] != me:
-            self.lock.acquire()
+            lock = self.lock
+            while not lock.acquire(True, LOCK_SLICE_S):
+                if me in OWED:  # a Ctrl-C while waiting: nothing has changed yet (Note [Lock protocol])
+                    raise OWED.pop(me)
             return True
         if freeing:
             return False
@@ -302,6 +333,10 @@ class FastPath:
             "interrupted a pool operation; it would deadlock.  Free memory in finalizers, "
             "but allocate outside them."
         )
+
+    def locked(self, what: str) -> Locked:
+        """``with fast_path.locked(what):`` runs a pool operation under Note [Lock protocol]."""
+        return Locked(self, what)
 
     def unlock(self) -> None:
         """Release the lock, applying the finalizers' queue first (Note [Finalizers]); then raise
@@ -453,3 +488,26 @@ class FastPath:
 
     def notify_moves(self) -> None:
         raise NotImplementedError("the arena runs on_move callbacks")
+
+
+class Locked:
+    """``FastPath.locked(what)``: steps 1, 2 and 4 of Note [Lock protocol] around a ``with`` block."""
+
+    __slots__ = ("owner", "what")
+
+    def __init__(self, owner: FastPath, what: str) -> None:
+        self.owner = owner
+        self.what = what
+
+    def __enter__(self) -> None:
+        owner = self.owner
+        if not owner.lock.acquire(False):
+            owner.enter(self.what)
+        try:
+            owner.drain()
+        except BaseException:
+            owner.unlock()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner.unlock()

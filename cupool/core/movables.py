@@ -55,10 +55,7 @@ class Movables:
 
     def make(self, n: int, key: Any, on_move: Callable[[Movable, int, int | None], None] | None) -> Movable:
         arena = self.arena
-        if not arena.lock.acquire(False):
-            arena.enter("movable()")
-        try:
-            arena.drain()
+        with arena.locked("movable()"):  # Note [Lock protocol]
             block, kind = arena.take(n, key, exact=True)
             self._seq += 1
             m = Movable(self, block, n, key, kind, on_move, self._seq, time.perf_counter_ns())
@@ -66,8 +63,6 @@ class Movables:
             arena.books.movables += 1
             if arena.observers.active:
                 arena.observers.emit("alloc_movable", block.addr, block.size, key)
-        finally:
-            arena.unlock()
         if arena.moved:
             arena.notify_moves()
         if arena.sites is not None:
@@ -82,22 +77,28 @@ class Movables:
         if need > m.size:
             raise ValueError(f"an array of shape {shape_t} and dtype {dt} needs {need} bytes; the buffer has {m.size}")
         arena = self.arena
-        if not arena.lock.acquire(False):
-            arena.enter("Movable.array()")
+        lease: Lease | None = None
         try:
-            if m.freed:
-                raise ValueError("array() on a freed movable buffer")
-            if m.block is None:
-                self.restore(m)
-            m.leases += 1
-            m.last_used = time.perf_counter_ns()
-            assert m.block is not None, "restored above"
-            ptr = m.block.addr
-        finally:
-            arena.unlock()
+            with arena.locked("Movable.array()"):  # Note [Lock protocol]
+                if m.freed:
+                    raise ValueError("array() on a freed movable buffer")
+                if m.block is None:
+                    self.restore(m)
+                # The count and the object that takes it back are made together, under the lock.
+                m.leases += 1
+                lease = Lease(m)
+                m.last_used = time.perf_counter_ns()
+                assert m.block is not None, "restored above"
+                ptr = m.block.addr
+        except BaseException:
+            # An interrupt the lock's release raised (Note [Interrupts]): the lease goes now, and
+            # unpins, rather than live on in the traceback's copy of this frame.
+            lease = None
+            raise
         # Built outside the lock: if it fails, the lease dies and unpins at once.
         # Callbacks run after it exists, so one that raises cannot strand the lease.
-        arr: DeviceArray = arena.device.as_array(ptr, shape_t, dt, Lease(m))
+        assert lease is not None, "made above"
+        arr: DeviceArray = arena.device.as_array(ptr, shape_t, dt, lease)
         if arena.moved:
             arena.notify_moves()
         return arr

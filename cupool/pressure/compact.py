@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import time
 import weakref
+from typing import Protocol
 
 from ..core.arena import Arena
 from ..core.movables import Movables
@@ -132,13 +133,20 @@ def rehome(arena: Arena, movables: Movables) -> bool:
     return gained
 
 
+class Thresholds(Protocol):
+    """Where the compactor reads ``defrag_threshold``, at every pass: the pool's policy, its one owner."""
+
+    defrag_threshold: float | None
+
+
 class BackgroundCompactor:
-    """Compacts in a daemon thread, at most ``budget`` bytes per pass, while fragmentation is high.
+    """Compacts in a daemon thread, at most ``budget`` bytes per pass, while fragmentation is above
+    ``policy.defrag_threshold`` as it is at that pass (a change reaches a running compactor).
 
     Holds the pool's movable buffers weakly, so a dropped pool stops it.
     """
 
-    def __init__(self, movables: Movables, threshold: float, interval: float, budget: int) -> None:
+    def __init__(self, movables: Movables, policy: Thresholds, interval: float, budget: int) -> None:
         self._stop = threading.Event()
         ref = weakref.ref(movables)
         stop = self._stop
@@ -149,12 +157,8 @@ class BackgroundCompactor:
                 if m is None:
                     return
                 a = m.arena
-                a.lock.acquire()
-                try:
-                    a.drain()
-                    report = compact(a, m, budget, None) if should_defrag(a, threshold) else None
-                finally:
-                    a.unlock()
+                with a.locked("the background compactor"):  # Note [Lock protocol]
+                    report = compact(a, m, budget, None) if should_defrag(a, policy.defrag_threshold) else None
                 if report is not None:
                     a.notify_moves()
                 del a, m

@@ -224,13 +224,8 @@ class Scheduler:
         if arena.holds():
             yield  # inside hold() or a subscriber on this thread: the lock is ours already
             return
-        if not arena.lock.acquire(False):
-            arena.enter(what)
-        try:
-            arena.drain()
+        with arena.locked(what):  # Note [Lock protocol]
             yield
-        finally:
-            arena.unlock()
 
     def _order(self) -> list[str]:
         """``order()`` with the lock held."""
