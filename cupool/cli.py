@@ -1,8 +1,14 @@
 """The ``cupool`` command: ``info``, ``demo``, ``replay``, ``report`` and ``export``.
 
 Every failure the user can fix (bad input, a missing GPU, an unwritable path)
-is one line on stderr and exit status 2, never a traceback; a reader that
-leaves early (``cupool info | head``) ends the command quietly.
+is one line on stderr, ``cupool: error: ...``, and exit status 2, never a
+traceback.  A command line argparse cannot read gets that same line, under the
+usage of the command it was meant for (``cupool demo --bogus``: demo's).  A
+reader that leaves early (``cupool info | head``) ends the command quietly.
+
+``--device`` names a device everywhere, as ``parse_device`` reads it (``auto``,
+``sim``, ``cuda``, ``cuda:1``); ``cupool info`` shows the pool that
+``default_pool()`` would make, from ``CUPOOL_CONF`` read by the same code.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import demo
 from ._files import refuse_overwriting_input
 from ._units import format_bytes
+from ._words import count
+from .config import ENV_VAR, env_conf
 from .core import build_info
 from .device import CudaDevice, cuda_available, parse_device
 from .observe.snapshot import export_trace
@@ -58,17 +66,44 @@ def _own_version() -> str:
         return "unknown (not installed)"
 
 
-def _check_device(args: argparse.Namespace) -> None:
-    """Refuse a device that is not there before any work, as a user error rather than a traceback."""
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors in cupool's one style (see the module's docstring)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"cupool: error: {message}\n")
+
+
+def _check_device(device: str, capacity: int | str | None, given: str | None = None) -> None:
+    """Refuse a device that is not there before any work, as a user error rather than a traceback;
+    ``given`` says where the name came from (default: ``--device NAME``)."""
     try:
-        parse_device(args.device, args.capacity, note_fallback=False)
-    except RuntimeError as e:  # what Pool raises for "cuda" without a usable GPU
-        raise ValueError(f"--device {args.device}: {e}") from None
+        parse_device(device, capacity, note_fallback=False)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: "cuda" without a usable GPU
+        raise ValueError(f"{given or f'--device {device}'}: {e}") from None
+
+
+def _info_pool(args: argparse.Namespace) -> Pool:
+    """The pool ``default_pool()`` would make, from ``CUPOOL_CONF`` read by its own code (``env_conf``), so that
+    a misspelt key is refused here in the same words; ``--device`` and ``--capacity`` override it."""
+    conf = env_conf()
+    given = f"{ENV_VAR}: device={conf['device']}" if args.device is None and "device" in conf else None
+    device = conf.pop("device", "auto") if args.device is None else args.device
+    conf.pop("device", None)
+    from_env = bool(conf)
+    if args.capacity is not None:
+        conf["capacity"] = args.capacity
+    _check_device(device, conf.get("capacity"), given)
+    try:
+        return Pool(device, **conf)
+    except (TypeError, ValueError) as e:
+        if not from_env:
+            raise
+        raise ValueError(f"{ENV_VAR}: cannot make the default pool: {e}") from None
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    _check_device(args)
-    pool = Pool(args.device, capacity=args.capacity)
+    pool = _info_pool(args)
     free, total = pool.device.mem_info()
     print(f"device          {pool.device.name} ({pool.device!r})")
     if isinstance(pool.device, CudaDevice):
@@ -78,6 +113,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"name            {props['name'].decode()}")
     print(f"memory          {format_bytes(free)} free of {format_bytes(total)}")
     print("fast path       {fast_path} ({reason})".format(**build_info()))
+    print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("configuration")
     _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")
@@ -96,7 +132,7 @@ def _print_table(rows: Iterable[tuple[str, Any]], sizes: tuple[str, ...] = ()) -
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     demo.check_args(args.steps, args.seed)
-    _check_device(args)
+    _check_device(args.device, args.capacity)
     print(demo.format_result(demo.run(args.device, args.capacity, args.steps, args.seed)))
     return 0
 
@@ -117,36 +153,51 @@ def _cmd_export(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     if fmt == "rmm-csv":
         n = write_rmm_log(trace, out)
-        print(f"wrote {out}: {n} RMM log rows from {len(trace)} events ({trace.format}) of {args.trace}")
+        print(f"wrote {out}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
+              f"of {args.trace}")
         return 0
     n = export_trace(trace, out, args.index)
     if n:
-        print(f"wrote {out}: {n} PyTorch trace entries from {len(trace)} events ({trace.format}) of {args.trace}")
+        print(f"wrote {out}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
+              f"{count(len(trace), 'event')} ({trace.format}) of {args.trace}")
     else:
         print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cupool", description=DESCRIPTION)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``cupool`` command line: every command and option, with its help."""
+    parser = _Parser(prog="cupool", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"cupool {_own_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def device_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--device", default="auto", help="auto (default), sim, cuda or cuda:N")
-        p.add_argument("--capacity", default=None, help="sim device size, e.g. 1GiB (sim only)")
+    def device_args(p: argparse.ArgumentParser, default: str | None, said: str) -> None:
+        p.add_argument("--device", default=default,
+                       help=f"the device: auto, sim, sim:N, cuda or cuda:N (default: {said})")
+        p.add_argument("--capacity", default=None, metavar="SIZE",
+                       help="the sim device's size, e.g. 1GiB (sim only; default: "
+                            + ("CUPOOL_CONF's, else " if default is None else "") + "the sim device's own)")
 
-    p = sub.add_parser("info", help="device, configuration and versions")
-    device_args(p)
+    p = sub.add_parser("info", help="device, configuration and versions",
+                       description="Show the device, its free memory, whether the compiled fast path runs, the "
+                                   "configuration of the pool cupool.default_pool() would make (from CUPOOL_CONF, "
+                                   "which is refused here as it is there) and the versions in use.")
+    device_args(p, None, "CUPOOL_CONF's device, else auto: a GPU if there is one, else the sim device")
     p.set_defaults(func=_cmd_info)
-    p = sub.add_parser("demo", help="the weight-streaming workload, step by step")
-    device_args(p)
+    p = sub.add_parser("demo", help="the weight-streaming workload, step by step",
+                       description="Run the weight-streaming workload on a pool: the source's ten steps beside "
+                                   "cupool with compaction off and on, a longer run of mixed layer shapes with the "
+                                   "smallest device each setting needs, and a synthetic model streamed from HDF5.")
+    device_args(p, "auto", "auto: a GPU if there is one, else the sim device")
     p.add_argument("--steps", type=int, default=200, help="layers in the longer mixed run (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the longer run's random layer shapes (default 0)")
     p.set_defaults(func=_cmd_demo)
     add_replay_commands(sub.add_parser)
     p = sub.add_parser("export", help="write a trace as a PyTorch memory snapshot (for torch.cuda._memory_viz) "
-                                      "or an RMM log (for RMM's replay benchmark)")
+                                      "or an RMM log (for RMM's replay benchmark)",
+                       description="Convert a trace: write it as a PyTorch memory snapshot pickle, which "
+                                   "torch.cuda._memory_viz and pytorch.org/memory_viz draw, or as an RMM log CSV, "
+                                   "which RMM's replay benchmark reads.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv); written "
@@ -156,7 +207,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: rmm-csv for an output ending in .csv, else torch)")
     p.add_argument("--index", type=int, default=0, help="the device index the snapshot names (default 0; torch only)")
     p.set_defaults(func=_cmd_export)
-    args = parser.parse_args(argv)
+    for p in sub.choices.values():
+        p.set_defaults(command_parser=p)  # for main: a command refuses what it does not know itself
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse leaves what a command does not know to the top level, which would show cupool's usage:
+        # read the command's own arguments again, so that it refuses them under its own usage.
+        start = next(i for i, a in enumerate(argv) if a == args.cmd) + 1
+        args.command_parser.parse_args(argv[start:])
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # they came before the command
     try:
         status = args.func(args)
         sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush

@@ -22,19 +22,22 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ._palette import BLOCKS
 from ._units import format_bytes
+from ._words import count
 from .core.handles import Movable
 from .core.view import ArenaView, BlockInfo, SegmentInfo
 
 __all__ = ["MAX_ELEMENTS", "MAX_ROWS", "STATES", "Picture", "pool_html", "write_pretty"]
 
-#: States a block is drawn in: (colour, what the legend says it means).
+#: States a block is drawn in: (colour, what the legend says it means).  The colours are
+#: ``cupool._palette``'s, which the report's figure reads too.
 STATES: dict[str, tuple[str, str]] = {
-    "allocated": ("#4878d0", "a raw allocation (malloc, CuPy, Numba): never moves"),
-    "movable": ("#6acc64", "a movable buffer: compaction may move it, the ladder may spill it"),
-    "leased": ("#ee854a", "a movable buffer pinned by a live array from .array()"),
-    "free": ("#e6e6e6", "free space in a segment, ready for reuse"),
-    "many": ("#666666", "many blocks too narrow to draw one by one; darker: more of them in use (hover for counts)"),
+    "allocated": (BLOCKS["allocated"], "a raw allocation (malloc, CuPy, Numba): never moves"),
+    "movable": (BLOCKS["movable"], "a movable buffer: compaction may move it, the ladder may spill it"),
+    "leased": (BLOCKS["leased"], "a movable buffer pinned by a live array from .array()"),
+    "free": (BLOCKS["free"], "free space in a segment, ready for reuse"),
+    "many": (BLOCKS["many"], "many blocks too narrow to draw one by one; darker: more of them in use (hover for counts)"),
 }
 #: Segments drawn at most, in address order; the rest are counted in a note.
 MAX_ROWS = 100
@@ -70,7 +73,7 @@ class Picture:
     def read(cls, pool: Shown, movables: Callable[[], Iterable[Movable]]) -> Picture:
         """Read ``pool`` under its lock; ``movables`` lists its movable buffers on the device (lock held)."""
         spill = pool.scheduler.stats()
-        spilled = f"{spill['tier']}: {_count(spill['spills'], 'spill')}, {format_bytes(spill['bytes_spilled'])} so far"
+        spilled = f"{spill['tier']}: {count(spill['spills'], 'spill')}, {format_bytes(spill['bytes_spilled'])} so far"
         with pool.hold() as view:
             books = view.books
             on_device = [m for m in movables() if m.ptr is not None]
@@ -106,7 +109,7 @@ class Picture:
         """(name, value) rows, shared by the HTML table and the text summary."""
         small = sum(s.small for s in self.segments)
         fb = format_bytes
-        allocations = _count(self.allocations, "allocation")
+        allocations = count(self.allocations, "allocation")
         rows = [
             ("reserved", f"{fb(self.reserved)} of {fb(self.limit)} (peak {fb(self.peak_reserved)})"),
             ("allocated", f"{fb(self.allocated)} in {allocations} (peak {fb(self.peak_allocated)})"),
@@ -204,7 +207,7 @@ def _segment_map(picture: Picture) -> tuple[str, list[str]]:
         label = f"{seg.addr:#x} {format_bytes(seg.size)} {'small' if seg.small else 'large'}"
         label += " kept" if seg.keep else ""
         label += f" stream {seg.stream}" if seg.stream else ""
-        tip = f"segment {label}: {format_bytes(seg.used)} used in {len(seg.blocks)} blocks"
+        tip = f"segment {label}: {format_bytes(seg.used)} used in {count(len(seg.blocks), 'block')}"
         parts.append(f'<text x="0" y="{y + _ROW_H - 2}">{e(label)}</text>')
         parts.append(
             f'<rect x="{_LABEL_W}" y="{y}" width="{_BAR_W}" height="{_ROW_H}" fill="{STATES["free"][0]}" '
@@ -231,7 +234,8 @@ def _segment_map(picture: Picture) -> tuple[str, list[str]]:
     )
     notes = ["Each bar is one segment at full width; blocks are to scale within it."]
     if runs:
-        notes.append(f"{coalesced} blocks too narrow to draw one by one are drawn as {runs} runs of many blocks.")
+        notes.append(f"{coalesced} blocks too narrow to draw one by one are drawn as {count(runs, 'run')} "
+                     "of many blocks.")
     if len(segments) > len(drawn):
         rest = segments[len(drawn) :]
         notes.append(
@@ -287,6 +291,3 @@ def _block_piece(b: BlockInfo, picture: Picture, x: float, w: float) -> _Piece:
     asked = f", {format_bytes(b.requested)} asked" if b.requested else ""
     return _Piece(x, w, state, f"{b.addr:#x} {format_bytes(b.size)} {state}{asked}")
 
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

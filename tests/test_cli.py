@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import cupool
+from cupool import cli
 from cupool.cli import main
 from cupool.observe.snapshot import export_snapshot
 from cupool.replay import replay
@@ -178,3 +180,113 @@ def test_every_option_has_help(capsys):
             elif entries and line.strip():
                 entries[-1].append(line.strip())
         assert entries and not [e[0] for e in entries if not "".join(e[1:])], cmd  # e.g. --seed SEED alone
+
+
+# ------------------------------------------------------------------ help, errors and --device (issue 28)
+def test_every_command_has_a_description_and_every_argument_help():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(COMMANDS)
+    assert all(c.help and c.help.strip() for c in sub._choices_actions)  # the top-level list of commands
+    for name, command in sub.choices.items():
+        assert command.description and len(command.description.split()) >= 10, name  # a paragraph of its own
+        for action in command._actions:
+            assert action.help and action.help.strip() and action.help != argparse.SUPPRESS, \
+                f"cupool {name} {'/'.join(action.option_strings) or action.dest}"
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["demo", "--bogus"], "usage: cupool demo "),  # once the top-level usage
+    (["info", "--device", "sim", "--bogus", "x"], "usage: cupool info "),
+    (["demo", "--steps", "x"], "usage: cupool demo "),
+    (["export"], "usage: cupool export "),
+    (["bogus"], "usage: cupool "),
+    (["--bogus", "info"], "usage: cupool [-h]"),  # before the command: cupool's own
+])
+def test_a_command_line_argparse_cannot_read_is_refused_under_the_commands_usage(capsys, argv, usage):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    *usage_lines, last = err.rstrip("\n").split("\n")
+    assert last.startswith("cupool: error: ") and not any("error" in line for line in usage_lines), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "--device", "foo"], "--device foo: device must be 'auto', 'sim', 'sim:N', 'cuda' or 'cuda:N', "
+                                  "got 'foo'"),
+    (["demo", "--device", "sim:x"], "--device sim:x: device: the index in 'sim:x' must be a non-negative integer, "
+                                    "as in 'sim:1'"),
+    (["replay", "--device", "1", "never-read.pickle"], "--device 1: device must be 'auto', 'sim', 'sim:N', "
+                                                       "'cuda' or 'cuda:N', got '1'"),
+])
+def test_device_is_a_name_everywhere_and_a_bad_one_is_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"cupool: error: {message}\n"
+
+
+def test_replay_device_names_a_recorded_gpu_without_needing_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    busy = [{"action": "alloc", "addr": 1 << 32, "size": 30 << 20, "stream": 0, "time_us": 1, "frames": []}]
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], busy]}))
+    assert main(["replay", str(path), "--device", "cuda:1"]) == 0
+    assert "peak allocated     30 MiB" in capsys.readouterr().out
+    assert main(["replay", str(path), "--device", "auto"]) == 0  # the default: the busiest device
+    assert "peak allocated     30 MiB" in capsys.readouterr().out
+    assert main(["replay", str(path), "--device", "cuda:0"]) == 2
+    assert "device 0 holds nothing" in capsys.readouterr().err
+
+
+@pytest.fixture
+def conf(monkeypatch):
+    """Set ``CUPOOL_CONF`` for one test; the default pools made from it are forgotten after."""
+    from cupool.hooks import reset_default_pools
+
+    def set_conf(value: str) -> None:
+        monkeypatch.setenv("CUPOOL_CONF", value)
+        reset_default_pools()
+
+    yield set_conf
+    reset_default_pools()
+
+
+def _configuration(out: str) -> dict[str, str]:
+    section = out.split("configuration\n")[1].split("versions\n")[0]
+    return dict(line.split(None, 1) for line in section.splitlines())
+
+
+def test_info_shows_the_pool_default_pool_makes_from_cupool_conf(conf, capsys):
+    conf("device=sim,capacity=256MiB,max_size=100MB,release_threshold=50%,expandable_segments=false")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "CUPOOL_CONF     device=sim,capacity=256MiB,max_size=100MB" in out
+    rows = _configuration(out)
+    default = cupool.default_pool().config
+    assert set(rows) == set(default)
+    assert rows["capacity"] == "256 MiB" and rows["max_size"] == "100MB" and rows["limit"] == "95.4 MiB"
+    assert rows["release_threshold"] == cupool.format_bytes(default["release_threshold"]) == "128 MiB"
+    assert rows["expandable_segments"] == str(default["expandable_segments"]) == "False"
+    assert main(["info", "--capacity", "128MiB"]) == 0  # the command line over CUPOOL_CONF
+    assert _configuration(capsys.readouterr().out)["capacity"] == "128 MiB"
+
+
+@pytest.mark.parametrize("value", ["max_sise=1GB", "device=sim,device=sim", "max_split_size_mb:128"])
+def test_info_refuses_the_cupool_conf_default_pool_refuses_in_its_words(conf, capsys, value):
+    conf(value)
+    with pytest.raises(ValueError) as refused:
+        cupool.default_pool()
+    assert main(["info", "--device", "sim"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"cupool: error: {refused.value}\n"
+
+
+def test_counts_are_singular_when_one(tmp_path, capsys):
+    log = tmp_path / "one.csv"
+    log.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1000,512,0x0\n")
+    assert main(["export", str(log), "-o", str(tmp_path / "one.pickle")]) == 0
+    assert ": 1 PyTorch trace entry from 1 event (rmm) of " in capsys.readouterr().out
+    assert main(["export", str(log), "-o", str(tmp_path / "again.csv")]) == 0
+    assert ": 1 RMM log row from 1 event (rmm) of " in capsys.readouterr().out

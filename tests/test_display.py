@@ -200,3 +200,18 @@ def test_repr_pretty_is_a_short_summary_and_honours_cycles(busy):
     assert printer.output.getvalue() == repr(pool)
     data, _ = DisplayFormatter().format(pool)  # what Jupyter asks for
     assert data["text/plain"] == text and data["text/html"].startswith('<div class="cupool-pool">')
+
+
+def test_counts_in_the_map_are_singular_when_one():
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False)
+    whole = pool.malloc(20 * MiB)  # a segment of its own, which this one block fills
+    _, root = parse(pool)
+    (tip,) = [t for t in tips(root) if t.startswith("segment ")]
+    assert tip.endswith(": 20 MiB used in 1 block"), tip
+    assert "20 MiB in 1 allocation (peak 20 MiB)" in " ".join(root.itertext())
+    # One run of many narrow blocks: "1 run", not "1 runs".
+    tiny = [pool.malloc(512) for _ in range(12)]
+    _, root = parse(pool)
+    notes = " ".join(p.text or "" for p in root.iter("p"))
+    assert "drawn as 1 run of many blocks" in notes, notes
+    del whole, tiny

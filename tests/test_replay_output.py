@@ -133,9 +133,9 @@ def test_a_multi_device_snapshot_picks_the_program_and_takes_device(tmp_path, ca
     for d in (0, 2):
         with pytest.raises(TraceError, match=f"device {d} holds nothing in this snapshot.*devices that do: 1"):
             load_trace(path, device=d)
-    assert main(["replay", str(path), "--device", "1"]) == 0
+    assert main(["replay", str(path), "--device", "cuda:1"]) == 0
     assert "peak allocated     30 MiB" in capsys.readouterr().out
-    assert main(["replay", str(path), "--device", "0"]) == 2
+    assert main(["replay", str(path), "--device", "cuda:0"]) == 2
     assert "device 0 holds nothing" in capsys.readouterr().err
 
 

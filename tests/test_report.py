@@ -247,3 +247,90 @@ def test_the_report_leaves_the_callers_matplotlib_alone(tmp_path):
         assert matplotlib.get_backend() == "pdf" and plt.get_fignums() == figures
     finally:
         matplotlib.use(before)
+
+
+# ------------------------------------------------------------------ what the figure shows (issue 28)
+def _figure(monkeypatch, trace, config=None):
+    """Draw the report of ``trace`` and return its figure, as it was saved."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    saved = []
+    save = Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    summary = plot_report(trace, Path(trace.source).with_suffix(".png"), config)
+    (fig,) = saved
+    FigureCanvasAgg(fig)  # a canvas to measure the texts on
+    fig.draw_without_rendering()
+    return fig, summary
+
+
+def _legend(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_replays_own_ooms_are_marked_apart_from_the_recorded_ones(tmp_path, monkeypatch):
+    path, _ = _trace(tmp_path)  # recorded one OOM, at its end
+    trace = load_trace(path)
+    data = report_data(trace, {"capacity": "60MiB"})  # on a smaller device the replay runs out more often
+    oom = trace.code("oom")
+    assert data.summary["ooms"] == len(data.replay_ooms) == 4
+    assert list(data.marks["oom"]) == list(np.flatnonzero(trace.kind == oom))
+    assert set(data.marks["oom"]) < set(data.replay_ooms)  # the recorded OOM runs out here too
+    for engine in ("numba", "pool"):  # both engines say where they ran out, and only there
+        r = cupool.replay.replay(trace, {"capacity": "60MiB"}, engine=engine, timeline=True)
+        assert r.timeline["ooms"].sum() == r.ooms == 4 and list(np.flatnonzero(r.timeline["ooms"])) == \
+            list(data.replay_ooms), engine
+    fig, _ = _figure(monkeypatch, trace, {"capacity": "60MiB"})
+    memory = fig.axes[0]
+    assert {"OOM, recorded (1)", "OOM in this replay (4)"} <= set(_legend(memory))
+    assert "4 OOMs in this replay" in memory.get_title()
+    # On the recorded settings the replay runs out where the recording did, and nowhere else: one of each.
+    fig, _ = _figure(monkeypatch, trace)
+    assert {"OOM, recorded (1)", "OOM in this replay (1)"} <= set(_legend(fig.axes[0]))
+    assert "1 OOM in this replay" in fig.axes[0].get_title()
+
+
+def _many_segments(tmp_path, n=60):
+    pool = cupool.Pool("sim", capacity="2GiB", expandable_segments=False)
+    path = tmp_path / "many.h5"
+    with pool.record(path):
+        keep = [pool.malloc((11 + i % 7) * MiB) for i in range(n)]  # one plain segment each
+        for a in keep[::3]:
+            a.free()
+        del keep
+    return load_trace(path)
+
+
+def test_the_segment_maps_labels_never_overlap(tmp_path, monkeypatch):
+    fig, _ = _figure(monkeypatch, _many_segments(tmp_path))
+    segment_map = fig.axes[-1]
+    assert "60 segments (the 48 largest of 60)" in segment_map.get_title()
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in segment_map.get_yticklabels()), key=lambda b: b.y0)
+    assert len(boxes) == 48
+    for lower, upper in zip(boxes, boxes[1:]):
+        assert lower.y1 <= upper.y0, (lower, upper)
+
+
+def test_the_report_draws_blocks_in_the_jupyter_maps_colours(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from cupool.display import STATES
+
+    path, _ = _trace(tmp_path)
+    fig, _ = _figure(monkeypatch, load_trace(path))
+    allocated, free = STATES["allocated"][0], STATES["free"][0]
+    curves = {line.get_label(): to_hex(line.get_color()) for line in fig.axes[0].get_lines()}
+    assert curves["allocated"] == allocated
+    bars = {to_hex(c.get_facecolor()[0]) for c in fig.axes[-1].collections}
+    assert bars == {allocated, free}
+    legend = {t.get_text(): to_hex(h.get_facecolor()) for t, h in
+              zip(fig.axes[-1].get_legend().get_texts(), fig.axes[-1].get_legend().legend_handles)}
+    assert legend == {"allocated": allocated, "free": free}
+    assert "1 segment;" in fig.axes[-1].get_title()  # not "1 segments"

@@ -63,11 +63,14 @@ def cuda_available() -> bool:
         return False
 
 
-def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True) -> tuple[str, int]:
+def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True,
+                 present: bool = True) -> tuple[str, int]:
     """Read ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"`` as ``(kind, N)``; no index means 0.
 
     ``capacity`` only makes sense for the sim flavour, so it is checked here.  With
     ``note_fallback``, "auto" says once per process that it fell back to the sim device.
+    ``present=False`` reads a name without asking for the device (a recorded one, as
+    ``cupool replay --device`` names a device of a snapshot): "cuda" needs no GPU here.
     Sim devices are numbered like GPUs so that code which keeps a pool per device
     (``default_pool(i)``, ``install()``) runs, and is tested, without one.
     """
@@ -91,7 +94,7 @@ def parse_device(device: str, capacity: int | str | None, note_fallback: bool = 
     if kind == "cuda":
         if capacity is not None:
             raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
-        if not cuda_available():
+        if present and not cuda_available():
             raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
     return kind, index
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .._units import format_bytes
+from ..device import parse_device
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
 from .config import POOL_ENGINE_KEYS, recorded_peak_reserved_of
@@ -34,15 +35,21 @@ from .report import plot_report
 
 def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``replay`` and ``report`` through ``add_parser`` (a subparsers object's ``add_parser``)."""
-    p = add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation")
+    p = add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation",
+                   description="Replay a trace (a cupool recording, a PyTorch memory snapshot or an RMM log) on a "
+                               "fresh pool on the sim device, under its recorded settings or others, and print peak "
+                               "reserved and allocated memory, fragmentation, OOMs and segments.  --compare replays "
+                               "several configurations and prints one row each.  No GPU is needed.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,... with the keys --config takes; 'recorded' "
                         "for the recorded settings); rows print as each replay finishes")
-    p.add_argument("--device", type=int, default=None, metavar="N",
-                   help="which device of a multi-device PyTorch snapshot (default: the one with the most events)")
+    p.add_argument("--device", default="auto",
+                   help="which recorded device of a multi-device PyTorch snapshot to replay, named as info and demo "
+                        "name devices: cuda:N (sim:N reads the same); auto (default): the one with the most events. "
+                        "The replay runs on the sim device whatever it names")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
                         "and spilling); default: pool for traces with movable buffers, else numba")
@@ -51,10 +58,16 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true",
                    help="print each configuration's results as one JSON object per line, and nothing else")
     p.set_defaults(func=_cmd_replay)
-    p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace")
+    p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace",
+                   description="Replay a trace on the sim device, as replay does, and draw one figure: reserved and "
+                               "allocated memory over time with the recorded events and the replay's own OOMs "
+                               "marked, fragmentation over time, and a map of the segments at peak reserved.  A trace "
+                               "with movable buffers is replayed on the pool engine, any other on the numba engine.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
-    p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
+    p.add_argument("--config", default=None, metavar="K=V,...",
+                   help=f"pool settings over the recorded ones: {', '.join(CONFIG_KEYS)}; a trace with movable "
+                        "buffers also takes the other keyword arguments of cupool.Pool")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
 
@@ -81,7 +94,7 @@ def _base_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace, device=args.device)
+    trace = load_trace(args.trace, device=_recorded_device(args.device))
     base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
@@ -152,6 +165,16 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; seeded: blocks alive "
           f"before the recording started; unmatched: frees of blocks the replay never held ({engine} engine)")
     return 0
+
+
+def _recorded_device(name: str) -> int | None:
+    """``--device`` as the index of a snapshot's device (None: "auto", the busiest), read by ``parse_device``."""
+    if name.strip().lower() == "auto":
+        return None
+    try:
+        return parse_device(name, None, note_fallback=False, present=False)[1]
+    except ValueError as e:
+        raise ValueError(f"--device {name}: {e}") from None
 
 
 def _warn(r: ReplayResult) -> None:

@@ -98,7 +98,8 @@ def replay(
     """Replay ``trace`` on a fresh sim pool with ``config`` (default: the recorded settings).
 
     ``engine`` None picks ``default_engine(trace)``.  ``timeline`` keeps
-    reserved/allocated bytes after every event; ``progress`` shows a tqdm bar
+    reserved/allocated bytes after every event, and the replay's own OOMs in
+    each ("reserved", "allocated", "ooms"); ``progress`` shows a tqdm bar
     (default: on long traces, when stderr is a terminal); ``stop`` replays only
     the first ``stop`` events.
     """

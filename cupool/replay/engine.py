@@ -335,7 +335,7 @@ def _roomy(E):
 
 
 @njit(cache=True)
-def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_alloc):
+def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_alloc, tl_oom):
     """Replay events [lo, hi) on ``E``; returns ``E``, rebuilt if its arrays had to grow.
 
     ``codes`` holds the trace's code of each kind in ``CODES`` (-1: absent).
@@ -343,7 +343,8 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
     and so does the replay, as ``Pool.empty_cache`` does: wait for all streams,
     then give back every wholly free segment but the preallocated one (and free tails).
     ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
-    they are as long as the trace (pass empty arrays otherwise).
+    they are as long as the trace (pass empty arrays otherwise), and ``tl_oom`` the
+    replay's own OOMs in each event (only allocation events can run out).
     """
     timeline = tl_res.shape[0] >= hi
     st, fst = E.st, E.fst
@@ -353,7 +354,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
                 or st[NR] + 4 > E.R.shape[1]):
             E = _roomy(E)
         k = kind[i]
-        peak0 = st[PEAK_RES]
+        peak0, ooms0 = st[PEAK_RES], st[OOMS]
         if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
             a = addr[i]
             is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
@@ -416,11 +417,13 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
         if timeline:
             tl_res[i] = st[RES]
             tl_alloc[i] = st[ALLOC]
+            tl_oom[i] = st[OOMS] - ooms0
     return E
 
 
 def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
               empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
-              tl_alloc: np.ndarray) -> None:
+              tl_alloc: np.ndarray, tl_oom: np.ndarray) -> None:
     """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
-    state["E"] = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], state["live"], tl_res, tl_alloc)
+    state["E"] = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], state["live"], tl_res, tl_alloc,
+                     tl_oom)

@@ -39,6 +39,7 @@ def replay_numba(
     seeded = seed_count(trace, n)
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
+    tl_oom = np.zeros(n if timeline else 0, np.int64)
     codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
     empties = program_calls(trace, n, seeded)  # the numba engine empties its cache at either call
     streams = int(trace.stream.max()) + 1 if len(trace) else 1
@@ -49,13 +50,14 @@ def replay_numba(
         # An empty range with the real arguments: compiles (or loads) the very signature the
         # replay uses, so that the time below is the replay's alone.
         eng.run_range(state, trace.kind, trace.addr, sizes, trace.stream, empties, seeded, seeded, codes,
-                      tl_res, tl_alloc)
+                      tl_res, tl_alloc, tl_oom)
     bar = progress_bar(n - seeded, progress, "replay (numba engine)")
     step = CHUNK if bar is not None else max(n - seeded, 1)
     t0 = time.perf_counter()
     for lo in range(seeded, n, step):
         hi = min(n, lo + step)
-        eng.run_range(state, trace.kind, trace.addr, sizes, trace.stream, empties, lo, hi, codes, tl_res, tl_alloc)
+        eng.run_range(state, trace.kind, trace.addr, sizes, trace.stream, empties, lo, hi, codes, tl_res, tl_alloc,
+                      tl_oom)
         if bar is not None:
             bar.update(hi - lo)
     seconds = time.perf_counter() - t0
@@ -85,7 +87,7 @@ def replay_numba(
         segment_allocs=int(st[eng.DEV_ALLOCS]), segment_frees=int(st[eng.DEV_FREES]),
         unmatched_frees=int(st[eng.UNMATCHED]), seeded_blocks=seeded_blocks(trace, seeded),
         history=has_history(trace), capacity=capacity, seconds=seconds, warnings=warnings,
-        timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
+        timeline={"reserved": tl_res, "allocated": tl_alloc, "ooms": tl_oom} if timeline else None,
     )
     return result, state
 
@@ -106,7 +108,7 @@ def _seed(state: dict, ops: np.ndarray) -> None:
     codes = np.arange(len(eng.CODES), dtype=np.int64)
     none = np.zeros(0, np.int64)
     eng.run_range(state, kind, ops[:, 1].copy(), ops[:, 2].copy(), ops[:, 3].copy(), empties, 0, m, codes,
-                  none, none)
+                  none, none, none)
     cfg[eng.C_THRESHOLD], cfg[eng.C_SPLIT] = rules
     st, fst = state["E"].st, state["E"].fst
     fst[:] = 0.0

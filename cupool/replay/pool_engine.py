@@ -47,6 +47,7 @@ class _Books:
         self.reserved = self.peak = int(s["reserved_bytes.all.current"])
         self.allocated = int(s["allocated_bytes.all.current"])
         self.seeded = (self.reserved, self.allocated)  # after the seed, the state the replay starts from
+        self.ooms = 0  # the replay's own refusals
 
     def __call__(self, ev: tuple) -> None:
         kind, size = ev[1], ev[3]
@@ -60,6 +61,8 @@ class _Books:
             self.allocated += size
         elif kind == "free" or kind == "free_movable":
             self.allocated -= size
+        elif kind == "oom":
+            self.ooms += 1
 
 
 def replay_pool(
@@ -96,11 +99,12 @@ def replay_pool(
         samples, peak_sampled = 1, True
     tl_res = np.zeros(n if timeline else 0, np.int64)
     tl_alloc = np.zeros(n if timeline else 0, np.int64)
+    tl_oom = np.zeros(n if timeline else 0, np.int64)  # the replay's own OOMs in each event
     bar = progress_bar(n - seeded, progress, "replay (pool engine)")
     t0 = time.perf_counter()
     for i in range(seeded, n):
         k = kind[i]
-        peak0 = books.peak
+        peak0, ooms0 = books.peak, books.ooms
         if k == code["alloc"] or k == code["free"]:
             held = live.pop(addr[i], None)
             if held is not None:
@@ -163,7 +167,7 @@ def replay_pool(
                 tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
         if timeline:
-            tl_res[i], tl_alloc[i] = books.reserved, books.allocated
+            tl_res[i], tl_alloc[i], tl_oom[i] = books.reserved, books.allocated, books.ooms - ooms0
         res, alloc = books.reserved, books.allocated
         f = (res - alloc) / res if res else 0.0
         if books.peak > peak0:
@@ -194,7 +198,7 @@ def replay_pool(
         segment_allocs=int(s["num_device_alloc"]), segment_frees=int(s["num_device_free"]),
         unmatched_frees=unmatched, seeded_blocks=seeded_blocks(trace, seeded), history=has_history(trace),
         capacity=pool_capacity(pool), seconds=seconds, warnings=warnings,
-        timeline={"reserved": tl_res, "allocated": tl_alloc} if timeline else None,
+        timeline={"reserved": tl_res, "allocated": tl_alloc, "ooms": tl_oom} if timeline else None,
     )
     return result, pool, live
 

@@ -7,9 +7,12 @@ equal the recording's (``tests/test_replay.py`` holds the replay to that); the
 segments' addresses are the replay's own, and a trace that started mid-run
 starts from its recorded live state.  Traces with movable buffers are replayed
 by the pool engine, the only one that compacts and spills.  Compactions,
-moves, spills, restores and OOMs are marked at their recorded times.  The
-segment map shows the pool at its peak reserved moment, where fragmentation
-costs the most.
+moves, spills, restores and OOMs are marked at their recorded times, and the
+replay's own OOMs where it ran out (a marker of their own: a replay on a smaller
+device runs out where the recording did not).  The segment map shows the pool
+at its peak reserved moment, where fragmentation costs the most; the figure
+grows with the segments it lists, so that their labels never overlap.  Its
+colours are ``cupool._palette``'s, as the Jupyter map's are.
 
 A snapshot with no history (a still picture: only the blocks alive when it was
 taken) has no curves to draw; its figure shows what the pool held instead, and
@@ -28,14 +31,24 @@ from typing import Any
 import numpy as np
 
 from .._files import atomic_output
+from .._palette import BLOCKS, RESERVED
 from .._units import format_bytes
+from .._words import count
 from ..trace import Trace
 from .config import VMM_KEYS, recorded_on_vmm
 from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
 
-_MARKED = {"oom": ("tab:red", "x"), "move_in": ("tab:purple", "|"), "compact": ("tab:purple", "v"),
-           "spill": ("tab:orange", "v"), "restore": ("tab:green", "^")}
+#: Recorded events marked on the memory curve: (colour, marker, legend label).
+_MARKED = {"oom": ("tab:red", "x", "OOM, recorded"), "move_in": ("tab:purple", "|", "move"),
+           "compact": ("tab:purple", "v", "compact"), "spill": ("tab:orange", "v", "spill"),
+           "restore": ("tab:green", "^", "restore")}
+#: The replay's own OOMs: a hollow ring, so that one where the recording also ran out shows both.
+_REPLAY_OOM = ("tab:red", "o", "OOM in this replay")
 _MAX_SEGMENTS_SHOWN = 48
+#: Inches: each row of the segment map (its label needs about 0.12 at 7 points), the map's
+#: title and axis around its rows, and the panels above it.
+_ROW_IN, _MAP_FRAME_IN, _MAP_MIN_IN = 0.17, 1.0, 3.9
+_MEMORY_IN, _FRAGMENTATION_IN, _STILL_IN, _TITLE_IN = 2.9, 1.9, 1.5, 0.5
 
 
 @dataclass
@@ -46,7 +59,8 @@ class ReportData:
     carries no times (``x_label`` says which).  ``reserved`` and ``allocated``
     are the replay's bytes after each event, and ``fragmentation`` is
     (reserved - allocated) / reserved (0 where nothing is reserved).
-    ``marks`` maps a marked kind to the indices of its events.  ``segments``
+    ``marks`` maps a marked kind to the indices of its events; ``replay_ooms``
+    holds the indices of the events where the replay itself ran out.  ``segments``
     is ``layout`` after event ``peak_index``: the peak reserved moment, or for
     a still picture (``still``) the moment the snapshot was taken.
     """
@@ -60,6 +74,7 @@ class ReportData:
     allocated: np.ndarray
     fragmentation: np.ndarray
     marks: dict[str, np.ndarray]
+    replay_ooms: np.ndarray
     peak_index: int
     segments: list[dict[str, Any]]
 
@@ -102,8 +117,9 @@ def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportDat
         # state after the seed: the map is drawn no earlier than that.
         peak = max(int(np.argmax(reserved)), _seed_events(trace) - 1)
     segments = layout(trace, config, stop=peak + 1, engine=engine) if n else []
-    return ReportData(result.as_dict(), engine, still, x, x_label, reserved, allocated, frag, marks, max(peak, 0),
-                      segments)
+    replay_ooms = np.flatnonzero(tl["ooms"])
+    return ReportData(result.as_dict(), engine, still, x, x_label, reserved, allocated, frag, marks, replay_ooms,
+                      max(peak, 0), segments)
 
 
 def _settings(trace: Trace, config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -134,18 +150,20 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     from matplotlib.figure import Figure  # not pyplot: the caller's backend and figures are left alone
 
     data = report_data(trace, config)
-    fig = Figure(figsize=(11, 10), layout="constrained")
+    rows = min(len(data.segments), _MAX_SEGMENTS_SHOWN)
+    heights = [_STILL_IN] if data.still else [_MEMORY_IN, _FRAGMENTATION_IN]
+    heights.append(max(_MAP_MIN_IN, _MAP_FRAME_IN + rows * _ROW_IN))  # rows never squeezed below their labels
+    fig = Figure(figsize=(11, sum(heights) + _TITLE_IN), layout="constrained")
     title = Path(trace.source).name or "trace"
     vmm = data.summary["config"].get("expandable_segments")
     kind = {True: ", expandable segments", False: ", plain segments"}.get(vmm, "")
-    fig.suptitle(f"{title}: {len(trace)} events ({trace.format}), replayed on the sim device "
+    fig.suptitle(f"{title}: {count(len(trace), 'event')} ({trace.format}), replayed on the sim device "
                  f"({data.engine} engine{kind})", fontsize=12)
+    gs = fig.add_gridspec(len(heights), 1, height_ratios=heights)
     if data.still:
-        gs = fig.add_gridspec(2, 1, height_ratios=[0.6, 2.4])
         _still_panel(fig.add_subplot(gs[0]), data)
         when = "when the snapshot was taken"
     else:
-        gs = fig.add_gridspec(3, 1, height_ratios=[1.2, 0.8, 1.6])
         ax1 = fig.add_subplot(gs[0])
         _memory_panel(ax1, trace, data)
         _fragmentation_panel(fig.add_subplot(gs[1], sharex=ax1), data)
@@ -161,19 +179,24 @@ def _memory_panel(ax: Any, trace: Trace, data: ReportData) -> None:
     s = data.summary
     scale, unit = _unit(max(s["peak_reserved"], 1))
     x = data.x
-    ax.step(x, data.reserved / scale, where="post", color="tab:blue", label="reserved")
-    ax.step(x, data.allocated / scale, where="post", color="tab:green", label="allocated")
-    ax.fill_between(x, data.allocated / scale, data.reserved / scale, step="post", color="tab:blue", alpha=0.12,
-                    label="reserved, not allocated")
+    ax.step(x, data.reserved / scale, where="post", color=RESERVED, label="reserved")
+    ax.step(x, data.allocated / scale, where="post", color=BLOCKS["allocated"], label="allocated")
+    ax.fill_between(x, data.allocated / scale, data.reserved / scale, step="post", color=BLOCKS["free"],
+                    label="reserved, not allocated")  # free space in segments: the map's free colour
     for kind, idx in data.marks.items():
-        color, marker = _MARKED[kind]
+        color, marker, label = _MARKED[kind]
         ax.scatter(x[idx], data.reserved[idx] / scale, color=color, marker=marker, s=40, zorder=3,
-                   label=f"{'move' if kind == 'move_in' else kind} ({len(idx)})")
+                   label=f"{label} ({len(idx)})")
+    if len(data.replay_ooms):
+        color, marker, label = _REPLAY_OOM
+        idx = data.replay_ooms
+        ax.scatter(x[idx], data.reserved[idx] / scale, facecolors="none", edgecolors=color, marker=marker, s=90,
+                   linewidths=1.5, zorder=4, label=f"{label} ({len(idx)})")
     if len(x):
         ax.axvline(x[data.peak_index], color="grey", ls=":", lw=1)
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(f"peak reserved {format_bytes(s['peak_reserved'])}, peak allocated "
-                 f"{format_bytes(s['peak_allocated'])}, {s['ooms']} OOM(s)", fontsize=10)
+                 f"{format_bytes(s['peak_allocated'])}, {count(s['ooms'], 'OOM')} in this replay", fontsize=10)
     ax.set_ylim(0, 1.3 * max(s["peak_reserved"], 1) / scale)  # headroom for the legend
     ax.legend(loc="upper left", fontsize=8, ncols=4, framealpha=0.9)
     ax.grid(alpha=0.3)
@@ -199,8 +222,8 @@ def _still_panel(ax: Any, data: ReportData) -> None:
     allocated = data.mapped_allocated
     holes = [size for seg in data.segments for _, size, alloc in seg["blocks"] if not alloc]
     scale, unit = _unit(max(reserved, 1))
-    rows = [("reserved", reserved, "tab:blue"), ("allocated", allocated, "tab:green"),
-            ("free", reserved - allocated, "0.6"), ("largest free block", max(holes, default=0), "0.75")]
+    rows = [("reserved", reserved, RESERVED), ("allocated", allocated, BLOCKS["allocated"]),
+            ("free", reserved - allocated, BLOCKS["free"]), ("largest free block", max(holes, default=0), "0.75")]
     for i, (label, value, color) in enumerate(rows):
         ax.barh(i, value / scale, color=color)
         ax.text(value / scale, i, f"  {format_bytes(value)}", va="center", fontsize=9)
@@ -209,8 +232,8 @@ def _still_panel(ax: Any, data: ReportData) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.15 * max(reserved, 1) / scale)  # room for the numbers
     ax.set_xlabel(f"memory ({unit})")
-    ax.set_title(f"no history: this snapshot records only the {data.live_blocks} blocks alive when it was taken, "
-                 f"in {len(data.segments)} segments; fragmentation "
+    ax.set_title(f"no history: this snapshot records only the {count(data.live_blocks, 'block')} alive when it "
+                 f"was taken, in {count(len(data.segments), 'segment')}; fragmentation "
                  f"{data.summary['fragmentation_at_peak']:.3f}", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
 
@@ -224,17 +247,18 @@ def _segment_map(ax: Any, segs: list[dict[str, Any]], when: str) -> None:
     for row, seg in enumerate(shown):
         used = [(off / scale, size / scale) for off, size, alloc in seg["blocks"] if alloc]
         free = [(off / scale, size / scale) for off, size, alloc in seg["blocks"] if not alloc]
-        ax.broken_barh(free, (row - 0.4, 0.8), facecolors="0.85", edgecolors="white", linewidth=0.5)
-        ax.broken_barh(used, (row - 0.4, 0.8), facecolors="tab:green", edgecolors="white", linewidth=0.5)
+        ax.broken_barh(free, (row - 0.4, 0.8), facecolors=BLOCKS["free"], edgecolors="white", linewidth=0.5)
+        ax.broken_barh(used, (row - 0.4, 0.8), facecolors=BLOCKS["allocated"], edgecolors="white", linewidth=0.5)
     ax.set_yticks(range(len(shown)))
     ax.set_yticklabels([f"{s['kind'][0]} {format_bytes(s['size'])}" for s in shown],
                        fontsize=7 if len(shown) > 16 else 8)
     ax.invert_yaxis()
     ax.set_xlabel(f"offset in segment ({unit})")
     extra = f" (the {len(shown)} largest of {len(segs)})" if len(segs) > len(shown) else ""
-    ax.set_title(f"segment map {when}: {len(segs)} segments{extra}; s = small pool, l = large pool", fontsize=10)
+    ax.set_title(f"segment map {when}: {count(len(segs), 'segment')}{extra}; s = small pool, l = large pool",
+                 fontsize=10)
     # Outside the axes, on the right: inside, it would hide the end of some segment.
-    ax.legend(handles=[Patch(color="tab:green", label="allocated"), Patch(color="0.85", label="free")],
+    ax.legend(handles=[Patch(color=BLOCKS["allocated"], label="allocated"), Patch(color=BLOCKS["free"], label="free")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
 
