@@ -23,13 +23,15 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 try:
     import click
@@ -81,8 +83,9 @@ class _Installed:
 _lock = threading.Lock()  # guards _installed and _retired: setups of in-process workers may race
 _installed: _Installed | None = None
 #: Pools closed (replaced or torn down) while arrays still held their memory: reported by ``stats``
-#: until the last of those arrays dies (Note [Lifetimes]).
-_retired: list[Pool] = []
+#: until the last of those arrays dies.  Held weakly: the arrays keep their pool alive, and nothing
+#: else may (Note [Lifetimes]), or its spill file and host memory would outlive its last array.
+_retired: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 class CupoolSetup(WorkerPlugin):
@@ -242,7 +245,7 @@ def _retire(pool: Pool) -> None:
         uninstall()
     pool.close()
     if pool.stats()["reserved_bytes.all.current"]:
-        _retired.append(pool)
+        _retired.add(pool)
 
 
 def _current() -> _Installed:
@@ -295,12 +298,11 @@ class ClusterStats:
 
 def _worker_stats() -> tuple[str, dict[str, int | float]]:
     current = _current()
-    figures = current.pool.stats()
+    figures = cast(dict[str, int | float], current.pool.stats())  # a plain dict, given two more figures
     with _lock:
-        old = [(p, p.stats()) for p in _retired]
-        _retired[:] = [p for p, f in old if f["reserved_bytes.all.current"]]  # all back: forget the pool
-    figures["retired_allocated_bytes"] = sum(int(f["allocated_bytes.all.current"]) for _, f in old)
-    figures["retired_reserved_bytes"] = sum(int(f["reserved_bytes.all.current"]) for _, f in old)
+        old = [p.stats() for p in list(_retired)]
+    figures["retired_allocated_bytes"] = sum(f["allocated_bytes.all.current"] for f in old)
+    figures["retired_reserved_bytes"] = sum(f["reserved_bytes.all.current"] for f in old)
     return current.token, figures
 
 
@@ -522,13 +524,26 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
         raise click.UsageError(f"--preload cupool.dask: {e}") from e
 
 
-@click.command(name="dask_setup", cls=_SetupCommand)
+#: The help of ``dask_setup``'s options as a command (``python -m cupool.dask --help``).
+PRELOAD_HELP = """Set up a cupool pool in each Dask worker, from the worker's command line:
+
+\b
+    dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%
+
+The options are those of cupool.dask.CupoolSetup (--cupool-NAME for its NAME).
+Sizes are bytes, a unit (20GiB) or a share of the device (80%). Bad options stop
+dask worker before any worker starts; a worker that cannot make its pool says why,
+once, and exits with status 1. Given options without --help, this command checks
+them and prints the setup they describe; it starts nothing."""
+
+
+@click.command(name="dask_setup", cls=_SetupCommand, help=PRELOAD_HELP)
 @click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
 @click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
 @click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept.")
 @click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back.")
 @click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only).")
-@click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact above it.")
+@click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact when fragmentation is above it.")
 @click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
               help="Grow segments in place (default: Pool's, on where the device has virtual memory).")
 @click.option("--cupool-stitch/--no-cupool-stitch", default=None,
@@ -539,25 +554,80 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
 async def dask_setup(worker: Worker, **params: Any) -> None:
     """``dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%``: the worker's pool from its command line.
 
-    The options are ``CupoolSetup``'s (``--cupool-NAME`` for its ``NAME``), and
-    the pool is set up as that plugin, under its name: a ``CupoolSetup``
-    registered later from a client keeps it when identical, and replaces it
-    otherwise.  Bad options stop ``dask worker`` with a usage error before any
-    worker starts.  What only the worker can find wrong (no GPU for
-    ``--cupool-device cuda``) closes the worker, naming it: distributed would
-    otherwise log a failed preload and let the worker run without its pool.
+    The options are ``CupoolSetup``'s (``--cupool-NAME`` for its ``NAME``;
+    ``python -m cupool.dask --help`` lists them), and the pool is set up as
+    that plugin, under its name: a ``CupoolSetup`` registered later from a
+    client keeps it when identical, and replaces it otherwise.  Bad options stop
+    ``dask worker`` with a usage error before any worker starts.
+
+    What only the worker can find wrong (no GPU for ``--cupool-device cuda``)
+    is said once, in one line, and the worker does not run without its pool:
+    a worker process of its own (``dask worker``, or one a nanny started) exits
+    with status 1, which fails ``dask worker`` (a nanny's start fails with it,
+    and it does not restart the worker); a worker inside another program is
+    closed, naming why.
+    The pool is made here before it is registered with the worker: distributed
+    logs a failed plugin's traceback, then the failed preload's, so the
+    registration comes only once the pool stands (``setup`` is then a no-op).
     """
     plugin = _setup_from(params)
     try:
-        await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
-    except Exception as e:
+        plugin.setup(worker)
+    except Exception as e:  # noqa: BLE001 - whatever stops the pool stops the worker, told once
         reason = f"--preload cupool.dask: this worker cannot make its pool: {e}"
         logger.error("%s; closing the worker", reason)
+        if getattr(worker, "nanny", None):
+            # A nanny's child process: one that ends before reporting its start is a failed start to the
+            # nanny, which then fails (and does not restart it).  Its start protocol is left mid-way, so no
+            # interpreter shutdown: that would trip on the protocol's queue and print its traceback.
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
+        if _is_dask_worker_command():
+            raise SystemExit(1) from None  # not an Exception: distributed's preloads would log it and go on
         worker.loop.add_callback(_close_once_started, worker, reason)
-        raise
+        return
+    await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+
+
+def _is_dask_worker_command() -> bool:
+    """Whether this process is the ``dask worker`` command (so a worker without a nanny is the whole process)."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(main, "name", None) == "distributed.cli.dask_worker" or Path(sys.argv[0]).name in (
+        "dask-worker", "dask")
 
 
 async def _close_once_started(worker: Worker, reason: str) -> None:
     """Close ``worker`` after its start (in progress: it runs the preloads) ends; close() skips one starting."""
     await worker.start()  # waits on the start in progress, then returns at once
     await worker.close(reason=reason)
+
+
+#: The name ``python -m cupool.dask`` gives ``dask_setup`` in its usage lines.
+PROG = "python -m cupool.dask"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cupool.dask [OPTIONS]``: the preload's options, with their help, and a check of some.
+
+    ``dask worker --help`` cannot show a preload's options (the preload reads
+    them only once a worker starts), so they are listed here.  With options and
+    no ``--help``, they are checked as ``dask worker`` would check them, and the
+    setup they describe is printed; nothing is started.  Returns the exit status
+    (0, or 2 for a usage error, as ``dask worker``'s).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        with dask_setup.make_context(PROG, list(args) or ["--help"]) as ctx:
+            setup = _setup_from(ctx.params)
+    except click.exceptions.Exit as e:  # --help: printed
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    click.echo(f"dask worker SCHEDULER --preload cupool.dask {' '.join(args)}\n  sets up {setup!r} in each worker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

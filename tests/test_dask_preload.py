@@ -141,9 +141,38 @@ def test_a_bad_option_stops_dask_worker_before_it_starts():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the worker must lack a GPU for --cupool-device cuda to fail there")
-def test_a_worker_that_cannot_make_its_pool_closes_naming_why(scheduler):
+@pytest.mark.parametrize("nanny", [False, True], ids=["no-nanny", "nanny"])
+def test_a_worker_that_cannot_make_its_pool_says_why_once_and_fails(scheduler, nanny):
+    """It printed the same traceback three times (the plugin's, the preload's, the worker's) and exited 0."""
     start = time.monotonic()
-    r = subprocess.run(_worker_command(scheduler, "--cupool-device", "cuda", nanny=False), capture_output=True,
+    r = subprocess.run(_worker_command(scheduler, "--cupool-device", "cuda", nanny=nanny), capture_output=True,
                        text=True, timeout=LIMIT, check=False)
-    assert "this worker cannot make its pool: device='cuda', but no usable CUDA GPU" in r.stderr
-    assert "End worker" in r.stderr and time.monotonic() - start < LIMIT
+    reason = "this worker cannot make its pool: device='cuda', but no usable CUDA GPU"
+    assert r.stderr.count(reason) == 1, r.stderr[-4000:]
+    assert r.stderr.count("no usable CUDA GPU") == 1, r.stderr[-4000:]  # no traceback repeats it
+    assert "cupool/" not in r.stderr, r.stderr[-4000:]  # nor shows cupool's frames
+    assert r.returncode != 0, r.stderr[-4000:]
+    assert "End worker" in r.stderr and "Restarting worker" not in r.stderr and time.monotonic() - start < LIMIT
+
+
+def test_every_preload_option_has_help_and_python_m_cupool_dask_lists_it():
+    """``python -m cupool.dask --help`` printed nothing: ``dask worker --help`` cannot show a preload's options."""
+    options = [p for p in cdask.dask_setup.params if isinstance(p, click.Option) and p.name != "help"]
+    assert len(options) >= 11
+    for option in options:
+        assert option.help and len(option.help) > 10, option.opts
+    r = subprocess.run([sys.executable, "-m", "cupool.dask", "--help"], capture_output=True, text=True,
+                       timeout=LIMIT, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "--preload cupool.dask" in r.stdout
+    for option in options:
+        for name in (*option.opts, *option.secondary_opts):
+            assert name in r.stdout, name
+        assert " ".join(option.help.split()[:3]) in " ".join(r.stdout.split()), option.help
+    # Options given are checked as dask worker checks them, and nothing is started.
+    ok = subprocess.run([sys.executable, "-m", "cupool.dask", "--cupool-device", "sim", "--cupool-max-size", "50%"],
+                        capture_output=True, text=True, timeout=LIMIT, check=False)
+    assert ok.returncode == 0 and "CupoolSetup('sim', max_size='50%')" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "cupool.dask", "--cupool-max-size", "lots"], capture_output=True,
+                         text=True, timeout=LIMIT, check=False)
+    assert bad.returncode == 2 and "cannot parse 'lots' as a size" in bad.stderr, bad.stderr
