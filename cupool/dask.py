@@ -5,7 +5,8 @@
 installs it (``cupool.install``) for CuPy and Numba, so every task's arrays come
 from its worker's pool.  ``dask worker ... --preload cupool.dask --cupool-max-size 80%``
 sets the same up from the command line (``dask_setup``).  ``stats``,
-``empty_cache`` and ``record`` reach every worker through ``Client.run``.  Needs
+``empty_cache`` and ``record`` reach every worker through ``Client.run``.
+``python -m cupool.dask --help`` lists the preload's options.  Needs
 ``distributed`` (``pip install "cupool[dask]"``); ``import cupool`` never imports
 this module.
 
@@ -41,11 +42,12 @@ except ImportError as e:  # pragma: no cover - exercised only where distributed 
     raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
 
 from ._dask_arguments import (  # after distributed: it needs click, which comes with distributed
-    SIZE,
+    PRELOAD_HELP,
     WORKER_FIELD,
     check_pool_arguments,
     pool_defaults,
     pool_keywords,
+    preload_options,
     spill_template,
 )
 from ._units import parse_size
@@ -524,51 +526,19 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
         raise click.UsageError(f"--preload cupool.dask: {e}") from e
 
 
-#: The help of ``dask_setup``'s options as a command (``python -m cupool.dask --help``).
-PRELOAD_HELP = """Set up a cupool pool in each Dask worker, from the worker's command line:
-
-\b
-    dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%
-
-The options are those of cupool.dask.CupoolSetup (--cupool-NAME for its NAME).
-Sizes are bytes, a unit (20GiB) or a share of the device (80%). Bad options stop
-dask worker before any worker starts; a worker that cannot make its pool says why,
-once, and exits with status 1. Given options without --help, this command checks
-them and prints the setup they describe; it starts nothing."""
-
-
 @click.command(name="dask_setup", cls=_SetupCommand, help=PRELOAD_HELP)
-@click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
-@click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
-@click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept.")
-@click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back.")
-@click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only).")
-@click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact when fragmentation is above it.")
-@click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
-              help="Grow segments in place (default: Pool's, on where the device has virtual memory).")
-@click.option("--cupool-stitch/--no-cupool-stitch", default=None,
-              help="Stitch holes of expandable segments (default: Pool's, on with expandable segments).")
-@click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
-@click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports).")
-@click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba.")
+@preload_options
 async def dask_setup(worker: Worker, **params: Any) -> None:
-    """``dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%``: the worker's pool from its command line.
+    """The worker's pool from its command line, set up as a ``CupoolSetup`` under that plugin's name.
 
-    The options are ``CupoolSetup``'s (``--cupool-NAME`` for its ``NAME``;
-    ``python -m cupool.dask --help`` lists them), and the pool is set up as
-    that plugin, under its name: a ``CupoolSetup`` registered later from a
-    client keeps it when identical, and replaces it otherwise.  Bad options stop
-    ``dask worker`` with a usage error before any worker starts.
-
-    What only the worker can find wrong (no GPU for ``--cupool-device cuda``)
-    is said once, in one line, and the worker does not run without its pool:
-    a worker process of its own (``dask worker``, or one a nanny started) exits
-    with status 1, which fails ``dask worker`` (a nanny's start fails with it,
-    and it does not restart the worker); a worker inside another program is
-    closed, naming why.
-    The pool is made here before it is registered with the worker: distributed
-    logs a failed plugin's traceback, then the failed preload's, so the
-    registration comes only once the pool stands (``setup`` is then a no-op).
+    A ``CupoolSetup`` registered later keeps it when identical, and replaces it
+    otherwise.  Bad options are a usage error before any worker starts
+    (``_SetupCommand``).  What only the worker can find wrong (no GPU) is said
+    once and stops the worker: a process of its own (``dask worker``, or a
+    nanny's child, whose nanny then fails rather than restarting it) exits with
+    status 1; a worker inside another program is closed.  The pool is made
+    before the plugin is registered: distributed would log a failed plugin's
+    traceback, then the failed preload's (registering is then a no-op setup).
     """
     plugin = _setup_from(params)
     try:
@@ -608,14 +578,8 @@ PROG = "python -m cupool.dask"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cupool.dask [OPTIONS]``: the preload's options, with their help, and a check of some.
-
-    ``dask worker --help`` cannot show a preload's options (the preload reads
-    them only once a worker starts), so they are listed here.  With options and
-    no ``--help``, they are checked as ``dask worker`` would check them, and the
-    setup they describe is printed; nothing is started.  Returns the exit status
-    (0, or 2 for a usage error, as ``dask worker``'s).
-    """
+    """``python -m cupool.dask [OPTIONS]``: the preload's options and their help (``dask worker --help`` cannot
+    show a preload's); given options are checked as ``dask worker`` checks them, and nothing starts."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         with dask_setup.make_context(PROG, list(args) or ["--help"]) as ctx:

@@ -15,6 +15,8 @@ distributed = pytest.importorskip("distributed", reason="cupool.dask needs distr
 
 cloudpickle = pytest.importorskip("cloudpickle", reason="distributed ships functions with cloudpickle")
 
+from distributed.core import Status
+
 from conftest import HAS_GPU
 
 import cupool
@@ -90,21 +92,33 @@ def test_bad_options_are_refused_as_the_command_line_is_read(options, message):
 
 
 class _Worker:
-    """Takes the plugin that ``dask_setup`` adds, as ``Worker.plugin_add`` would."""
+    """Takes the plugin that ``dask_setup`` adds, as ``Worker.plugin_add`` would (its pool is made in this process)."""
+
+    address = "tcp://127.0.0.1:1"
+    status = Status.closed  # so that a teardown closes the pool at once
+    nanny = None
 
     def __init__(self) -> None:
         self.plugins: dict[str, cdask.CupoolSetup] = {}
 
     async def plugin_add(self, plugin: cdask.CupoolSetup, name: str, catch_errors: bool) -> None:
+        plugin.setup(self)
         self.plugins[name] = plugin
 
 
+#: The preload's hooks are left off in this process (``_preload_plugin``), and so in the setups it is compared with.
+NO_HOOKS = {"cupy": False, "numba": False}
+
+
 def _preload_plugin(*options: str) -> cdask.CupoolSetup:
-    """The plugin that ``--preload cupool.dask`` with ``options`` sets up in a worker."""
-    ctx = cdask.dask_setup.make_context("dask_setup", list(options))
+    """The plugin that ``--preload cupool.dask`` with ``options`` sets up in a worker (then torn down)."""
+    ctx = cdask.dask_setup.make_context("dask_setup", [*options, "--no-cupool-cupy", "--no-cupool-numba"])
     worker = _Worker()
     asyncio.run(cdask.dask_setup.callback(worker, **ctx.params))
-    return worker.plugins["cupool"]
+    plugin = worker.plugins["cupool"]
+    assert cdask.worker_pool().closed is False
+    plugin.teardown(worker)
+    return plugin
 
 
 def test_a_preload_without_segment_options_builds_pool_s_defaults():
@@ -113,7 +127,7 @@ def test_a_preload_without_segment_options_builds_pool_s_defaults():
     replaced the preload's pool)."""
     sim = ("--cupool-device", "sim", "--cupool-capacity", "64MiB")
     plugin = _preload_plugin(*sim)
-    assert plugin.key == cdask.CupoolSetup("sim", capacity="64MiB").key
+    assert plugin.key == cdask.CupoolSetup("sim", capacity="64MiB", **NO_HOOKS).key
     pool = plugin.make_pool("w")
     try:
         with cupool.Pool("sim", capacity="64MiB") as default:
@@ -122,11 +136,11 @@ def test_a_preload_without_segment_options_builds_pool_s_defaults():
     finally:
         pool.close()
     # The same sizes written another way are the same setup (once, "64MiB" and 64 << 20 were not).
-    assert plugin.key == cdask.CupoolSetup("sim", capacity=64 << 20).key
+    assert plugin.key == cdask.CupoolSetup("sim", capacity=64 << 20, **NO_HOOKS).key
     assert cdask.CupoolSetup("sim", max_size="1GiB").key == cdask.CupoolSetup("sim", max_size="1024 MiB").key
     assert cdask.CupoolSetup("sim", max_size="50%").key != cdask.CupoolSetup("sim", max_size="1GiB").key
     plain = _preload_plugin(*sim, "--no-cupool-expandable-segments")
-    assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False).key
+    assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False, **NO_HOOKS).key
     assert plain.key != plugin.key
 
 
