@@ -10,7 +10,9 @@ pool's ``stats()`` keys that torch's helpers read (``allocated_bytes.all.current
 and so on), so the two agree by construction.
 
 ``device`` is as in torch: None (the current device), an index, or a string
-``"cuda:N"`` / ``"sim:N"`` (``"cuda"`` / ``"sim"``: the current device).  The
+``"cuda:N"`` / ``"sim:N"`` (``"cuda"`` / ``"sim"``: the current device), read
+as ``Pool`` reads it (``cupool.device.split_device``: N in ASCII digits, a bad
+string a ``DeviceNameError`` naming it; ``memory_summary`` reads it too).  The
 string's kind must be the kind of device the pool lives on, so code that names
 ``"cuda:0"`` on a machine without a GPU is told, not silently answered for sim.
 

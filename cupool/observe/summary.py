@@ -53,6 +53,7 @@ def memory_summary(
     rows.  Returns the text; print it.
     """
     stats: Mapping[str, object]
+    strict = True  # a figure missing from given stats is an error; a device without a pool has none yet
     if isinstance(device, Pool):
         stats, name = device.stats(), device.device.name
     elif isinstance(device, Mapping):
@@ -61,7 +62,7 @@ def memory_summary(
         pool = existing_device_pool(device, "memory_summary")
         if pool is None:
             index = device_index(device, "memory_summary")
-            stats, name = {}, f"{current_device() if index is None else index} (no pool yet)"
+            stats, name, strict = {}, f"{current_device() if index is None else index} (no pool yet)", False
         else:
             stats, name = pool.stats(), pool.device.name
     else:
@@ -69,7 +70,7 @@ def memory_summary(
             "memory_summary() takes a device (None, an index or 'cuda:N' / 'sim:N'), a cupool.Pool or its "
             f"stats() dict, got {type(device).__name__}"
         )
-    get = _reader(stats, strict=bool(stats))
+    get = _reader(stats, strict)
     lines = [
         "=" * WIDTH,
         f"{'cupool memory summary, device ' + name:^{WIDTH}}",
