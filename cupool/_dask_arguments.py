@@ -10,8 +10,9 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -19,8 +20,8 @@ from ._units import parse_size
 from .device import SimDevice, parse_device
 from .pool import Pool
 
-__all__ = ["GPU_STAND_IN", "SIZE", "WORKER_FIELD", "check_pool_arguments", "pool_defaults", "pool_keywords",
-           "spill_template"]
+__all__ = ["GPU_STAND_IN", "PRELOAD_HELP", "SIZE", "WORKER_FIELD", "check_pool_arguments", "pool_defaults",
+           "pool_keywords", "preload_options", "spill_template"]
 
 #: The sim device a GPU configuration is checked against on the client: larger than
 #: any GPU, so that a percentage never makes an absolute size look too big there.
@@ -114,3 +115,42 @@ class _Size(click.ParamType):
 
 #: The click type of ``--cupool-*-size`` options.
 SIZE = _Size()
+
+
+#: The help of the preload as a command (``python -m cupool.dask --help``): ``dask worker --help``
+#: cannot show a preload's options, which distributed reads only as a worker starts.
+PRELOAD_HELP = """Set up a cupool pool in each Dask worker, from the worker's command line:
+
+\b
+    dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%
+
+The options are those of cupool.dask.CupoolSetup (--cupool-NAME for its NAME).
+Sizes are bytes, a unit (20GiB) or a share of the device (80%). Bad options stop
+dask worker before any worker starts; a worker that cannot make its pool says why,
+once, and exits with status 1. Given options without --help, this command checks
+them and prints the setup they describe; it starts nothing."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def preload_options(f: _F) -> _F:
+    """The preload's ``--cupool-NAME`` options, each with its help, on ``cupool.dask.dask_setup``."""
+    options = [
+        click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'."),
+        click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes."),
+        click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept."),
+        click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back."),
+        click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only)."),
+        click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True),
+                     help="Compact when fragmentation is above it."),
+        click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
+                     help="Grow segments in place (default: Pool's, on where the device has virtual memory)."),
+        click.option("--cupool-stitch/--no-cupool-stitch", default=None,
+                     help="Stitch holes of expandable segments (default: Pool's, on with expandable segments)."),
+        click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it."),
+        click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports)."),
+        click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba."),
+    ]
+    for option in reversed(options):  # as stacked decorators apply them: the first listed is the first shown
+        f = option(f)
+    return f

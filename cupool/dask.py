@@ -5,7 +5,8 @@
 installs it (``cupool.install``) for CuPy and Numba, so every task's arrays come
 from its worker's pool.  ``dask worker ... --preload cupool.dask --cupool-max-size 80%``
 sets the same up from the command line (``dask_setup``).  ``stats``,
-``empty_cache`` and ``record`` reach every worker through ``Client.run``.  Needs
+``empty_cache`` and ``record`` reach every worker through ``Client.run``.
+``python -m cupool.dask --help`` lists the preload's options.  Needs
 ``distributed`` (``pip install "cupool[dask]"``); ``import cupool`` never imports
 this module.
 
@@ -23,13 +24,15 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 try:
     import click
@@ -39,11 +42,12 @@ except ImportError as e:  # pragma: no cover - exercised only where distributed 
     raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
 
 from ._dask_arguments import (  # after distributed: it needs click, which comes with distributed
-    SIZE,
+    PRELOAD_HELP,
     WORKER_FIELD,
     check_pool_arguments,
     pool_defaults,
     pool_keywords,
+    preload_options,
     spill_template,
 )
 from ._units import parse_size
@@ -81,8 +85,9 @@ class _Installed:
 _lock = threading.Lock()  # guards _installed and _retired: setups of in-process workers may race
 _installed: _Installed | None = None
 #: Pools closed (replaced or torn down) while arrays still held their memory: reported by ``stats``
-#: until the last of those arrays dies (Note [Lifetimes]).
-_retired: list[Pool] = []
+#: until the last of those arrays dies.  Held weakly: the arrays keep their pool alive, and nothing
+#: else may (Note [Lifetimes]), or its spill file and host memory would outlive its last array.
+_retired: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 class CupoolSetup(WorkerPlugin):
@@ -242,7 +247,7 @@ def _retire(pool: Pool) -> None:
         uninstall()
     pool.close()
     if pool.stats()["reserved_bytes.all.current"]:
-        _retired.append(pool)
+        _retired.add(pool)
 
 
 def _current() -> _Installed:
@@ -295,12 +300,11 @@ class ClusterStats:
 
 def _worker_stats() -> tuple[str, dict[str, int | float]]:
     current = _current()
-    figures = current.pool.stats()
+    figures = cast(dict[str, int | float], current.pool.stats())  # a plain dict, given two more figures
     with _lock:
-        old = [(p, p.stats()) for p in _retired]
-        _retired[:] = [p for p, f in old if f["reserved_bytes.all.current"]]  # all back: forget the pool
-    figures["retired_allocated_bytes"] = sum(int(f["allocated_bytes.all.current"]) for _, f in old)
-    figures["retired_reserved_bytes"] = sum(int(f["reserved_bytes.all.current"]) for _, f in old)
+        old = [p.stats() for p in list(_retired)]
+    figures["retired_allocated_bytes"] = sum(f["allocated_bytes.all.current"] for f in old)
+    figures["retired_reserved_bytes"] = sum(f["reserved_bytes.all.current"] for f in old)
     return current.token, figures
 
 
@@ -522,42 +526,72 @@ def _setup_from(params: dict[str, Any]) -> CupoolSetup:
         raise click.UsageError(f"--preload cupool.dask: {e}") from e
 
 
-@click.command(name="dask_setup", cls=_SetupCommand)
-@click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
-@click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes.")
-@click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept.")
-@click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back.")
-@click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only).")
-@click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True), help="Compact above it.")
-@click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
-              help="Grow segments in place (default: Pool's, on where the device has virtual memory).")
-@click.option("--cupool-stitch/--no-cupool-stitch", default=None,
-              help="Stitch holes of expandable segments (default: Pool's, on with expandable segments).")
-@click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
-@click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports).")
-@click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba.")
+@click.command(name="dask_setup", cls=_SetupCommand, help=PRELOAD_HELP)
+@preload_options
 async def dask_setup(worker: Worker, **params: Any) -> None:
-    """``dask worker SCHEDULER --preload cupool.dask --cupool-max-size 80%``: the worker's pool from its command line.
+    """The worker's pool from its command line, set up as a ``CupoolSetup`` under that plugin's name.
 
-    The options are ``CupoolSetup``'s (``--cupool-NAME`` for its ``NAME``), and
-    the pool is set up as that plugin, under its name: a ``CupoolSetup``
-    registered later from a client keeps it when identical, and replaces it
-    otherwise.  Bad options stop ``dask worker`` with a usage error before any
-    worker starts.  What only the worker can find wrong (no GPU for
-    ``--cupool-device cuda``) closes the worker, naming it: distributed would
-    otherwise log a failed preload and let the worker run without its pool.
+    A ``CupoolSetup`` registered later keeps it when identical, and replaces it
+    otherwise.  Bad options are a usage error before any worker starts
+    (``_SetupCommand``).  What only the worker can find wrong (no GPU) is said
+    once and stops the worker: a process of its own (``dask worker``, or a
+    nanny's child, whose nanny then fails rather than restarting it) exits with
+    status 1; a worker inside another program is closed.  The pool is made
+    before the plugin is registered: distributed would log a failed plugin's
+    traceback, then the failed preload's (registering is then a no-op setup).
     """
     plugin = _setup_from(params)
     try:
-        await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
-    except Exception as e:
+        plugin.setup(worker)
+    except Exception as e:  # noqa: BLE001 - whatever stops the pool stops the worker, told once
         reason = f"--preload cupool.dask: this worker cannot make its pool: {e}"
         logger.error("%s; closing the worker", reason)
+        if getattr(worker, "nanny", None):
+            # A nanny's child process: one that ends before reporting its start is a failed start to the
+            # nanny, which then fails (and does not restart it).  Its start protocol is left mid-way, so no
+            # interpreter shutdown: that would trip on the protocol's queue and print its traceback.
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
+        if _is_dask_worker_command():
+            raise SystemExit(1) from None  # not an Exception: distributed's preloads would log it and go on
         worker.loop.add_callback(_close_once_started, worker, reason)
-        raise
+        return
+    await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+
+
+def _is_dask_worker_command() -> bool:
+    """Whether this process is the ``dask worker`` command (so a worker without a nanny is the whole process)."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(main, "name", None) == "distributed.cli.dask_worker" or Path(sys.argv[0]).name in (
+        "dask-worker", "dask")
 
 
 async def _close_once_started(worker: Worker, reason: str) -> None:
     """Close ``worker`` after its start (in progress: it runs the preloads) ends; close() skips one starting."""
     await worker.start()  # waits on the start in progress, then returns at once
     await worker.close(reason=reason)
+
+
+#: The name ``python -m cupool.dask`` gives ``dask_setup`` in its usage lines.
+PROG = "python -m cupool.dask"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cupool.dask [OPTIONS]``: the preload's options and their help (``dask worker --help`` cannot
+    show a preload's); given options are checked as ``dask worker`` checks them, and nothing starts."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        with dask_setup.make_context(PROG, list(args) or ["--help"]) as ctx:
+            setup = _setup_from(ctx.params)
+    except click.exceptions.Exit as e:  # --help: printed
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    click.echo(f"dask worker SCHEDULER --preload cupool.dask {' '.join(args)}\n  sets up {setup!r} in each worker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ Charter: this module knows only units; every other module imports its errors fro
 | ``SpillError``, ``CorruptSpillError`` | | a spill tier failed, or gave back other bytes |
 | ``VirtualMemoryUnsupported`` | ``RuntimeError`` | no virtual memory management here |
 | ``VirtualMemoryError`` | ``ValueError`` | a virtual-memory call that breaks its rules (nothing changed) |
+| ``DeviceNameError`` | ``ValueError`` | a device string that is not ``auto``, ``sim[:N]`` or ``cuda[:N]`` |
 
 The second bases keep code written for plain Python (``except MemoryError``,
 ``except ValueError``) working.  ``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
@@ -195,3 +196,11 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         logging.getLogger("cupool").warning("%s", note)
+
+
+class DeviceNameError(Error, ValueError):
+    """A device string that is not ``"auto"``, ``"sim[:N]"`` or ``"cuda[:N]"`` with N in ASCII digits.
+
+    The message names the string as given, so a typo is seen where it was made
+    rather than in ``int()``'s words.
+    """

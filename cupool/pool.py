@@ -54,7 +54,7 @@ from .core.books import PeakWindow
 from .core.events import Callback
 from .core.expandable import Expander, virtual_memory_of
 from .core.fast import Allocation
-from .core.figures import figures
+from .core.figures import Stats, figures
 from .core.handles import DeviceArray, Movable, array_nbytes, as_shape
 from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
@@ -257,9 +257,10 @@ class Pool:
             raise RuntimeError("background compaction is not running for this pool")
         bg.stop()
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> Stats:
         """A flat dict; names follow ``torch.cuda.memory_stats`` where they overlap (what they
-        mean in cupool's terms: Note [Statistics]).  ``cupool.memory_summary`` prints it."""
+        mean in cupool's terms: Note [Statistics]).  ``cupool.memory_summary`` prints it.
+        Typed ``Stats`` (``cupool.core.figures``), so each figure has its own type: int, or float for a ratio."""
         with self.hold():
             return figures(self._arena, self._arena.limit)
 

@@ -174,6 +174,7 @@ _FOREIGN = {
     "._record_memory_history",
     "._dump_snapshot",
     "._snapshot",
+    "._exit",  # os._exit: how a nanny's child whose start failed ends (cupool.dask.dask_setup)
 }
 
 

@@ -15,6 +15,8 @@ distributed = pytest.importorskip("distributed", reason="cupool.dask needs distr
 
 cloudpickle = pytest.importorskip("cloudpickle", reason="distributed ships functions with cloudpickle")
 
+from distributed.core import Status
+
 from conftest import HAS_GPU
 
 import cupool
@@ -90,21 +92,33 @@ def test_bad_options_are_refused_as_the_command_line_is_read(options, message):
 
 
 class _Worker:
-    """Takes the plugin that ``dask_setup`` adds, as ``Worker.plugin_add`` would."""
+    """Takes the plugin that ``dask_setup`` adds, as ``Worker.plugin_add`` would (its pool is made in this process)."""
+
+    address = "tcp://127.0.0.1:1"
+    status = Status.closed  # so that a teardown closes the pool at once
+    nanny = None
 
     def __init__(self) -> None:
         self.plugins: dict[str, cdask.CupoolSetup] = {}
 
     async def plugin_add(self, plugin: cdask.CupoolSetup, name: str, catch_errors: bool) -> None:
+        plugin.setup(self)
         self.plugins[name] = plugin
 
 
+#: The preload's hooks are left off in this process (``_preload_plugin``), and so in the setups it is compared with.
+NO_HOOKS = {"cupy": False, "numba": False}
+
+
 def _preload_plugin(*options: str) -> cdask.CupoolSetup:
-    """The plugin that ``--preload cupool.dask`` with ``options`` sets up in a worker."""
-    ctx = cdask.dask_setup.make_context("dask_setup", list(options))
+    """The plugin that ``--preload cupool.dask`` with ``options`` sets up in a worker (then torn down)."""
+    ctx = cdask.dask_setup.make_context("dask_setup", [*options, "--no-cupool-cupy", "--no-cupool-numba"])
     worker = _Worker()
     asyncio.run(cdask.dask_setup.callback(worker, **ctx.params))
-    return worker.plugins["cupool"]
+    plugin = worker.plugins["cupool"]
+    assert cdask.worker_pool().closed is False
+    plugin.teardown(worker)
+    return plugin
 
 
 def test_a_preload_without_segment_options_builds_pool_s_defaults():
@@ -113,7 +127,7 @@ def test_a_preload_without_segment_options_builds_pool_s_defaults():
     replaced the preload's pool)."""
     sim = ("--cupool-device", "sim", "--cupool-capacity", "64MiB")
     plugin = _preload_plugin(*sim)
-    assert plugin.key == cdask.CupoolSetup("sim", capacity="64MiB").key
+    assert plugin.key == cdask.CupoolSetup("sim", capacity="64MiB", **NO_HOOKS).key
     pool = plugin.make_pool("w")
     try:
         with cupool.Pool("sim", capacity="64MiB") as default:
@@ -122,11 +136,11 @@ def test_a_preload_without_segment_options_builds_pool_s_defaults():
     finally:
         pool.close()
     # The same sizes written another way are the same setup (once, "64MiB" and 64 << 20 were not).
-    assert plugin.key == cdask.CupoolSetup("sim", capacity=64 << 20).key
+    assert plugin.key == cdask.CupoolSetup("sim", capacity=64 << 20, **NO_HOOKS).key
     assert cdask.CupoolSetup("sim", max_size="1GiB").key == cdask.CupoolSetup("sim", max_size="1024 MiB").key
     assert cdask.CupoolSetup("sim", max_size="50%").key != cdask.CupoolSetup("sim", max_size="1GiB").key
     plain = _preload_plugin(*sim, "--no-cupool-expandable-segments")
-    assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False).key
+    assert plain.key == cdask.CupoolSetup("sim", capacity="64MiB", expandable_segments=False, **NO_HOOKS).key
     assert plain.key != plugin.key
 
 
@@ -141,9 +155,38 @@ def test_a_bad_option_stops_dask_worker_before_it_starts():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the worker must lack a GPU for --cupool-device cuda to fail there")
-def test_a_worker_that_cannot_make_its_pool_closes_naming_why(scheduler):
+@pytest.mark.parametrize("nanny", [False, True], ids=["no-nanny", "nanny"])
+def test_a_worker_that_cannot_make_its_pool_says_why_once_and_fails(scheduler, nanny):
+    """It printed the same traceback three times (the plugin's, the preload's, the worker's) and exited 0."""
     start = time.monotonic()
-    r = subprocess.run(_worker_command(scheduler, "--cupool-device", "cuda", nanny=False), capture_output=True,
+    r = subprocess.run(_worker_command(scheduler, "--cupool-device", "cuda", nanny=nanny), capture_output=True,
                        text=True, timeout=LIMIT, check=False)
-    assert "this worker cannot make its pool: device='cuda', but no usable CUDA GPU" in r.stderr
-    assert "End worker" in r.stderr and time.monotonic() - start < LIMIT
+    reason = "this worker cannot make its pool: device='cuda', but no usable CUDA GPU"
+    assert r.stderr.count(reason) == 1, r.stderr[-4000:]
+    assert r.stderr.count("no usable CUDA GPU") == 1, r.stderr[-4000:]  # no traceback repeats it
+    assert "cupool/" not in r.stderr, r.stderr[-4000:]  # nor shows cupool's frames
+    assert r.returncode != 0, r.stderr[-4000:]
+    assert "End worker" in r.stderr and "Restarting worker" not in r.stderr and time.monotonic() - start < LIMIT
+
+
+def test_every_preload_option_has_help_and_python_m_cupool_dask_lists_it():
+    """``python -m cupool.dask --help`` printed nothing: ``dask worker --help`` cannot show a preload's options."""
+    options = [p for p in cdask.dask_setup.params if isinstance(p, click.Option) and p.name != "help"]
+    assert len(options) >= 11
+    for option in options:
+        assert option.help and len(option.help) > 10, option.opts
+    r = subprocess.run([sys.executable, "-m", "cupool.dask", "--help"], capture_output=True, text=True,
+                       timeout=LIMIT, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "--preload cupool.dask" in r.stdout
+    for option in options:
+        for name in (*option.opts, *option.secondary_opts):
+            assert name in r.stdout, name
+        assert " ".join(option.help.split()[:3]) in " ".join(r.stdout.split()), option.help
+    # Options given are checked as dask worker checks them, and nothing is started.
+    ok = subprocess.run([sys.executable, "-m", "cupool.dask", "--cupool-device", "sim", "--cupool-max-size", "50%"],
+                        capture_output=True, text=True, timeout=LIMIT, check=False)
+    assert ok.returncode == 0 and "CupoolSetup('sim', max_size='50%')" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "cupool.dask", "--cupool-max-size", "lots"], capture_output=True,
+                         text=True, timeout=LIMIT, check=False)
+    assert bad.returncode == 2 and "cannot parse 'lots' as a size" in bad.stderr, bad.stderr

@@ -18,6 +18,8 @@ from cupool.replay import parse_config, replay
 from cupool.trace import Trace, load_trace
 from engines import COUNTS, engines_agree, synthetic, synthetic_events
 
+MiB = 1 << 20
+
 
 def _recorded(pool_stats, r):
     assert r.peak_reserved == pool_stats["reserved_bytes.all.peak"]
@@ -396,3 +398,70 @@ def test_compiling_is_announced_once_and_only_for_the_engine(capsys):
     with eng.compile_notice() as again:
         assert compiled(3) == 6  # compiled already
     assert not again.compiled and capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------ issue 28
+def test_replay_and_layout_take_a_trace_files_path(tmp_path):
+    """``replay("file.h5")`` raised AttributeError from deep inside; a path is what users have at hand."""
+    from pathlib import Path
+
+    from cupool.replay import layout
+
+    path, stats = _write_trace(tmp_path)
+    by_trace = replay(load_trace(path))
+    for given in (str(path), Path(path)):
+        r = replay(given)
+        assert (r.peak_reserved, r.peak_allocated, r.replayed) == (
+            by_trace.peak_reserved, by_trace.peak_allocated, by_trace.replayed)
+        assert layout(given) == layout(load_trace(path))
+    assert by_trace.peak_allocated == stats["allocated_bytes.all.peak"]
+    for bad in (b"t.h5", 3, None, [path]):
+        with pytest.raises(TypeError, match=rf"replay\(\) takes a Trace .* or a trace file's path, got "
+                                            rf"{type(bad).__name__}"):
+            replay(bad)
+    with pytest.raises(cupool.TraceError, match="missing.h5"):
+        replay(tmp_path / "missing.h5")
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["fresh", "started-on-a-busy-pool"])
+@pytest.mark.parametrize("movable", [False, True], ids=["raw", "movable"])
+def test_a_cupool_trace_carries_the_recorded_peak_allocated(tmp_path, capsys, busy, movable):
+    """``cupool replay --compare`` printed "peak allocated unknown" for cupool's own traces, which record
+    every block: the peak is read from their events, the seed's blocks included."""
+    from cupool.trace.importers import recorded_peak_allocated
+
+    pool = cupool.Pool("sim", capacity="512MiB", spill="host" if movable else None)
+    before = pool.malloc(40 * MiB) if busy else None  # alive before the recording: in its seed
+    if busy:
+        pool.reset_peak_stats()  # the pool's peak over the recording window, as the trace can know it
+    path = tmp_path / "t.h5"
+    with pool.record(path):
+        workloads.weight_streaming(pool, workloads.mixed_shapes(12, seed=0), movable=movable)
+        if movable:
+            pool.spill()
+        extra = pool.malloc(3 * MiB)
+        extra.free()
+    peak = pool.stats()["allocated_bytes.all.peak"]
+    trace = load_trace(path)
+    assert recorded_peak_allocated(trace) == peak > (40 * MiB if busy else 0)
+    assert main(["replay", str(path), "--compare", "recorded", "max_size=500MiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"peak allocated {cupool.format_bytes(peak)}" in out and "unknown" not in out
+    assert main(["replay", str(path)]) == 0
+    assert f"(recorded: {cupool.format_bytes(peak)})" in capsys.readouterr().out
+    del before
+
+
+def test_a_ring_buffer_that_dropped_its_start_does_not_claim_a_peak():
+    """Without its start (and so its seed), a trace's frees of blocks it never saw would understate the peak."""
+    from cupool.trace.importers import recorded_peak_allocated
+
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with pool.record(capacity=4) as rec:
+        blocks = [pool.malloc(MiB) for _ in range(4)]
+        del blocks
+    assert rec.dropped and recorded_peak_allocated(rec.trace()) is None
+    with pool.record(capacity=64) as rec:
+        blocks = [pool.malloc(MiB) for _ in range(4)]
+        del blocks
+    assert recorded_peak_allocated(rec.trace()) == 4 * MiB

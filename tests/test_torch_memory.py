@@ -1,5 +1,7 @@
 """PyTorch's one-call memory helpers (issue 20, "what users reach for"): cupool.memory_allocated() and friends."""
 
+import contextlib
+
 import pytest
 
 import cupool
@@ -126,3 +128,52 @@ def test_the_helpers_follow_the_current_sim_device():
         assert cupool.memory_allocated() == cupool.memory_allocated(1) == cupool.memory_allocated("sim:1") == 12 * MiB
     assert cupool.memory_allocated() == 0  # device 0: no pool
     del a
+
+
+# ------------------------------------------------------------------ issue 28
+@pytest.mark.parametrize("device", ["sim:²", "sim:١", "cuda:³", "sim:1²"])
+def test_device_strings_take_ascii_digits_only_and_the_error_names_the_string(device):
+    """``str.isdigit`` takes '²' and '١', which ``int()`` then refused in words that named no device."""
+    for helper in (cupool.memory_allocated, cupool.max_memory_allocated, cupool.memory_reserved,
+                   cupool.max_memory_reserved, cupool.reset_peak_memory_stats, cupool.mem_get_info,
+                   cupool.memory_summary):
+        with pytest.raises(cupool.errors.DeviceNameError, match=rf"{helper.__name__}\(\).*{device!r}"):
+            helper(device)
+    with pytest.raises(cupool.errors.DeviceNameError, match=repr(device)):
+        cupool.Pool(device, capacity="8MiB")
+    assert hooks.existing_pool() is None  # refused before any pool was made
+
+
+def test_memory_summary_takes_a_device_as_torchs_does():
+    """``cupool.memory_summary()`` with no argument raised TypeError; torch's takes ``device=None``."""
+    with cupool.sim_device(3):
+        empty = cupool.memory_summary()
+        assert "device 3 (no pool yet)" in empty and hooks.existing_pool() is None  # asking makes no pool
+        assert "| Allocations           |       0    |       0    |       0    |       0    |" in empty
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with cupool.using(pool):
+        a = pool.malloc(3 * MiB)
+        table = cupool.memory_summary()
+        assert table == cupool.memory_summary(0) == cupool.memory_summary("sim:0") == cupool.memory_summary(pool)
+        assert "| Allocated memory      |   3072 KiB |   3072 KiB |   3072 KiB |      0 B   |" in table
+        assert cupool.memory_summary(device=None, abbreviated=True) == cupool.memory_summary(pool, abbreviated=True)
+        with pytest.raises(ValueError, match=r"memory_summary\(\).*'cuda:0'.*on sim"):
+            cupool.memory_summary("cuda:0")
+        del a
+
+
+@pytest.mark.parametrize("route", ["using", "install"])
+def test_mem_get_info_refuses_a_closed_pool(route):
+    """A closed pool hands out nothing, so it has no free memory to report; it reported its limit's worth."""
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with contextlib.ExitStack() as stack:
+        if route == "using":
+            stack.enter_context(cupool.using(pool))
+        else:
+            cupool.install(pool, cupy=False, numba=False)
+            stack.callback(cupool.uninstall)
+        assert cupool.mem_get_info() == (64 * MiB, 64 * MiB)
+        pool.close()
+        with pytest.raises(cupool.ClosedError, match=r"mem_get_info\(\) on a closed pool"):
+            cupool.mem_get_info()
+        assert cupool.memory_allocated() == 0  # the figures of a closed pool can still be read

@@ -168,8 +168,8 @@ def test_memory_summary_shows_the_figures(scripted):
 def test_memory_summary_refuses_what_is_not_a_pool_or_its_stats(pool):
     pool.malloc(1000)
     before = pool.stats()
-    with pytest.raises(TypeError, match="takes a cupool.Pool or its stats"):
-        memory_summary("sim")
+    with pytest.raises(TypeError, match="takes a device .*, a cupool.Pool or its stats"):
+        memory_summary(["sim"])
     partial = {k: v for k, v in before.items() if not k.startswith("inactive_split.")}
     with pytest.raises(ValueError, match="'inactive_split.all.current'"):
         memory_summary(partial)

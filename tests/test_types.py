@@ -136,3 +136,61 @@ def test_the_pools_arrays_and_recorder_have_real_types(tmp_path: Path) -> None:
     assert len(revealed) == len(REVEALED), run.stdout + run.stderr
     for got, want in zip(revealed, REVEALED):
         assert re.fullmatch(want, got), f"revealed {got!r}, wanted {want!r}:\n{run.stdout}"
+
+
+# --------------------------------------------------- stats() is typed key by key (issue 28)
+STATS_CODE = '''
+import cupool
+
+
+def peaks(pool: cupool.Pool) -> tuple[int, float, int]:
+    stats = pool.stats()
+    peak: int = stats["allocated_bytes.all.peak"]
+    fragmentation: float = stats["fragmentation"]
+    mapped: int = stats.get("expandable.mapped_bytes", 0)
+    return peak, fragmentation, mapped
+'''
+#: What ``mypy --strict`` must refuse of the same dict: a ratio is not an int, and a key must exist.
+STATS_WRONG = '''
+import cupool
+
+pool = cupool.Pool("sim", capacity="64MiB")
+ratio: int = pool.stats()["cache_hit_rate"]
+typo = pool.stats()["allocated_bytes.all.peek"]
+'''
+
+
+@NEEDS_MYPY
+def test_a_stats_figure_is_an_int_to_mypy_strict(tmp_path: Path) -> None:
+    """``peak: int = pool.stats()[...]`` failed ``mypy --strict`` while stats() was ``dict[str, int | float]``."""
+    env = dict(_USER_ENV, MYPYPATH=str(ROOT))
+    (tmp_path / "good.py").write_text(STATS_CODE)
+    (tmp_path / "bad.py").write_text(STATS_WRONG)
+    args = ["--strict", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache")]
+    good = _mypy([*args, "good.py"], tmp_path, env)
+    assert good.returncode == 0, f"mypy --strict on stats() figures:\n{good.stdout}{good.stderr}"
+    bad = _mypy([*args, "bad.py"], tmp_path, env)
+    assert 'expression has type "float", variable has type "int"' in bad.stdout, bad.stdout
+    assert '"allocated_bytes.all.peek"' in bad.stdout, bad.stdout
+
+
+@pytest.mark.parametrize("config", [
+    {"expandable_segments": False},
+    {"expandable_segments": True},
+    {"expandable_segments": False, "spill": "host"},
+    {"expandable_segments": True, "spill": "host"},
+], ids=["plain", "expandable", "spill", "expandable-spill"])
+def test_the_stats_type_names_exactly_the_keys_stats_returns(config):
+    """The ``Stats`` TypedDict is written out key by key; this keeps it equal to what the pool really returns."""
+    import cupool
+    from cupool.core.figures import Stats
+
+    pool = cupool.Pool("sim", capacity="64MiB", **config)
+    a = pool.malloc(3 << 20)
+    stats = pool.stats()
+    assert type(stats) is dict  # a plain dict at run time
+    expected = Stats.__required_keys__ | (Stats.__optional_keys__ if config["expandable_segments"] else frozenset())
+    assert set(stats) == expected
+    hints = Stats.__annotations__
+    assert {k: type(v).__name__ for k, v in stats.items()} == {k: hints[k].__name__ for k in stats}
+    del a

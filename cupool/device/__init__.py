@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import DeviceNameError
 from .base import PAGE, Capabilities, Device, HostView
 from .cuda import CudaDevice, CudaPinnedDevice
 from .cuda_vmm import CudaVirtualMemory
@@ -40,6 +41,7 @@ __all__ = [
     "parse_device",
     "pinned_device",
     "pinned_device_beside",
+    "split_device",
     "SimDevice",
     "SimPinnedDevice",
     "SimVirtualMemory",
@@ -63,22 +65,41 @@ def cuda_available() -> bool:
         return False
 
 
+def split_device(device: str) -> tuple[str, int | None]:
+    """Read a device string's syntax alone: ``"auto"``, ``"sim[:N]"`` or ``"cuda[:N]"`` as ``(kind, N or None)``.
+
+    Case and surrounding blanks are forgiven; the index is ASCII digits only
+    (``str.isdigit`` also takes ``"²"`` and ``"١"``, which ``int()`` then refuses
+    in words that do not name the device).  Anything else raises
+    ``DeviceNameError`` naming the string.  Nothing is checked against the
+    machine: that is ``parse_device``'s, and torch-style helpers that only name
+    a device (``cupool.memory_allocated("cuda:0")``) read it here.
+    """
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'auto', 'sim', 'sim:N', 'cuda', 'cuda:N' or a Device, got {device!r}")
+    kind, colon, idx = device.strip().lower().partition(":")
+    if kind not in ("auto", "sim", "cuda") or (kind == "auto" and colon):
+        raise DeviceNameError(f"device must be 'auto', 'sim', 'sim:N', 'cuda' or 'cuda:N', got {device!r}")
+    if colon and not (idx.isascii() and idx.isdigit()):
+        raise DeviceNameError(f"device: the index in {device!r} must be a non-negative integer, as in '{kind}:1'")
+    return kind, int(idx) if colon else None
+
+
 def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True,
                  present: bool = True) -> tuple[str, int]:
     """Read ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"`` as ``(kind, N)``; no index means 0.
 
-    ``capacity`` only makes sense for the sim flavour, so it is checked here.  With
-    ``note_fallback``, "auto" says once per process that it fell back to the sim device.
-    ``present=False`` reads a name without asking for the device (a recorded one, as
-    ``cupool replay --device`` names a device of a snapshot): "cuda" needs no GPU here.
-    Sim devices are numbered like GPUs so that code which keeps a pool per device
-    (``default_pool(i)``, ``install()``) runs, and is tested, without one.
+    The syntax is ``split_device``'s.  ``capacity`` only makes sense for the sim
+    flavour, so it is checked here.  With ``note_fallback``, "auto" says once
+    per process that it fell back to the sim device.  ``present=False`` reads a
+    name without asking for the device (a recorded one, as ``cupool replay
+    --device`` names a device of a snapshot): "cuda" needs no GPU here.  Sim devices are numbered
+    like GPUs so that code which keeps a pool per device (``default_pool(i)``,
+    ``install()``) runs, and is tested, without one.
     """
     global _auto_note_given
-    if not isinstance(device, str):
-        raise TypeError(f"device must be 'auto', 'sim', 'sim:N', 'cuda', 'cuda:N' or a Device, got {device!r}")
-    kind, colon, idx = device.strip().lower().partition(":")
-    if kind == "auto" and not colon:
+    kind, index = split_device(device)
+    if kind == "auto":
         if cuda_available():
             kind = "cuda"
         else:
@@ -86,17 +107,12 @@ def parse_device(device: str, capacity: int | str | None, note_fallback: bool = 
                 log.warning("cupool: no usable CUDA GPU found; using the simulated device (host memory)")
                 _auto_note_given = True
             kind = "sim"
-    if kind not in ("sim", "cuda"):
-        raise ValueError(f"device must be 'auto', 'sim', 'sim:N', 'cuda' or 'cuda:N', got {device!r}")
-    if colon and not (idx.isascii() and idx.isdigit()):
-        raise ValueError(f"device: the index in {device!r} must be a non-negative integer, as in '{kind}:1'")
-    index = int(idx) if colon else 0
     if kind == "cuda":
         if capacity is not None:
             raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
         if present and not cuda_available():
             raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
-    return kind, index
+    return kind, 0 if index is None else index
 
 
 def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:

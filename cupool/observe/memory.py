@@ -10,7 +10,9 @@ pool's ``stats()`` keys that torch's helpers read (``allocated_bytes.all.current
 and so on), so the two agree by construction.
 
 ``device`` is as in torch: None (the current device), an index, or a string
-``"cuda:N"`` / ``"sim:N"`` (``"cuda"`` / ``"sim"``: the current device).  The
+``"cuda:N"`` / ``"sim:N"`` (``"cuda"`` / ``"sim"``: the current device), read
+as ``Pool`` reads it (``cupool.device.split_device``: N in ASCII digits, a bad
+string a ``DeviceNameError`` naming it; ``memory_summary`` reads it too).  The
 string's kind must be the kind of device the pool lives on, so code that names
 ``"cuda:0"`` on a machine without a GPU is told, not silently answered for sim.
 
@@ -23,6 +25,10 @@ pool's limit.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from ..device import split_device
+from ..errors import ClosedError, DeviceNameError
 from ..hooks.routing import current_device, current_pool, existing_pool
 from ..pool import Pool
 
@@ -36,6 +42,10 @@ __all__ = [
 ]
 
 DeviceLike = int | str | None
+#: The figures the helpers read, by their ``stats()`` names.
+_Figure = Literal[
+    "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak"
+]
 _KINDS = ("cuda", "sim")
 
 
@@ -61,7 +71,7 @@ def max_memory_reserved(device: DeviceLike = None) -> int:
 
 def reset_peak_memory_stats(device: DeviceLike = None) -> None:
     """Start every peak of the device's pool afresh from its current value (``Pool.reset_peak_stats``)."""
-    pool = _existing(device, "reset_peak_memory_stats")
+    pool = existing_device_pool(device, "reset_peak_memory_stats")
     if pool is not None:
         pool.reset_peak_stats()
 
@@ -75,34 +85,48 @@ def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
     the limit leaves.  As in torch, ``free`` leaves out the bytes the pool holds
     cached (``memory_reserved() - memory_allocated()``), which it also serves
     from; the Numba plugin's ``get_memory_info`` counts them in, as Numba asks.
+    A closed pool (a ``using`` or ``install`` of a pool closed since) hands out
+    nothing, so it is refused with ``ClosedError``, as allocating from it is.
     """
-    pool = current_pool(_index(device, "mem_get_info"))
+    pool = current_pool(device_index(device, "mem_get_info"))
     _check_kind(device, pool, "mem_get_info")
+    if pool.closed:
+        raise ClosedError(f"cupool: mem_get_info() on a closed pool ({pool!r}): it hands out no memory")
     device_free, _ = pool.device.mem_info()
-    reserved = int(pool.stats()["reserved_bytes.all.current"])
+    reserved = pool.stats()["reserved_bytes.all.current"]
     return min(device_free, max(pool.limit - reserved, 0)), pool.limit
 
 
-def _stat(device: DeviceLike, key: str, caller: str) -> int:
-    pool = _existing(device, caller)
-    return 0 if pool is None else int(pool.stats()[key])
+def _stat(device: DeviceLike, key: _Figure, caller: str) -> int:
+    pool = existing_device_pool(device, caller)
+    return 0 if pool is None else pool.stats()[key]
 
 
-def _existing(device: DeviceLike, caller: str) -> Pool | None:
-    pool = existing_pool(_index(device, caller))
+def existing_device_pool(device: DeviceLike, caller: str) -> Pool | None:
+    """The pool that serves ``device`` (as the helpers read it), or None while there is none; makes none."""
+    pool = existing_pool(device_index(device, caller))
     if pool is not None:
         _check_kind(device, pool, caller)
     return pool
 
 
-def _index(device: DeviceLike, caller: str) -> int | None:
+def device_index(device: DeviceLike, caller: str) -> int | None:
     """The device index ``device`` names (None: the current device), or a clear error in ``caller``'s words."""
     if device is None or isinstance(device, bool) or not isinstance(device, str):
         return _checked_int(device, caller)
-    kind, sep, rest = device.partition(":")
-    if kind not in _KINDS or (sep and not rest.isdigit()):
-        raise ValueError(f"{caller}(): device must be an index, 'cuda:N' or 'sim:N', got {device!r}")
-    return int(rest) if sep else current_device()
+    index = _read(device, caller)[1]
+    return current_device() if index is None else index
+
+
+def _read(device: str, caller: str) -> tuple[str, int | None]:
+    """``split_device``'s reading of a device string (the pool's own syntax), "auto" left out as torch has none."""
+    try:
+        kind, index = split_device(device)
+    except DeviceNameError as e:
+        raise DeviceNameError(f"{caller}(): {e}") from None
+    if kind not in _KINDS:
+        raise DeviceNameError(f"{caller}(): device must be an index, 'cuda:N' or 'sim:N', got {device!r}")
+    return kind, index
 
 
 def _checked_int(device: object, caller: str) -> int | None:
@@ -117,7 +141,7 @@ def _checked_int(device: object, caller: str) -> int | None:
 
 def _check_kind(device: DeviceLike, pool: Pool, caller: str) -> None:
     """A ``"cuda:N"`` asked of a pool on sim (or the reverse) is refused, naming both."""
-    if isinstance(device, str) and pool.device.name.partition(":")[0] != device.partition(":")[0]:
+    if isinstance(device, str) and pool.device.name.partition(":")[0] != _read(device, caller)[0]:
         raise ValueError(
             f"{caller}(): asked about {device!r}, but device {pool.device.index}'s pool is on {pool.device.name}"
         )

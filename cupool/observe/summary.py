@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from .._units import format_bytes
+from ..core.figures import Stats
+from ..hooks.routing import current_device
 from ..pool import Pool
+from .memory import DeviceLike, device_index, existing_device_pool
 
 WIDTH = 75
 
@@ -36,30 +39,49 @@ _OVERSIZE = (("oversize_allocations", "Oversize allocations"), ("oversize_segmen
 _METRICS = ("current", "peak", "allocated", "freed")
 
 
-def memory_summary(pool: Pool | Mapping[str, int | float], abbreviated: bool = False) -> str:
-    """A human-readable table of ``pool``'s statistics, laid out as ``torch.cuda.memory_summary``'s.
+def memory_summary(
+    device: Pool | Stats | Mapping[str, int | float] | DeviceLike = None, abbreviated: bool = False
+) -> str:
+    """A human-readable table of a pool's statistics, laid out as ``torch.cuda.memory_summary``'s.
 
-    ``pool`` is a ``Pool`` (its ``stats()`` are read once) or a dict returned by
+    ``device`` is read as the other torch-style helpers read it (``cupool.memory_allocated``):
+    None (the current device), an index, or ``"cuda:N"`` / ``"sim:N"``, for the
+    pool that serves that device; while there is none, the table is all zeros,
+    as torch's counters are before CUDA is initialised, and none is made.  It
+    may also be a ``Pool`` (its ``stats()`` are read once) or a dict returned by
     ``Pool.stats()``.  ``abbreviated=True`` leaves out the per-pool (large/small)
     rows.  Returns the text; print it.
     """
-    if isinstance(pool, Pool):
-        stats: Mapping[str, int | float] = pool.stats()
-        device = pool.device.name
-    elif isinstance(pool, Mapping):
-        stats, device = pool, "-"
+    stats: Mapping[str, object]
+    strict = True  # a figure missing from given stats is an error; a device without a pool has none yet
+    if isinstance(device, Pool):
+        stats, name = device.stats(), device.device.name
+    elif isinstance(device, Mapping):
+        stats, name = device, "-"
+    elif device is None or isinstance(device, (int, str)):
+        pool = existing_device_pool(device, "memory_summary")
+        if pool is None:
+            index = device_index(device, "memory_summary")
+            stats, name, strict = {}, f"{current_device() if index is None else index} (no pool yet)", False
+        else:
+            stats, name = pool.stats(), pool.device.name
     else:
-        raise TypeError(f"memory_summary() takes a cupool.Pool or its stats() dict, got {type(pool).__name__}")
-    get = _reader(stats)
+        raise TypeError(
+            "memory_summary() takes a device (None, an index or 'cuda:N' / 'sim:N'), a cupool.Pool or its "
+            f"stats() dict, got {type(device).__name__}"
+        )
+    get = _reader(stats, strict)
     lines = [
         "=" * WIDTH,
-        f"{'cupool memory summary, device ' + device:^{WIDTH}}",
+        f"{'cupool memory summary, device ' + name:^{WIDTH}}",
         "-" * WIDTH,
         _halves(f"OOMs: {get('num_ooms')}", f"Alloc retries: {get('num_alloc_retries')}"),
     ]
     if "limit" in stats:  # cupool's own figures, where the stats carry them
-        limit = f"Limit: {format_bytes(int(stats['limit']))}"
-        lines.append(_halves(limit, f"Fragmentation: {float(stats.get('fragmentation', 0.0)):.3f}"))
+        limit = f"Limit: {format_bytes(get('limit'))}"
+        fragmentation = stats.get("fragmentation", 0.0)
+        shown = float(fragmentation) if isinstance(fragmentation, (int, float)) else 0.0
+        lines.append(_halves(limit, f"Fragmentation: {shown:.3f}"))
     lines += ["=" * WIDTH, "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     pools = _POOL_ROWS[:1] if abbreviated else _POOL_ROWS
     for blocks, fmt in ((_SIZES, _size), (_COUNTS, _count)):
@@ -77,12 +99,15 @@ def memory_summary(pool: Pool | Mapping[str, int | float], abbreviated: bool = F
     return "".join(f"|{line:<{WIDTH}}|\n" for line in lines)
 
 
-def _reader(stats: Mapping[str, int | float]) -> Callable[[str], int]:
+def _reader(stats: Mapping[str, object], strict: bool) -> Callable[[str], int]:
+    """A figure of ``stats`` as an int; with ``strict``, a missing or non-numeric one is an error naming it."""
+
     def get(key: str) -> int:
-        try:
-            return int(stats[key])
-        except KeyError:
-            raise ValueError(f"memory_summary(): the stats have no {key!r}; pass a Pool or its stats()") from None
+        value = stats.get(key, None if strict else 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            what = "no" if value is None else f"a {type(value).__name__} as"
+            raise ValueError(f"memory_summary(): the stats have {what} {key!r}; pass a Pool or its stats()")
+        return int(value)
 
     return get
 

@@ -53,11 +53,12 @@ otherwise.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from ..core.sizes import SMALL
-from ..trace import Trace
+from ..trace import Trace, load_trace
 from .config import (
     CONFIG_KEYS,
     ENGINES,
@@ -88,7 +89,7 @@ PROGRESS_MIN = 2_000_000
 
 
 def replay(
-    trace: Trace,
+    trace: Trace | str | os.PathLike[str],
     config: dict[str, Any] | None = None,
     engine: str | None = None,
     timeline: bool = False,
@@ -97,12 +98,15 @@ def replay(
 ) -> ReplayResult:
     """Replay ``trace`` on a fresh sim pool with ``config`` (default: the recorded settings).
 
-    ``engine`` None picks ``default_engine(trace)``.  ``timeline`` keeps
-    reserved/allocated bytes after every event, and the replay's own OOMs in
-    each ("reserved", "allocated", "ooms"); ``progress`` shows a tqdm bar
+    ``trace`` is a ``Trace`` or a trace file's path (read by ``cupool.trace.load_trace``:
+    a cupool HDF5 trace, a PyTorch memory snapshot or an RMM log).  ``engine`` None
+    picks ``default_engine(trace)``.  ``timeline`` keeps reserved/allocated bytes
+    after every event, and the replay's own OOMs in each ("reserved", "allocated",
+    "ooms"); ``progress`` shows a tqdm bar
     (default: on long traces, when stderr is a terminal); ``stop`` replays only
     the first ``stop`` events.
     """
+    trace = _as_trace(trace, "replay")
     engine = default_engine(trace, config) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
     check_config(cfg, engine)
@@ -123,12 +127,14 @@ def replay(
 
 
 def layout(
-    trace: Trace, config: dict[str, Any] | None = None, stop: int | None = None, engine: str | None = None,
+    trace: Trace | str | os.PathLike[str], config: dict[str, Any] | None = None, stop: int | None = None, engine: str | None = None,
 ) -> list[dict[str, Any]]:
     """Segments and their blocks after replaying the first ``stop`` events.
 
     Each segment: ``{"address", "size", "kind" ("small"/"large"), "blocks": [(offset, size, allocated)]}``.
+    ``trace`` is as ``replay``'s.
     """
+    trace = _as_trace(trace, "layout")
     engine = default_engine(trace, config) if engine is None else engine
     cfg = {**recorded_config(trace, engine), **(config or {})}
     check_config(cfg, engine)
@@ -152,3 +158,14 @@ def layout(
                         "blocks": blocks})
     out.sort(key=lambda seg: seg["address"])
     return out
+
+
+def _as_trace(trace: object, caller: str) -> Trace:
+    """``trace`` itself, or the trace file at that path; anything else is a ``TypeError`` naming its type."""
+    if isinstance(trace, Trace):
+        return trace
+    if isinstance(trace, (str, os.PathLike)):
+        return load_trace(os.fspath(trace))
+    raise TypeError(
+        f"{caller}() takes a Trace (cupool.load_trace(path)) or a trace file's path, got {type(trace).__name__}"
+    )

@@ -48,7 +48,7 @@ import numpy as np
 
 from .._units import MAX_DEVICE_BYTES, format_bytes
 from ..core.sizes import PAGE, SMALL_SEGMENT, round_page, round_size
-from .format import Trace, TraceError
+from .format import FORMAT, Trace, TraceError
 
 log = logging.getLogger("cupool")
 
@@ -246,16 +246,32 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
 
 
 def recorded_peak_allocated(trace: Trace) -> int | None:
-    """The recorded program's allocated peak, for a PyTorch snapshot (None: not one, or no record of it).
+    """The recorded program's allocated peak, for a PyTorch snapshot or a cupool trace (None: no record of it).
 
     Allocated bytes are the sum of live blocks, each request rounded up to 512
     bytes as PyTorch's allocator (and cupool) rounds it, counting the blocks
     already alive when recording started; the peak is their maximum over the
     recorded window.  PyTorch's own statistic can be higher by the unsplit tails
-    of blocks, which the trace does not record.
+    of blocks, which the trace does not record.  A cupool trace records every
+    block at its size, from the seed (the blocks alive at the start) on, so its
+    peak is the pool's ``allocated_bytes.all.peak`` over the recording; one
+    without a seed (a ring buffer that dropped its start) has no record of it.
     """
+    if trace.format == FORMAT:
+        return _cupool_peak_allocated(trace) if "seed" in trace.config else None
     peak = trace.config.get("snapshot", {}).get("peak_allocated")
     return peak if isinstance(peak, int) else None
+
+
+def _cupool_peak_allocated(trace: Trace) -> int:
+    """The running sum of a cupool trace's block events (allocations up, frees down), at its highest."""
+    sign = np.zeros(len(trace.kinds), np.int64)
+    for kind, s in (("alloc", 1), ("alloc_movable", 1), ("free", -1), ("free_movable", -1)):
+        if trace.code(kind) >= 0:
+            sign[trace.code(kind)] = s
+    if not len(trace):
+        return 0
+    return max(0, int(np.cumsum(sign[trace.kind] * trace.size).max()))
 
 
 def recorded_peak_reserved(trace: Trace) -> int | None:
