@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from cupool.device.cuda_vmm import CudaVirtualMemory
 from cupool.device.sim_vmm import SimVirtualMemory
-from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported, address_arena
+from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported, RANGE_GAP, address_arena
 from cupool.errors import DeviceOutOfMemory
 
 MiB = 1 << 20
@@ -561,13 +561,14 @@ def test_ranges_come_first_fit_in_address_order_wherever_the_os_maps():
     """Linux maps top down, so the second of two reserved ranges landed below the first; a recording
     then broke best-fit ties unlike its replay (issue 25).  Ranges now come from one arena, in order."""
     with SimVirtualMemory(64 * GRANULE) as vm:
+        gap = RANGE_GAP * GRANULE  # no two ranges touch
         a = vm.reserve(4 * GRANULE)
         b = vm.reserve(8 * GRANULE)
         c = vm.reserve(2 * GRANULE)
-        assert a < b < c and b == a + 4 * GRANULE and c == b + 8 * GRANULE
+        assert a < b < c and b == a + 4 * GRANULE + gap and c == b + 8 * GRANULE + gap
         vm.free_range(a)
         assert vm.reserve(2 * GRANULE) == a  # the lowest range that fits, again
-        assert vm.reserve(4 * GRANULE) == c + 2 * GRANULE  # a's remainder is too small: the next one up
+        assert vm.reserve(4 * GRANULE) == c + 2 * GRANULE + gap  # a's remainder is too small: the next one up
         assert vm.arena_fallback is None
 
 

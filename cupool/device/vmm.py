@@ -38,7 +38,9 @@ places differently from the recording.  ``reserve`` therefore hands out ranges
 first fit, lowest address first, from an *arena* of addresses the backend
 reserves once (``address_arena(capacity)``), and ``free_range`` only returns the
 range to the arena; the backend's ``_free_range`` runs for a whole arena, at
-``close``.  The numba replay engine models exactly this (``cupool.replay.engine_memory``).
+``close``.  Each range is followed by one granule that is never lent
+(``RANGE_GAP`` granules), so two ranges never touch: whoever reads the mapping
+events (a trace's exporter) can tell two ranges from one grown range.  The numba replay engine models exactly this (``cupool.replay.engine_memory``).
 An arena that runs out is followed by another, wherever the backend puts it:
 from then on only the order within each arena is the rule's.  A backend that
 cannot reserve a whole arena (a driver with less address space) reserves each
@@ -70,6 +72,10 @@ GRANULE = 2 << 20
 #: time, capped at 64 TiB: Note [Address arena].
 ARENA_REGIONS = 64
 ARENA_MAX = 1 << 46
+
+
+#: Granules left unlent after each reserved range, so that no two ranges touch (Note [Address arena]).
+RANGE_GAP = 1
 
 
 def address_arena(capacity: int) -> int:
@@ -172,9 +178,10 @@ class VirtualMemory(ABC):
         with self._lock:
             self._check_open()
             self._check_size(nbytes, "nbytes")
-            addr = self._addresses.take(nbytes)
+            lent = nbytes + RANGE_GAP * self.granularity
+            addr = self._addresses.take(lent)
             if addr is None:
-                addr = self._new_arena(nbytes)
+                addr = self._new_arena(lent)
             self._ranges[addr] = nbytes
             return addr
 
@@ -204,7 +211,8 @@ class VirtualMemory(ABC):
             if self._mappings_within(addr, addr + nbytes):
                 raise VirtualMemoryError(f"free_range: [{addr:#x}, +{format_bytes(nbytes)}) still has mappings")
             del self._ranges[addr]
-            self._addresses.give(addr, nbytes)  # the arena keeps it reserved (Note [Address arena])
+            # The arena keeps it reserved (Note [Address arena]), its gap with it.
+            self._addresses.give(addr, nbytes + RANGE_GAP * self.granularity)
 
     def create(self, nbytes: int) -> Chunk:
         """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.sizes import PAGE
+from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
@@ -28,6 +29,10 @@ from .engine_layout import (
     R_STITCHED, R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
     TAG,
 )
+
+
+#: What the arena keeps unlent after each range (Note [Address arena]).
+_GAP = RANGE_GAP * GRANULE
 
 
 # ------------------------------------------------------- address ranges
@@ -215,7 +220,7 @@ def release_holes(E):
 @njit(cache=True)
 def _new_region(E, nbytes, growable, stitched):
     R, st = E.R, E.st
-    base = ext_take(E.VA, st, NVA, nbytes)
+    base = ext_take(E.VA, st, NVA, nbytes + _GAP)
     if st[NFR] > 0:
         st[NFR] -= 1
         r = E.FR[st[NFR]]
@@ -242,7 +247,7 @@ def _forget_region(E, r):
             for k in range(E.GR.shape[1]):
                 if E.GR[h, k] == r:
                     E.GR[h, k] = GR_NONE
-    ext_give(E.VA, st, NVA, R[R_BASE, r], R[R_SIZE, r])
+    ext_give(E.VA, st, NVA, R[R_BASE, r], R[R_SIZE, r] + _GAP)
     E.FR[st[NFR]] = r
     st[NFR] += 1
 
