@@ -51,7 +51,7 @@ from ._dask_arguments import (  # after distributed: it needs click, which comes
     spill_template,
 )
 from ._units import parse_size
-from .errors import add_note
+from .errors import StateError, WorkerError, add_note
 from .hooks import existing_pool, install, installed, uninstall
 from .pool import Pool
 from .trace import EventRecorder
@@ -192,7 +192,7 @@ class CupoolSetup(WorkerPlugin):
                 workers = (current.workers - current.leaving) | {worker.address}
                 _retire(current.pool)
             elif installed():
-                raise RuntimeError(
+                raise StateError(
                     "cupool.dask: cupool is already installed in this worker process (cupool.install()); "
                     "CupoolSetup does not replace a pool it did not make"
                 )
@@ -253,7 +253,7 @@ def _retire(pool: Pool) -> None:
 def _current() -> _Installed:
     current = _installed
     if current is None:
-        raise RuntimeError(
+        raise StateError(
             "cupool.dask: no CupoolSetup is set up in this process; client.register_plugin(CupoolSetup(...))"
         )
     return current
@@ -397,7 +397,7 @@ class ClusterRecording:
 
     def start(self) -> ClusterRecording:
         if self._token is not None:
-            raise RuntimeError("cupool.dask.record: this recording is already started")
+            raise StateError("cupool.dask.record: this recording is already started")
         self.folder.mkdir(parents=True, exist_ok=True)
         # Client.run's answer names every worker in all versions (scheduler_info() lists only some in a few).
         self._claim(sorted(self.client.run(_nothing)))
@@ -463,7 +463,7 @@ class ClusterRecording:
         if failed:
             kept = f"; their traces are in .unsaved ({len(self.unsaved)})" if self.unsaved else ""
             detail = "; ".join(f"{a}: {e}" for a, e in failed.items())
-            raise RuntimeError(
+            raise WorkerError(
                 f"cupool.dask.record: recording failed on {len(failed)} worker(s): {detail}{kept}"
             ) from next(iter(failed.values()))
         return dict(self.paths)

@@ -14,6 +14,11 @@ Charter: this module knows only units; every other module imports its errors fro
 | ``VirtualMemoryUnsupported`` | ``RuntimeError`` | no virtual memory management here |
 | ``VirtualMemoryError`` | ``ValueError`` | a virtual-memory call that breaks its rules (nothing changed) |
 | ``DeviceNameError`` | ``ValueError`` | a device string that is not ``auto``, ``sim[:N]`` or ``cuda[:N]`` |
+| ``DeadlockError`` | ``RuntimeError`` | a pool call from where it would wait for itself (Note [Finalizers], Note [Subscribers]) |
+| ``StateError`` | ``RuntimeError`` | a call that does not fit the state of what it is made on (already started, not installed, made without the feature) |
+| ``NoDeviceError`` | ``RuntimeError`` | a device was named that this machine does not have |
+| ``DriverError`` | ``RuntimeError`` | the CUDA driver refused a call, other than for memory |
+| ``WorkerError`` | ``RuntimeError`` | work cupool asked of Dask workers failed on some of them |
 
 The second bases keep code written for plain Python (``except MemoryError``,
 ``except ValueError``) working.  ``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
@@ -204,3 +209,26 @@ class DeviceNameError(Error, ValueError):
     The message names the string as given, so a typo is seen where it was made
     rather than in ``int()``'s words.
     """
+
+
+class DeadlockError(Error, RuntimeError):
+    """A pool call from a place where it would wait for a lock its own thread holds: inside
+    ``Pool.hold()``, a subscriber callback, or a finalizer under a collection that interrupted
+    this thread's pool operation (Note [Finalizers]).  Nothing was changed."""
+
+
+class StateError(Error, RuntimeError):
+    """A call that does not fit the state of the object it is made on: started twice, stopped
+    before it started, installed twice, or asking for a feature the pool was made without."""
+
+
+class NoDeviceError(Error, RuntimeError):
+    """A device was named (``cuda``, ``cuda:N``) that this machine does not have, or cannot use."""
+
+
+class DriverError(Error, RuntimeError):
+    """The CUDA driver refused a call for a reason other than memory (which is ``DeviceOutOfMemory``)."""
+
+
+class WorkerError(Error, RuntimeError):
+    """Work cupool asked of Dask workers failed on some of them; the message names each."""

@@ -62,7 +62,7 @@ from .core.sizes import LARGE, round_size
 from .core.view import ArenaView
 from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
-from .errors import ClosedError
+from .errors import ClosedError, DeadlockError, StateError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact
 from .pressure.growth import Growth, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
@@ -247,14 +247,14 @@ class Pool:
             raise ValueError("background compaction needs a defrag_threshold to act on")
         with self.hold():
             if self._background[0] is not None:
-                raise RuntimeError("background compaction is already running for this pool")
+                raise StateError("background compaction is already running for this pool")
             self._background[0] = BackgroundCompactor(self._movables, self._growth, interval, budget)
 
     def stop_background_compaction(self) -> None:
         with self.hold():
             bg, self._background[0] = self._background[0], None
         if bg is None:
-            raise RuntimeError("background compaction is not running for this pool")
+            raise StateError("background compaction is not running for this pool")
         bg.stop()
 
     def stats(self) -> Stats:
@@ -432,7 +432,7 @@ class Pool:
         if arena.closed:
             return
         if arena.holds():
-            raise RuntimeError(
+            raise DeadlockError(
                 "cupool: close() inside `with pool.hold():` or a subscriber callback would deadlock; "
                 "close the pool after the block"
             )
@@ -534,7 +534,7 @@ class Pool:
     # -------------------------------------------------------------- internals
     def _site_tracker(self, caller: str) -> SiteTracker:
         if self._arena.sites is None:
-            raise RuntimeError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
+            raise StateError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
         return self._arena.sites
 
     def _admit(self, n: int, key: Any, what: str) -> None:

@@ -129,3 +129,30 @@ def test_every_exception_cupool_defines_lives_in_errors_under_one_root():
     for cls in defined:
         if cls.__module__ == "cupool.errors" and cls is not cupool.errors.Error:
             assert issubclass(cls, cupool.Error), cls
+
+
+def test_cupool_raises_no_bare_runtime_error():
+    """Issue 25: 23 plain ``raise RuntimeError`` escaped ``except cupool.Error``; each is now a subclass
+    (a ``RuntimeError`` too, so ``except RuntimeError`` still catches it)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(cupool.__file__).parent
+    bare = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if getattr(target, "id", None) == "RuntimeError":
+                    bare.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert bare == []
+
+
+def test_a_call_that_would_deadlock_is_a_cupool_error():
+    pool = cupool.Pool("sim", capacity="16MiB")
+    with pool.hold():
+        with pytest.raises(cupool.errors.DeadlockError, match="would deadlock") as caught:
+            pool.malloc(1024)
+    assert isinstance(caught.value, (cupool.Error, RuntimeError))
+    with pytest.raises(cupool.errors.StateError):
+        pool.stop_background_compaction()

@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from ..errors import ClosedError
+from ..errors import ClosedError, DeadlockError
 from .books import ALL, ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
 from .events import Observers, log_callback_error
 from .fast import Allocation, FastPath
@@ -251,7 +251,7 @@ class Arena(FastPath):
     def enter(self, what: str, freeing: bool = False) -> bool:
         """``FastPath.enter``, refusing a call from a subscriber callback too (Note [Subscribers])."""
         if self.observers.running == threading.get_ident():
-            raise RuntimeError(
+            raise DeadlockError(
                 f"cupool: {what} from a subscriber callback would deadlock: callbacks run with the "
                 "pool's lock held (Note [Subscribers]); read pool.view or pool.stats() there instead"
             )

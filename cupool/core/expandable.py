@@ -62,7 +62,10 @@ instead of copying (``Expander.move``; the expander is the arena's segment sourc
 names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
 contiguous mapped range as a segment with ``is_expandable``. The device work of a
 grow, unmap or stitch is a few calls per granule, whatever the number of live
-blocks. The numba replay engine models all of this (``cupool.replay.engine_memory``).
+blocks. The numba replay engine models growing, trimming, cutting holes and
+stitching (``cupool.replay.engine_memory``), with the ranges' addresses as the
+pool's virtual memory hands them out (Note [Address arena]); it does not model
+compaction's remapping, since it follows a trace's recorded moves instead.
 """
 
 from __future__ import annotations

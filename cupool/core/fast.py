@@ -73,7 +73,7 @@ import threading
 from typing import Any
 
 from .._units import MAX_NBYTES, as_nbytes
-from ..errors import DoubleFreeError, ForeignAllocationError
+from ..errors import DeadlockError, DoubleFreeError, ForeignAllocationError
 from .interrupts import OWED, deliver
 from .sizes import ALIGNMENT, SMALL
 
@@ -316,7 +316,7 @@ class FastPath:
         """
         me = threading.get_ident()
         if self.holder == me:
-            raise RuntimeError(
+            raise DeadlockError(
                 f"cupool: {what} while this thread holds the pool's lock (inside `with pool.hold():` "
                 "or a subscriber callback) would deadlock; read pool.view there instead"
             )
@@ -328,7 +328,7 @@ class FastPath:
             return True
         if freeing:
             return False
-        raise RuntimeError(
+        raise DeadlockError(
             f"cupool: {what} was called from a finalizer while a garbage collection had "
             "interrupted a pool operation; it would deadlock.  Free memory in finalizers, "
             "but allocate outside them."

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import DeviceNameError
+from ..errors import DeviceNameError, NoDeviceError
 from .base import PAGE, Capabilities, Device, HostView
 from .cuda import CudaDevice, CudaPinnedDevice
 from .cuda_vmm import CudaVirtualMemory
@@ -111,7 +111,7 @@ def parse_device(device: str, capacity: int | str | None, note_fallback: bool = 
         if capacity is not None:
             raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
         if present and not cuda_available():
-            raise RuntimeError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
+            raise NoDeviceError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
     return kind, 0 if index is None else index
 
 

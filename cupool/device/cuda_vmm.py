@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, DriverError
 from .vmm import VirtualMemory, VirtualMemoryUnsupported
 
 
@@ -73,7 +73,7 @@ class CudaVirtualMemory(VirtualMemory):
             msg = f"cuda:{self.index}: {fn.__name__} failed: {name.decode() if isinstance(name, bytes) else name}"
             if err == self._drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 raise DeviceOutOfMemory(msg)
-            raise RuntimeError(msg)
+            raise DriverError(msg)
         return out[0] if len(out) == 1 else (tuple(out) or None)
 
     def _in_ctx(self, fn: Callable[..., tuple[Any, ...]], *args: Any) -> Any:

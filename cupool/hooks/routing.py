@@ -18,6 +18,7 @@ from typing import SupportsIndex
 
 from ..config import ENV_VAR, env_conf
 from ..device import cuda_available
+from ..errors import StateError
 from ..pool import Pool
 
 _lock = threading.Lock()  # guards the default pools
@@ -56,7 +57,7 @@ def sim_device(index: int) -> Iterator[int]:
     """
     index = _check_index(index, "sim_device()")
     if gpu_available():
-        raise RuntimeError("sim_device(): a CUDA GPU is in use, so switch devices with cupy.cuda.Device(i)")
+        raise StateError("sim_device(): a CUDA GPU is in use, so switch devices with cupy.cuda.Device(i)")
     previous = getattr(_local, "sim_index", 0)
     _local.sim_index = index
     try:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import StateError
 from ..pool import Pool
 from .cupy import cupy_allocator
 from .routing import check_device_pool, default_pool, set_process_pool, thread_route, using_pools
@@ -56,14 +57,14 @@ def using(pool: Pool) -> Iterator[Pool]:
 def _outside_using(caller: str) -> None:
     """CuPy refuses to change its global allocator inside ``using_allocator``: say so in cupool's words."""
     if using_pools():
-        raise RuntimeError(f"{caller} changes the whole process; call it outside `with cupool.using(...)`")
+        raise StateError(f"{caller} changes the whole process; call it outside `with cupool.using(...)`")
     try:
         from cupy.cuda import memory
     except ImportError:
         return
     get_tl = getattr(memory, "_get_thread_local_allocator", None)
     if get_tl is not None and get_tl() is not None:
-        raise RuntimeError(f"{caller} changes the whole process; call it outside `cupy.cuda.using_allocator(...)`")
+        raise StateError(f"{caller} changes the whole process; call it outside `cupy.cuda.using_allocator(...)`")
 
 
 def _numba_driver() -> Any:
@@ -86,7 +87,7 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> 
     _outside_using("install()")
     with _install_lock:
         if _installed is not None:
-            raise RuntimeError("cupool.install(): cupool is already installed; call cupool.uninstall() first")
+            raise StateError("cupool.install(): cupool is already installed; call cupool.uninstall() first")
         return _install(pool, cupy, numba)
 
 
@@ -128,7 +129,7 @@ def uninstall() -> None:
     with _install_lock:
         inst = _installed
         if inst is None:
-            raise RuntimeError("cupool.uninstall(): cupool is not installed")
+            raise StateError("cupool.uninstall(): cupool is not installed")
         if inst.cupy_previous is not _NOTHING:
             import cupy as cp
 

@@ -2,12 +2,13 @@
 
 The pool's reclaim ladder is a list of named steps (streams, release, compact,
 rehome, gc).  The scheduler adds one, **spill**, which copies unleased movable
-buffers to a tier (host memory or an HDF5 file, see ``cupool.spill``) and frees
+buffers to a tier (host memory or an HDF5 file, see ``cupool.pressure.spill``) and frees
 their device blocks, and it decides the order of the steps each time the ladder
 runs:
 
 * ``lru`` and ``fifo``: the cheap steps first (wait for streams, release cached
-  segments), then compact, then spill, then ``gc.collect()``, as in DESIGN.md.
+  segments, cut holes where stitching will not gather them, stitch), then compact,
+  then spill, then ``gc.collect()``: the order of the first design's OOM ladder.
   They differ in the victims spilled first: least recently used (``last_used``,
   set by ``Movable.array()``) or oldest (creation order).
 * ``adaptive`` looks at the pool when the request fails.  With fragmentation at
@@ -49,7 +50,7 @@ from ..core.handles import Movable
 from ..core.movables import Movables
 from ..core.rules import release_cuts_holes
 from ..core.sizes import LARGE
-from ..errors import SpillError
+from ..errors import SpillError, StateError
 from .compact import compact, rehome
 
 POLICIES = ("lru", "fifo", "adaptive")
@@ -128,7 +129,7 @@ class Scheduler:
         a trace shows it by its ``spill`` events alone.
         """
         if self.tier is None:
-            raise RuntimeError("spill() needs a pool made with Pool(..., spill='host' or 'file.h5')")
+            raise StateError("spill() needs a pool made with Pool(..., spill='host' or 'file.h5')")
         done = 0
         for m in self._victims_now():
             if nbytes is not None and done >= nbytes:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from ..core.sizes import PAGE
-from ..errors import OutOfMemoryError
+from ..errors import OutOfMemoryError, StateError
 from ..pool import Pool
 from .strategies import sizes
 
@@ -71,7 +71,7 @@ class AllocationFaults:
     def __enter__(self) -> AllocationFaults:
         stack = _active.setdefault(self.pool, [])
         if self in stack:
-            raise RuntimeError(f"{self!r} is already entered; make a new one to nest")
+            raise StateError(f"{self!r} is already entered; make a new one to nest")
         self._outer = self.pool.admission  # an outer fault block's, or the user's own, or None
         self.pool.set_admission(self._check)
         stack.append(self)
@@ -82,7 +82,7 @@ class AllocationFaults:
         if self not in stack:
             return  # left already (FaultRules leaves its faults before teardown)
         if stack[-1] is not self:
-            raise RuntimeError(
+            raise StateError(
                 f"{self!r} left before the fault block entered inside it ({stack[-1]!r}); leave blocks innermost first"
             )
         stack.pop()

@@ -48,7 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import add_note
+from ..errors import StateError, add_note
 from ..pressure.spill import tier_name
 from .format import Hdf5Writer, Trace, TraceError
 
@@ -160,10 +160,10 @@ class EventRecorder:
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> EventRecorder:
         if self._unsubscribe is not None:
-            raise RuntimeError("this recorder is already started")
+            raise StateError("this recorder is already started")
         pool = self._pool()
         if pool is None:
-            raise RuntimeError("this recorder's pool is gone")
+            raise StateError("this recorder's pool is gone")
         self._config = recording_config(pool)
         # One hold of the pool's lock for reading the live state and subscribing:
         # an event between the two would be in neither.  subscribe() does not take
