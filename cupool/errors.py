@@ -6,7 +6,6 @@ Charter: this module knows only units; every other module imports its errors fro
 | --- | --- | --- |
 | ``OutOfMemoryError`` | ``MemoryError`` (and CuPy's ``OutOfMemoryError``) | the reclaim ladder ran and the request still does not fit |
 | ``DeviceOutOfMemory`` | ``MemoryError`` | the device refused a segment (internal to the ladder) |
-| ``LimitReached`` | | growing would pass the pool's limit (internal to the ladder) |
 | ``InvalidFreeError``, ``DoubleFreeError``, ``ForeignAllocationError`` | ``ValueError`` | a free of something that is not a live allocation of this pool |
 | ``ClosedError`` | ``ValueError`` | the pool is closed |
 | ``TraceError`` | ``ValueError`` | a trace file that cannot be used |
@@ -158,10 +157,6 @@ class ForeignAllocationError(InvalidFreeError):
 class ClosedError(Error, ValueError):
     """The pool was closed (``Pool.close()``, a ``with`` block, or dropped): it gives memory back
     but hands out none."""
-
-
-class LimitReached(Error):
-    """Growing would pass ``max_size`` / ``memory_fraction`` (internal to the reclaim ladder)."""
 
 
 class TraceError(Error, ValueError):

@@ -20,7 +20,7 @@ gone), a finalizer returns any segment left.
 
 Nothing in the pool refers back to the ``Pool`` object strongly: handles own the
 arena (an ``Allocation``) or the movable lifecycle, which owns the arena (a
-``Movable``), not the pool; the arena's policy (``pressure/growth.py``) holds the
+``Movable``), not the pool; the arena's policy (``pressure/policy.py``) holds the
 arena, the buffers and the scheduler weakly; the scheduler looks its steps up by
 name and holds spill victims weakly.  Observers hold their pool weakly too (``Monitor``, a
 recording between ``start`` and ``stop``): the arena reaches its subscribers and
@@ -64,7 +64,7 @@ from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError, DeadlockError, StateError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact
-from .pressure.growth import Growth, check_defrag_threshold
+from .pressure.policy import PoolPolicy, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
 from .sizing import check_fraction, resolve
@@ -141,7 +141,7 @@ class Pool:
         limit, init, threshold = resolve(dev.total, max_size, memory_fraction, initial_size, release_threshold)
         self.device = dev
         # Owns defrag_threshold, release_threshold and release_before_split (the properties below).
-        self._growth = growth = Growth(defrag_threshold, None, release_before_split)
+        self._policy = policy = PoolPolicy(defrag_threshold, None, release_before_split)
         vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
         stitching = vm is not None and stitch is not False
         # The settings in force; ``limit`` and the thresholds have owners of their own (properties).
@@ -154,12 +154,12 @@ class Pool:
             "expandable_segments": vm is not None, "stitch": stitching,
         }
         source = None if vm is None else _expander(vm, stitching)
-        arena = self._arena = Arena(dev, limit, growth, track_sites, source)
+        arena = self._arena = Arena(dev, limit, policy, track_sites, source)
         self._movables = Movables(arena)
         tier = make_tier(spill, dev, lambda: _spill_pinned_pool(dev), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.
         self.scheduler = Scheduler(arena, self._movables, tier, spill_policy)
-        growth.attach(arena, self._movables, self.scheduler)
+        policy.attach(arena, self._movables, self.scheduler)
         self.release_threshold = threshold
         self.malloc_key: Callable[[int, Any], Allocation] = arena.malloc
         self._admission: Callable[[int, str], str | None] | None = None
@@ -248,7 +248,7 @@ class Pool:
         with self.hold():
             if self._background[0] is not None:
                 raise StateError("background compaction is already running for this pool")
-            self._background[0] = BackgroundCompactor(self._movables, self._growth, interval, budget)
+            self._background[0] = BackgroundCompactor(self._movables, self._policy, interval, budget)
 
     def stop_background_compaction(self) -> None:
         with self.hold():
@@ -352,23 +352,23 @@ class Pool:
     def defrag_threshold(self) -> float | None:
         """Fragmentation above which an allocation that would grow the pool compacts movable buffers
         first (None: never automatically)."""
-        return self._growth.defrag_threshold
+        return self._policy.defrag_threshold
 
     @defrag_threshold.setter
     def defrag_threshold(self, value: float | None) -> None:
-        self._growth.defrag_threshold = check_defrag_threshold(value)
+        self._policy.defrag_threshold = check_defrag_threshold(value)
 
     @property
     def release_threshold(self) -> int | None:
         """While more than this many bytes are reserved, a segment (or free tail) that empties goes
         back to the device at once; None caches everything until ``empty_cache``."""
-        return self._growth.release_threshold
+        return self._policy.release_threshold
 
     @release_threshold.setter
     def release_threshold(self, value: int | str | None) -> None:
         threshold = None if value is None else parse_size(value, self.device.total, "release_threshold")
         with self.hold() as view:
-            self._growth.release_threshold = threshold
+            self._policy.release_threshold = threshold
             self._arena.set_eager(threshold is not None)
             over = threshold is not None and view.books.reserved > threshold
         if over:
@@ -378,14 +378,14 @@ class Pool:
     def release_before_split(self) -> bool:
         """Whether a small request under pressure gives a wholly free cached segment back rather than
         split it (Note [Release before split])."""
-        return self._growth.release_before_split
+        return self._policy.release_before_split
 
     @release_before_split.setter
     def release_before_split(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"release_before_split must be True or False, got {value!r}")
         with self.hold():
-            self._growth.release_before_split = value
+            self._policy.release_before_split = value
 
     @property
     def closed(self) -> bool:
@@ -542,7 +542,7 @@ class Pool:
         reason = None if check is None or self._arena.closed else check(n, what)
         if reason is not None:
             with self.hold():
-                raise self._growth.oom(round_size(n), key, reason)
+                raise self._arena.out_of_memory(round_size(n), key, reason)
 
 
 class PinnedPool(Pool):

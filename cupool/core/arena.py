@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
-from ..errors import ClosedError, DeadlockError
+from .._units import format_bytes
+from ..errors import ClosedError, DeadlockError, DeviceOutOfMemory, OutOfMemoryError
 from .books import ALL, ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
 from .events import Observers, log_callback_error
 from .fast import Allocation, FastPath
@@ -23,35 +25,35 @@ from . import interrupts
 from .heap import Block, Heap, Segment
 from .segments import DeviceSegments, SegmentSource
 from .sites import SiteTracker
-from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_size
+from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_page, round_size
 from .streams import StreamEpochs
 from .view import ArenaView
 
 
 class Policy(Protocol):
-    """The decisions an arena leaves to the pool above it.
+    """The questions an arena asks the pool above it.  Three answer and change nothing; the arena
+    acts on the answers.  Two act, through the pressure layer's own verbs, and are named so.
 
-    1. ``before_take()``: called before placing a block while movable buffers
-       exist (automatic compaction).
-    2. ``expand(kind, size, key, exact) -> Block``: a free block of at least
-       ``size`` for stream ``key`` when none fits: grow, or reclaim, or raise
-       ``OutOfMemoryError``.
-    3. ``freed(kind, block)``: a free left ``block`` free while the arena releases
-       eagerly (``Arena.set_eager``): give memory back now, or not.
-    4. ``gives_back(size, block) -> bool``: a large request of ``size`` bytes
+    1. ``compact_if_due()``: a block is about to be placed while movable buffers
+       exist: compact first, if fragmentation calls for it.  Acts.
+    2. ``gives_back(size, block) -> bool``: a large request of ``size`` bytes
        would split ``block``, a wholly free segment of a source that gives
-       segments back only whole: whether the arena should give it back instead,
-       and serve the request as if nothing had fit, growing by just its pages
-       (Note [Release before split] in ``cupool.pressure.growth``).
-
-    Every hook answers; only ``expand`` and ``before_take`` act, and through the
-    arena's own verbs.
+       segments back only whole: whether the arena should give it back instead
+       and grow by just the request's pages (Note [Release before split] in
+       ``cupool.pressure.policy``).
+    3. ``reclaim(kind, size, key) -> Iterator[None]``: nothing fits and the pool
+       cannot grow: the reclaim ladder for this request, one step per item, each
+       item after a step that made progress (the arena looks again then).  Acts.
+    4. ``oom_reason() -> str``: the ladder is spent: what the error should add.
+    5. ``releases_now() -> bool``: a free left memory free while the arena
+       releases eagerly (``set_eager``): whether it goes back now.
     """
 
-    def before_take(self) -> None: ...
-    def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block: ...
-    def freed(self, kind: int, block: Block) -> None: ...
+    def compact_if_due(self) -> None: ...
     def gives_back(self, size: int, block: Block) -> bool: ...
+    def reclaim(self, kind: int, size: int, key: Any) -> Iterator[None]: ...
+    def oom_reason(self) -> str: ...
+    def releases_now(self) -> bool: ...
 
 
 class Arena(FastPath):
@@ -96,7 +98,7 @@ class Arena(FastPath):
         interrupts.install()  # Note [Interrupts]
 
     def set_eager(self, eager: bool) -> None:
-        """Whether each free that leaves a block free asks the policy (``freed``) at once.
+        """Whether each free that leaves a block free asks the policy (``releases_now``) at once.
 
         Eager release turns parking off (Note [Fast path]): empty segments must be
         noticed as they empty.  Lock held.
@@ -122,6 +124,7 @@ class Arena(FastPath):
     def take(self, n: int, key: Any, exact: bool = False, closed_ok: bool = False) -> tuple[Block, int]:
         """Place a block for ``n`` bytes on stream ``key`` (lock held); ``exact`` asks growth for just that.
 
+        The miss path reads as one chain, one rung a line (Note [Out of memory]);
         ``closed_ok``: a closed pool still brings a spilled buffer back (Note [Lifetimes]).
         """
         if self.closed and not closed_ok:
@@ -129,28 +132,26 @@ class Arena(FastPath):
         size = round_size(n)
         kind = pool_of(size)
         heap = self.heaps[kind]
-        if self.books.movables and not self.closed:
+        books = self.books
+        if books.movables and not self.closed:
             if self.stacks:  # compaction plans on the heap: parked blocks are free space (Note [Fast path])
                 self.unpark()
-            self.policy.before_take()
-        block = heap.find(size, key)
-        if block is None and self.stacks:  # the heap falls short: the parked blocks first (Note [Fast path])
+            self.policy.compact_if_due()  # 0. compact first, when fragmentation calls for it
+        block = heap.find(size, key)  # 1. best fit among the free blocks this stream may use
+        if block is None and self.stacks:  # 2. the parked blocks (Note [Fast path])
             self.unpark()
             block = heap.find(size, key)
-        if block is None and heap.tag_count() > 1:
+        if block is None and heap.tag_count() > 1:  # 3. blocks other streams are done with (Note [Streams])
             self.settle_streams(wait=False)
             block = heap.find(size, key)
-        books = self.books
-        if (block is not None and kind == LARGE and not exact and self.segments.whole
+        if (block is not None and kind == LARGE and not exact and self.segments.whole  # 4. release before split
                 and block.size == block.segment.size and not block.segment.keep
                 and self.policy.gives_back(size, block)):
             self.segments.drop(kind, block.segment)  # Note [Release before split]
             books.releases_before_split += 1
-            block = None  # its room serves just this request
-            exact = True
+            block, exact = None, True  # its room serves just this request
         if block is None:
-            books.misses += 1
-            block = self.policy.expand(kind, size, key, exact)
+            block = self.miss(kind, size, key, exact)  # 5-8
         else:
             books.hits += 1
         heap.take(block, size)
@@ -158,6 +159,55 @@ class Arena(FastPath):
         books.account(kind, ALLOCATED, size)
         books.account(kind, REQUESTED, n)
         return block, kind
+
+    def miss(self, kind: int, size: int, key: Any, exact: bool) -> Block:
+        """The chain past the heap: a free block of at least ``size`` from new memory, or the error."""
+        books = self.books
+        books.misses += 1
+        if round_page(size) > self.limit:  # 5. above the limit on its own: nothing could help; fail, changing nothing
+            raise self.out_of_memory(size, key, "the request alone is larger than the pool's limit of "
+                                     f"{format_bytes(self.limit)}", fragmentation=None)
+        block = self.grow(kind, size, key, exact)  # 6. grow within the limit
+        if block is not None:
+            return block
+        books.retries += 1
+        heap = self.heaps[kind]
+        steps = self.policy.reclaim(kind, size, key)  # 7. the ladder: look again after each step that helped
+        for _ in steps:
+            block = heap.find(size, key)
+            if block is None:
+                block = self.grow(kind, size, key, exact)
+            if block is not None:
+                return block
+        raise self.out_of_memory(size, key, self.policy.oom_reason())  # 8. out of memory
+
+    def grow(self, kind: int, size: int, key: Any, exact: bool) -> Block | None:
+        """A free block of at least ``size`` from new device memory, within the limit; None if that fails."""
+        try:
+            return self.segments.grow(kind, size, key, self.room(), exact)
+        except DeviceOutOfMemory:
+            return None
+
+    def out_of_memory(self, size: int, key: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
+        """The error for a request of ``size`` bytes that cannot be served (lock held); counted and emitted.
+
+        ``fragmentation=None`` leaves it out of the error when it has nothing to do
+        with the failure: a request above the limit fails whatever the free blocks
+        look like (the default, -1, reads the pool's).
+        """
+        self.books.ooms += 1
+        if self.observers.active:
+            self.observers.emit("oom", 0, size, key)
+        return OutOfMemoryError(
+            requested=size,
+            reserved=self.view.books.reserved,
+            allocated=self.view.books.allocated,
+            limit=self.limit,
+            largest_free_block=self.largest_free(),
+            fragmentation=self.fragmentation() if fragmentation == -1.0 else fragmentation,
+            device=self.device.name,
+            reason=reason,
+        )
 
     def room(self) -> int:
         """Bytes the limit still lets the pool reserve."""
@@ -186,8 +236,8 @@ class Arena(FastPath):
         if self.closed:  # drain: a closed pool gives each segment back as it empties (Note [Lifetimes])
             if not seg.used and seg.addr in self.heaps[kind].segments:
                 self.segments.drop(kind, seg)
-        elif not self.parking and seg.addr in self.heaps[kind].segments:
-            self.policy.freed(kind, merged)
+        elif not self.parking and seg.addr in self.heaps[kind].segments and self.policy.releases_now():
+            self.segments.trim(kind, merged)  # eager release
 
     def give_parked(self, key: Any, blocks: list[Block]) -> None:
         """Parked blocks of stream ``key`` go to the heap (``unpark``).

@@ -32,7 +32,7 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
   after releasing, for large requests;
 * release before split (``release_before_split``, Note [Release before split]
-  in ``cupool.pressure.growth``): a large raw request whose best fit is a wholly
+  in ``cupool.pressure.policy``): a large raw request whose best fit is a wholly
   free plain segment, not preallocated, larger than the request's pages, gives
   that segment back and grows by just those pages instead, when the limit has
   no room for another segment that size.

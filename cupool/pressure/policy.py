@@ -1,14 +1,26 @@
-"""The arena's policy: when to compact before placing, how to find room, when to give memory back.
+"""The pool's policy: what the arena asks when it places, misses, frees and runs short.
 
-Charter: this module answers the four questions of ``cupool.core.arena.Policy``
-for a pool; the rules it answers by are ``cupool.core.rules``'.  It owns the pool's ``defrag_threshold`` and ``release_threshold``
+Charter: this module answers the five questions of ``cupool.core.arena.Policy``
+for a pool, by the rules of ``cupool.core.rules``.  It owns the pool's
+``defrag_threshold``, ``release_threshold`` and ``release_before_split``
 (``Pool``'s properties read and set them here); the limit is the arena's.  It
 knows the arena, the movable buffers and the scheduler, never the ``Pool``.
+It changes no state itself: the arena acts on its answers, and the two hooks
+that act (compaction, the reclaim ladder) do so through the pressure layer's
+verbs, named for what they do.
 
 | question | answer |
 | --- | --- |
-| ``before_take()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
-| ``expand(kind, size, key, exact)``: no free block fits | a request larger than the limit fails at once; else grow within the limit; else run the scheduler's ladder, retrying after each step that made progress; else ``OutOfMemoryError`` (Note [Out of memory]) |
+| ``compact_if_due()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
+| ``gives_back(size, block)``: a large request would split a wholly free plain segment | with ``release_before_split``, as ``cupool.core.rules.gives_back_before_split`` says (Note [Release before split]) |
+| ``reclaim(kind, size, key)``: nothing fits and the pool cannot grow | run the scheduler's ladder a step at a time, pausing after each step that made progress (Note [Out of memory]) |
+| ``oom_reason()``: the ladder is spent | what spilling could and could not do, for the error |
+| ``releases_now()``: a free emptied memory while the pool releases eagerly | whether more than ``release_threshold`` is reserved |
+
+Everything here holds the arena, the buffers and the scheduler weakly: the
+arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
+
+Note [Out of memory]) |
 | ``freed(kind, block)``: a free emptied memory while the pool releases eagerly | above ``release_threshold``, the segment (or free tail) goes back now |
 | ``gives_back(size, block)``: a large request would split a wholly free plain segment | with ``release_before_split``, as ``cupool.core.rules.gives_back_before_split`` says: when the request is smaller than the segment, the limit has no room for another segment that size, and the released room serves the request (Note [Release before split]); else split |
 
@@ -17,7 +29,9 @@ arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
 
 Note [Out of memory]
 ~~~~~~~~~~~~~~~~~~~~
-A request whose size alone is larger than the pool's limit fails at once, with
+The miss path is one chain, written once in ``Arena.take`` and ``Arena.miss``:
+find a free block, unpark, wait for no stream, release before split, refuse a
+request above the limit, grow, run the ladder, fail.  A request whose size alone is larger than the pool's limit fails at once, with
 no ladder and no side effects (only ``num_ooms`` and an ``oom`` event record it),
 and its error leaves fragmentation out: it has nothing to do with the failure.
 Any other request that does not fit runs the ladder in the scheduler's order
@@ -72,16 +86,16 @@ and movable buffers (compaction can move them) are never served this way.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
-from .._units import format_bytes
 from ..core.arena import Arena
 from ..core.books import ALL, RESERVED
 from ..core.heap import Block
 from ..core.movables import Movables
 from ..core.rules import gives_back_before_split
 from ..core.sizes import round_page
-from ..errors import ClosedError, DeviceOutOfMemory, LimitReached, OutOfMemoryError
+from ..errors import ClosedError
 from .compact import compact, should_defrag
 from .scheduler import Scheduler
 
@@ -96,7 +110,7 @@ def check_defrag_threshold(value: float | None) -> float | None:
     return value
 
 
-class Growth:
+class PoolPolicy:
     """The ``Policy`` a pool gives its arena (see the module's table)."""
 
     def __init__(self, defrag_threshold: float | None, release_threshold: int | None,
@@ -123,39 +137,10 @@ class Growth:
         return arena, movables, scheduler
 
     # ------------------------------------------------------------ the questions
-    def before_take(self) -> None:
+    def compact_if_due(self) -> None:
         arena, movables, _ = self._parts()
         if should_defrag(arena, self.defrag_threshold):
             compact(arena, movables, None, None)
-
-    def expand(self, kind: int, size: int, key: Any, exact: bool) -> Block:
-        arena, _, scheduler = self._parts()
-        if round_page(size) > arena.limit:
-            # Nothing the ladder could do would make room: fail now, changing nothing.
-            raise self.oom(size, key, f"the request alone is larger than the pool's limit of "
-                           f"{format_bytes(arena.limit)}", fragmentation=None)
-        try:
-            return self._grow(arena, kind, size, key, exact)
-        except (DeviceOutOfMemory, LimitReached):
-            pass
-        arena.books.retries += 1
-        heap = arena.heaps[kind]
-        for _, step in scheduler.ladder((kind, size, key)):
-            if step():
-                block = heap.find(size, key)
-                if block is not None:
-                    return block
-                try:
-                    return self._grow(arena, kind, size, key, exact)
-                except (DeviceOutOfMemory, LimitReached):
-                    continue
-        raise self.oom(size, key, scheduler.oom_reason())
-
-    def freed(self, kind: int, block: Block) -> None:
-        arena = None if self._arena is None else self._arena()
-        threshold = self.release_threshold
-        if arena is not None and threshold is not None and arena.books.cur[RESERVED][ALL] > threshold:
-            arena.segments.trim(kind, block)
 
     def gives_back(self, size: int, block: Block) -> bool:
         if not self.release_before_split:
@@ -164,32 +149,17 @@ class Growth:
         reserved = int(arena.books.cur[RESERVED][ALL])
         return gives_back_before_split(round_page(size), block.size, arena.limit, reserved)
 
-    # -------------------------------------------------------------- helpers
-    @staticmethod
-    def _grow(arena: Arena, kind: int, size: int, key: Any, exact: bool) -> Block:
-        block = arena.segments.grow(kind, size, key, arena.room(), exact)
-        if block is None:
-            raise LimitReached
-        return block
+    def reclaim(self, kind: int, size: int, key: Any) -> Iterator[None]:
+        _, _, scheduler = self._parts()
+        for _, step in scheduler.ladder((kind, size, key)):
+            if step():
+                yield
 
-    def oom(self, size: int, key: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
-        """The error for a request of ``size`` bytes that cannot be served (lock held); counted and emitted.
+    def oom_reason(self) -> str:
+        _, _, scheduler = self._parts()
+        return scheduler.oom_reason()
 
-        ``fragmentation=None`` leaves it out of the error when it has nothing to do
-        with the failure: a request above the limit fails whatever the free blocks
-        look like (the default, -1, reads the pool's).
-        """
-        arena, _, _ = self._parts()
-        arena.books.ooms += 1
-        if arena.observers.active:
-            arena.observers.emit("oom", 0, size, key)
-        return OutOfMemoryError(
-            requested=size,
-            reserved=arena.view.books.reserved,
-            allocated=arena.view.books.allocated,
-            limit=arena.limit,
-            largest_free_block=arena.largest_free(),
-            fragmentation=arena.fragmentation() if fragmentation == -1.0 else fragmentation,
-            device=arena.device.name,
-            reason=reason,
-        )
+    def releases_now(self) -> bool:
+        arena = None if self._arena is None else self._arena()
+        threshold = self.release_threshold
+        return arena is not None and threshold is not None and arena.books.cur[RESERVED][ALL] > threshold
