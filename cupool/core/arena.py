@@ -109,10 +109,10 @@ class Arena(FastPath):
         self.refresh_fast()
 
     # ------------------------------------------------------------ allocation
-    def take_new(self, n: int, key: Any) -> Allocation:
+    def malloc_slow(self, n: int, key: Any) -> Allocation:
         """The slow path of ``malloc`` (lock held, queue drained, nothing parked)."""
         misses = self.books.misses
-        block, kind = self.take(n, key)
+        block, kind = self.place(n, key)
         a = Allocation(self, block, n, key, kind)
         block.payload = n
         if self.observers.active:
@@ -121,7 +121,7 @@ class Arena(FastPath):
             self.observers.emit("alloc", block.addr, block.size, key, small)
         return a
 
-    def take(self, n: int, key: Any, exact: bool = False, closed_ok: bool = False) -> tuple[Block, int]:
+    def place(self, n: int, key: Any, exact: bool = False, closed_ok: bool = False) -> tuple[Block, int]:
         """Place a block for ``n`` bytes on stream ``key`` (lock held); ``exact`` asks growth for just that.
 
         The miss path reads as one chain, one rung a line (Note [Out of memory]);
@@ -214,7 +214,7 @@ class Arena(FastPath):
         return max(0, self.limit - int(self.books.cur[RESERVED][ALL]))
 
     # ----------------------------------------------------------------- freeing
-    def release_block(self, a: Any) -> None:
+    def free_block(self, a: Any) -> None:
         """Free the block of ``a`` (an Allocation or a Movable) into the heap (lock held)."""
         block = a.block
         assert block is not None

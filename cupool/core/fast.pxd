@@ -38,7 +38,7 @@ cdef class FastPath:
     cdef object __weakref__
 
     @cython.locals(al=Allocation, stack=list)
-    cpdef release(self, a)
+    cpdef free_locked(self, a)
     @cython.locals(al=Allocation)
     cpdef free(self, a)
     cdef public object stream_key

@@ -4,7 +4,7 @@
 Charter: this module knows sizes, streams, pointers and blocks.  It never
 grows, never reclaims, never places a block in the heap and never emits an
 event: a request it cannot serve from a stack, and a free it cannot park, go to
-the two methods the arena provides (``take_new`` and ``release_block``).
+the two methods the arena provides (``malloc_slow`` and ``free_block``).
 
 It is the one module that runs compiled: ``pip install`` builds it with Cython
 from this very file (its types are declared beside it in ``fast.pxd``), and
@@ -231,7 +231,7 @@ class Allocation:
         b = self.block
         if b is None:
             return 0
-        self.owner.release(self)
+        self.owner.free_locked(self)
         return int(b.size)
 
     def __del__(self) -> None:
@@ -242,7 +242,7 @@ class Allocation:
             lock = owner.lock
             if lock.acquire(False):
                 try:
-                    owner.release(self)  # parks small blocks: the common case
+                    owner.free_locked(self)  # parks small blocks: the common case
                     if owner.pending:
                         owner.drain()
                 finally:
@@ -272,9 +272,9 @@ class FastPath:
     """The lock, the finalizer queue, the parked stacks and the accounting log of one arena.
 
     The arena (``cupool.core.arena.Arena``) derives from it and provides the slow
-    path: ``take_new(n, key) -> Allocation`` (lock held, queue drained, stacks
+    path: ``malloc_slow(n, key) -> Allocation`` (lock held, queue drained, stacks
     empty: place a new block, growing or reclaiming as the policy says),
-    ``release_block(handle)`` (lock held: give a block to the heap), and
+    ``free_block(handle)`` (lock held: give a block to the heap), and
     ``notify_moves()`` (lock free: run queued ``on_move`` callbacks).
 
     Invariants (the lock held to change any of these):
@@ -409,7 +409,7 @@ class FastPath:
                 pending = self.pending
                 while pending:  # the parked stacks stay: the arena unparks only if the heap falls short
                     pending.popleft().finalize_locked()
-                a = self.take_new(n, key)
+                a = self.malloc_slow(n, key)
                 if self.pending:
                     self.drain()
         finally:
@@ -422,7 +422,7 @@ class FastPath:
             deliver()
         return a
 
-    def take_new(self, n: int, key: Any) -> Allocation:
+    def malloc_slow(self, n: int, key: Any) -> Allocation:
         raise NotImplementedError("the arena provides the slow path")
 
     # ----------------------------------------------------------------- freeing
@@ -441,7 +441,7 @@ class FastPath:
         try:
             if al.block is None:
                 raise DoubleFreeError(al.ptr)
-            self.release(al)
+            self.free_locked(al)
             if self.pending:
                 self.drain()
         finally:
@@ -449,7 +449,7 @@ class FastPath:
         if OWED:  # Note [Interrupts]
             deliver()
 
-    def release(self, a: Any) -> None:
+    def free_locked(self, a: Any) -> None:
         """Give ``a``'s block back (lock held): park it, or free it into the heap."""
         if type(a) is Allocation and self.fast:
             al = a  # typed (fast.pxd): its fields are read without a lookup
@@ -464,9 +464,9 @@ class FastPath:
                     stack.append(block)
                 self.log.append(-1 - al.size)  # folded at the next malloc past LOG_MAX, or any read
                 return
-        self.release_block(a)
+        self.free_block(a)
 
-    def release_block(self, a: Any) -> None:
+    def free_block(self, a: Any) -> None:
         raise NotImplementedError("the arena provides the slow path")
 
     def unpark(self) -> int:

@@ -1,7 +1,7 @@
 """The movable-buffer lifecycle: made, leased, moved, spilled, restored, freed.
 
 Charter: this module keeps each ``Movable`` and its block consistent under the
-arena's lock; it knows the arena's public mechanism (``take``, ``release_block``,
+arena's lock; it knows the arena's public mechanism (``place``, ``free_block``,
 the segment source's ``move``) and nothing of policy: *when* to compact or spill
 is the pool's and the scheduler's.
 
@@ -56,7 +56,7 @@ class Movables:
     def make(self, n: int, key: Any, on_move: Callable[[Movable, int, int | None], None] | None) -> Movable:
         arena = self.arena
         with arena.locked("movable()"):  # Note [Lock protocol]
-            block, kind = arena.take(n, key, exact=True)
+            block, kind = arena.place(n, key, exact=True)
             self._seq += 1
             m = Movable(self, block, n, key, kind, on_move, self._seq, time.perf_counter_ns())
             block.payload = weakref.ref(m)
@@ -143,7 +143,7 @@ class Movables:
             return 0
         size = m.block.size
         self.arena.books.movables -= 1
-        self.arena.release_block(m)
+        self.arena.free_block(m)
         return size
 
     # ---------------------------------------------------------------- queries
@@ -182,7 +182,7 @@ class Movables:
         old = m.block.addr
         m.spilled = handle
         arena.books.movables -= 1
-        arena.release_block(m)
+        arena.free_block(m)
         m.generation += 1
         if m.on_move is not None:
             arena.moved.append((m, old, None))
@@ -198,7 +198,7 @@ class Movables:
         arena = self.arena
         handle = m.spilled
         data = handle.load()
-        block, kind = arena.take(m.size, m.stream, exact=True, closed_ok=True)
+        block, kind = arena.place(m.size, m.stream, exact=True, closed_ok=True)
         block.payload = weakref.ref(m)
         m.block, m.kind = block, kind
         arena.books.movables += 1
