@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
-pytest.importorskip("nbclient", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
+NEEDS = "the notebook tests need the test extra: pip install '.[test]' in cupool's checkout"
+nbformat = pytest.importorskip("nbformat", reason=NEEDS)
+pytest.importorskip("nbclient", reason=NEEDS)
 from nbclient import NotebookClient  # noqa: E402
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 
