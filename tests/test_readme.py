@@ -136,6 +136,7 @@ def test_the_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
         (tmp_path / "driver.py").write_text(DRIVER)
         argv = [sys.executable, str(tmp_path / "driver.py"), str(path)]
     env = {k: v for k, v in os.environ.items() if k != "CUPOOL_CONF"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's cupool
     try:
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
