@@ -79,7 +79,7 @@ class Progress:
 
     ``stage(what)`` announces the next stage (and counts the previous one done).
     The bar is tqdm's, cleared when it closes; while it shows, the ``cupool``
-    logger's records are written above it rather than through it.
+    logger's records are written above it rather than through it (``showing_progress``).
     """
 
     def __init__(self, stages: int, stream: TextIO) -> None:
@@ -93,9 +93,11 @@ class Progress:
 
     def stage(self, what: str) -> None:
         self.started += 1
+        self.total = max(self.total, self.started)  # a stage not planned for (out of memory on a GPU)
         if self.bar is None:
             print(f"cupool demo [{self.started}/{self.total}]: {what}", file=self.stream, flush=True)
             return
+        self.bar.total = self.total
         self.bar.set_description_str(what, refresh=False)
         self.bar.update(self.started - 1 - self.bar.n)
         self.bar.refresh()
@@ -105,18 +107,30 @@ class Progress:
             self.bar.close()
 
 
-@contextmanager
-def _progress(stages: int) -> Iterator[Progress]:
-    from tqdm.contrib.logging import logging_redirect_tqdm
+class _AboveTheBar(logging.Handler):
+    """Writes log records above a tqdm bar (``tqdm.write`` clears it, writes, and draws it again)."""
 
-    progress = Progress(stages, sys.stderr)
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.bar.write(self.format(record), file=self.progress.stream)
+
+
+@contextmanager
+def showing_progress(stages: int, stream: TextIO) -> Iterator[Progress]:
+    """A ``Progress`` on ``stream``, closed at the end; while its bar shows, the ``cupool`` logger writes above it."""
+    progress = Progress(stages, stream)
+    log = logging.getLogger("cupool")
+    handler = None if progress.bar is None else _AboveTheBar(progress)
+    if handler is not None:
+        log.addHandler(handler)
     try:
-        if progress.bar is None:
-            yield progress
-        else:
-            with logging_redirect_tqdm([logging.getLogger("cupool")]):
-                yield progress
+        yield progress
     finally:
+        if handler is not None:
+            log.removeHandler(handler)
         progress.close()
 
 
@@ -136,17 +150,18 @@ def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     def make(**pool_kw: Any) -> Pool:
         return Pool(device, capacity=capacity, **pool_kw)
 
-    sim = isinstance(first.device, SimDevice)
+    sim_device = first.device if isinstance(first.device, SimDevice) else None
+    sim = sim_device is not None
     shapes = workloads.mixed_shapes(steps, seed=seed)
     peak_live = workloads.peak_live_bytes(shapes)
-    with _progress((len(SETTINGS) + 1 if sim else 0) + 2 + len(SETTINGS)) as progress:
+    with showing_progress((len(SETTINGS) + 1 if sim else 0) + 2 + len(SETTINGS), sys.stderr) as progress:
         smallest: dict[str, int] = {}
-        if sim:
+        if sim_device is not None:
             smallest = smallest_devices(shapes, progress)
             progress.stage("the capacity the streaming table needs")
             need = _streaming_capacity(max(_source_need(), *smallest.values()))
-            if need > first.device.capacity:
-                raise ValueError(_too_small(first.device, need, steps, seed))
+            if need > sim_device.capacity:
+                raise ValueError(_too_small(sim_device, need, steps, seed))
         progress.stage("the source's ten steps, each setting")
         try:
             source = ten_steps(make)

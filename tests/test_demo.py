@@ -4,6 +4,8 @@ doing meanwhile, on a terminal and through a pipe (issue 28)."""
 from __future__ import annotations
 
 import fcntl
+import io
+import logging
 import os
 import pty
 import re
@@ -164,3 +166,20 @@ def test_on_a_pipe_lines_say_what_is_running_as_it_runs():
     assert [int(i) for i, _, _ in stages] == list(range(1, total + 1)) and total > 4
     assert any("streaming table" in what for _, _, what in stages)
     assert out.startswith("cupool demo: weight streaming on sim") and "extreme" in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_record_while_the_bar_shows_is_written_above_it():
+    """What cupool logs during the demo (a warning, a note) gets a line of its own, and the bar goes at the end."""
+    term = _Terminal()
+    with demo.showing_progress(3, term) as progress:
+        progress.stage("first")
+        logging.getLogger("cupool").warning("cupool: something to say")
+        progress.stage("second")
+        assert re.search(r"cupool demo: second .* 1/3 \[", term.getvalue())
+    screen = _screen(term.getvalue(), 200)
+    assert [ln for ln in screen if ln] == ["cupool: something to say"], screen
