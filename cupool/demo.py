@@ -2,34 +2,47 @@
 
 Everything is computed before anything is printed, so that a bad argument or a
 device too small for the demo is one line of error (with what would fit), not
-half a report followed by a traceback.  ``needed_capacity`` is how much the
-demo needs: the least sim capacity on which each of its runs completes, found
-by running them, since it depends on ``--steps`` and ``--seed``.
+half a report followed by a traceback.  On the sim device the demo first finds
+the least capacity each of its runs completes on (the "smallest device" column,
+which it prints anyway), so a ``--capacity`` below what the demo needs is
+refused before any run at that capacity; on a GPU, whose free memory is not
+known in advance, the refusal follows the run that ran out of memory.
+
+Three settings run both workloads (``SETTINGS``): plain segments without
+compaction, as PyTorch's caching allocator works, which reproduces the source's
+ten steps figure for figure; and cupool's defaults (expandable segments with
+stitching where the device has virtual memory) with compaction off and on.
+
+While it computes, the demo says so on stderr (``Progress``): a bar on a
+terminal, after any notice (the fallback to the sim device is logged before the
+bar starts, and log records during it are written above the bar), which leaves
+nothing behind; elsewhere (a pipe, a log) one plain line per stage.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from . import streaming, workloads
 from ._units import format_bytes
-from .device import SimDevice, VirtualMemoryUnsupported
+from .device import SimDevice
 from .errors import OutOfMemoryError
 from .pool import Pool
 
-#: "off": plain arrays, nothing may move.  "on": the layers live in movable buffers
-#: and the pool compacts when fragmentation passes its defrag_threshold (0.3).
-MODES: dict[str, dict[str, Any]] = {"off": {"movable": False}, "on": {"movable": True}}
-#: Pool settings of the longer run's plain-segment row (the defaults use expandable segments where the
-#: device has virtual memory, as the sim device on Linux does).
-PLAIN: dict[str, Any] = {"expandable_segments": False}
-#: The longer run's rows: name, Pool settings, workload settings.
-ROWS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
-    ("off", {}, MODES["off"]), ("on", {}, MODES["on"]), ("off, plain", PLAIN, MODES["off"]),
+#: Pool settings of PyTorch's caching allocator: segments allocated whole from the device.
+PLAIN: dict[str, Any] = {"expandable_segments": False, "stitch": False}
+#: The settings both workloads run under: name, Pool settings, workload settings.  Compaction "off": plain
+#: arrays, nothing may move; "on": the layers live in movable buffers and the pool compacts when fragmentation
+#: passes its defrag_threshold (0.3).
+SETTINGS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
+    ("plain, off", PLAIN, {"movable": False}),
+    ("off", {}, {"movable": False}),
+    ("on", {}, {"movable": True}),
 )
 #: The granularity of capacities the demo searches (sim devices), as the "smallest device" column says.
 STEP = 2 << 20
@@ -37,28 +50,88 @@ STEP = 2 << 20
 
 @dataclass
 class MixedRow:
-    """One row of the longer run: a summary, or why the row could not run (``unavailable``)."""
+    """One setting's summary of the longer run."""
 
     name: str
-    max_fragmentation: float = 0.0
-    mean_fragmentation: float = 0.0
-    peak_reserved: int = 0
-    device_allocs: int = 0
-    smallest: int | None = None  # sim only: the least capacity that completes, None above 4x the live peak
-    unavailable: str = ""
+    max_fragmentation: float
+    mean_fragmentation: float
+    peak_reserved: int
+    device_allocs: int
+    smallest: int | None = None  # sim only: the least capacity on which the run completes
 
 
 @dataclass
 class DemoResult:
     device: str
     sim: bool
-    source: dict[str, list[workloads.Step]]
+    expandable: bool  # whether the defaults ("off", "on") use expandable segments on this device
+    source: dict[str, list[workloads.Step]]  # the ten steps, by setting
     steps: int
     seed: int
     shapes: list[tuple[int, int]]
     peak_live: int
     rows: list[MixedRow]
     table: list[streaming.SettingRow]
+
+
+class Progress:
+    """Says on ``stream`` what the demo is computing: a bar on a terminal, else one line per stage.
+
+    ``stage(what)`` announces the next stage (and counts the previous one done).
+    The bar is tqdm's, cleared when it closes; while it shows, the ``cupool``
+    logger's records are written above it rather than through it (``showing_progress``).
+    """
+
+    def __init__(self, stages: int, stream: TextIO) -> None:
+        self.stream, self.total, self.started = stream, stages, 0
+        self.bar: Any = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=stages, file=stream, leave=False, dynamic_ncols=True,
+                            bar_format="cupool demo: {desc} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    def stage(self, what: str) -> None:
+        self.started += 1
+        self.total = max(self.total, self.started)  # a stage not planned for (out of memory on a GPU)
+        if self.bar is None:
+            print(f"cupool demo [{self.started}/{self.total}]: {what}", file=self.stream, flush=True)
+            return
+        self.bar.total = self.total
+        self.bar.set_description_str(what, refresh=False)
+        self.bar.update(self.started - 1 - self.bar.n)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _AboveTheBar(logging.Handler):
+    """Writes log records above a tqdm bar (``tqdm.write`` clears it, writes, and draws it again)."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.bar.write(self.format(record), file=self.progress.stream)
+
+
+@contextmanager
+def showing_progress(stages: int, stream: TextIO) -> Iterator[Progress]:
+    """A ``Progress`` on ``stream``, closed at the end; while its bar shows, the ``cupool`` logger writes above it."""
+    progress = Progress(stages, stream)
+    log = logging.getLogger("cupool")
+    handler = None if progress.bar is None else _AboveTheBar(progress)
+    if handler is not None:
+        log.addHandler(handler)
+    try:
+        yield progress
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+        progress.close()
 
 
 def check_args(steps: int, seed: int) -> None:
@@ -72,80 +145,102 @@ def check_args(steps: int, seed: int) -> None:
 def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     """Every figure the demo prints.  Raises ``ValueError`` saying what would fit if the device is too small."""
     check_args(steps, seed)
-    try:
-        return _run(device, capacity, steps, seed)
-    except OutOfMemoryError as e:
-        refused = e
-    need = needed_capacity(steps, seed)
-    probe = Pool(device, capacity=capacity)
-    if isinstance(probe.device, SimDevice):
-        if need <= probe.device.capacity:  # not the device's size: a fault of the demo's own, to be seen whole
-            raise refused
-        raise ValueError(f"--capacity {format_bytes(probe.device.capacity)} is too small for the demo with "
-                         f"--steps {steps} --seed {seed}: it needs at least {format_bytes(need)} "
-                         f"(give --capacity {need >> 20}MiB or more)") from None
-    free, total = probe.device.mem_info()
-    raise ValueError(f"{probe.device.name} has {format_bytes(free)} free of {format_bytes(total)}, too little for "
-                     f"the demo with --steps {steps} --seed {seed}: it needs about {format_bytes(need)} free "
-                     "(what a sim device of that size completes on); free memory on the GPU, or run "
-                     f"--device sim --capacity {need >> 20}MiB") from None
+    first = Pool(device, capacity=capacity)  # any notice (no GPU: the sim device) comes before the bar
 
-
-def _run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     def make(**pool_kw: Any) -> Pool:
         return Pool(device, capacity=capacity, **pool_kw)
 
-    with _progress(4 + len(ROWS)) as tick:
-        first = make()
-        sim = isinstance(first.device, SimDevice)
-        source = {}
-        for name, kw in MODES.items():
-            source[name] = workloads.weight_streaming(first if name == "off" else make(), workloads.source_shapes(),
-                                                      fill=True, **kw)
-            tick()
-        shapes = workloads.mixed_shapes(steps, seed=seed)
-        peak_live = workloads.peak_live_bytes(shapes)
-        rows = []
-        for name, pool_kw, kw in ROWS:
-            try:
-                pool = make(**pool_kw)
-            except VirtualMemoryUnsupported as e:
-                rows.append(MixedRow(name, unavailable=f"n/a: {e}"))
-                continue
-            streamed = workloads.weight_streaming(pool, shapes, fill=True, **kw)
-            fr = [s.fragmentation for s in streamed]
-            row = MixedRow(name, max(fr), sum(fr) / len(fr), max(s.reserved for s in streamed),
-                           int(pool.stats()["num_device_alloc"]))
-            if sim:
-                row.smallest = workloads.smallest_capacity(_sim(pool_kw), shapes, peak_live, 4 * peak_live, STEP, **kw)
-            rows.append(row)
-            tick()
-        table = streaming.settings_table(device=device, capacity=capacity)
-        tick()
-    return DemoResult(first.device.name, sim, source, steps, seed, shapes, peak_live, rows, table)
+    sim_device = first.device if isinstance(first.device, SimDevice) else None
+    sim = sim_device is not None
+    shapes = workloads.mixed_shapes(steps, seed=seed)
+    peak_live = workloads.peak_live_bytes(shapes)
+    with showing_progress((len(SETTINGS) + 1 if sim else 0) + 2 + len(SETTINGS), sys.stderr) as progress:
+        smallest: dict[str, int] = {}
+        if sim_device is not None:
+            smallest = smallest_devices(shapes, progress)
+            progress.stage("the capacity the streaming table needs")
+            need = _streaming_capacity(max(_source_need(), *smallest.values()))
+            if need > sim_device.capacity:
+                raise ValueError(_too_small(sim_device, need, steps, seed))
+        progress.stage("the source's ten steps, each setting")
+        try:
+            source = ten_steps(make)
+            rows = []
+            for name, pool_kw, kw in SETTINGS:
+                progress.stage(f"{steps} mixed layers, {name}")
+                rows.append(mixed_run(make(**pool_kw), name, shapes, kw))
+                rows[-1].smallest = smallest.get(name)
+            progress.stage("the streaming table, four cache settings")
+            table = streaming.settings_table(device=device, capacity=capacity)
+        except OutOfMemoryError:
+            if sim:  # the device is big enough for the demo: a fault of the demo's own, to be seen whole
+                raise
+            progress.stage("ran out of memory: finding what would fit (sim)")
+            raise ValueError(_too_small(first.device, needed_capacity(steps, seed), steps, seed)) from None
+    return DemoResult(first.device.name, sim, bool(first.config["expandable_segments"]), source, steps, seed,
+                      shapes, peak_live, rows, table)
+
+
+def _too_small(device: Any, need: int, steps: int, seed: int) -> str:
+    if isinstance(device, SimDevice):
+        return (f"--capacity {format_bytes(device.capacity)} is too small for the demo with --steps {steps} "
+                f"--seed {seed}: it needs at least {format_bytes(need)} (give --capacity {need >> 20}MiB or more)")
+    free, total = device.mem_info()
+    return (f"{device.name} has {format_bytes(free)} free of {format_bytes(total)}, too little for the demo with "
+            f"--steps {steps} --seed {seed}: it needs about {format_bytes(need)} free (what a sim device of that "
+            f"size completes on); free memory on the GPU, or run --device sim --capacity {need >> 20}MiB")
+
+
+def ten_steps(make: Callable[..., Pool]) -> dict[str, list[workloads.Step]]:
+    """The source's ten steps under each setting, each on a fresh pool from ``make(**pool_settings)``."""
+    return {name: workloads.weight_streaming(make(**pool_kw), workloads.source_shapes(), fill=True, **kw)
+            for name, pool_kw, kw in SETTINGS}
+
+
+def mixed_run(pool: Pool, name: str, shapes: list[tuple[int, int]], kw: dict[str, Any]) -> MixedRow:
+    """The longer run of ``shapes`` on ``pool`` (workload settings ``kw``), summarised."""
+    streamed = workloads.weight_streaming(pool, shapes, fill=True, **kw)
+    fr = [s.fragmentation for s in streamed]
+    return MixedRow(name, max(fr), sum(fr) / len(fr), max(s.reserved for s in streamed),
+                    int(pool.stats()["num_device_alloc"]))
 
 
 def _sim(pool_kw: dict[str, Any]) -> Callable[[int], Pool]:
     return lambda c: Pool("sim", capacity=c, **pool_kw)
 
 
-def needed_capacity(steps: int, seed: int) -> int:
-    """The least sim capacity (a multiple of ``STEP``) on which every run of the demo completes.
+def _least(pool_kw: dict[str, Any], shapes: list[tuple[int, int]], kw: dict[str, Any]) -> int:
+    """The least sim capacity (a multiple of ``STEP``) on which ``shapes`` stream to the end.
 
     Success is monotone in the capacity (a deterministic pool and workload), so
-    each run's least capacity is found by bisection, and the demo needs the
-    largest of them.
+    it is found by bisection: up to 4x the live peak first, where every setting
+    lands on the demo's workloads, then up to 64x, where any completes.
     """
-    need = STEP
-    for shapes in (workloads.source_shapes(), workloads.mixed_shapes(steps, seed=seed)):
-        live = workloads.peak_live_bytes(shapes)
-        for _, pool_kw, kw in ROWS:
-            try:
-                found = workloads.smallest_capacity(_sim(pool_kw), shapes, live, 64 * live, STEP, **kw)
-            except VirtualMemoryUnsupported:  # the demo shows this row as n/a
-                continue
-            assert found is not None, "64x the live peak always completes"
-            need = max(need, found)
+    live = workloads.peak_live_bytes(shapes)
+    found = workloads.smallest_capacity(_sim(pool_kw), shapes, live, 4 * live, STEP, **kw)
+    if found is None:
+        found = workloads.smallest_capacity(_sim(pool_kw), shapes, 4 * live, 64 * live, STEP, **kw)
+    assert found is not None, "64x the live peak always completes"
+    return found
+
+
+def smallest_devices(shapes: list[tuple[int, int]], progress: Progress | None = None) -> dict[str, int]:
+    """Each setting's least sim capacity for the longer run of ``shapes``, by name."""
+    out = {}
+    for name, pool_kw, kw in SETTINGS:
+        if progress is not None:
+            progress.stage(f"the smallest device for {len(shapes)} mixed layers, {name}")
+        out[name] = _least(pool_kw, shapes, kw)
+    return out
+
+
+def _source_need() -> int:
+    return max(_least(pool_kw, workloads.source_shapes(), kw) for _, pool_kw, kw in SETTINGS)
+
+
+def needed_capacity(steps: int, seed: int) -> int:
+    """The least sim capacity (a multiple of ``STEP``) on which every run of the demo completes."""
+    need = max(_source_need(), *smallest_devices(workloads.mixed_shapes(steps, seed=seed)).values())
     return _streaming_capacity(need)
 
 
@@ -169,59 +264,57 @@ def _streaming_capacity(start: int) -> int:
     return hi
 
 
-@contextmanager
-def _progress(total: int) -> Iterator[Callable[[], None]]:
-    """A bar on stderr while the demo computes (only on a terminal: pipes and logs get the results alone)."""
-    from tqdm import tqdm
+def _frag_segs(s: workloads.Step) -> str:
+    return f"{s.fragmentation:>9.3f} {s.segments:>4}"
 
-    bar = tqdm(total=total, desc="cupool demo", unit="run", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty())
-    try:
-        yield lambda: bar.update(1)
-    finally:
-        bar.close()
+
+def _reproduces(steps: list[workloads.Step]) -> bool:
+    """Whether ``steps`` show the source's fragmentation (as printed) and segment count at every step."""
+    return all(f"{s.fragmentation:.3f}" == f"{frag:.3f}" and s.segments == segs
+               for s, (_, _, frag, segs) in zip(steps, workloads.SOURCE_STEPS, strict=True))
 
 
 def format_result(r: DemoResult) -> str:
     """The demo's report, as ``cupool demo`` prints it."""
+    names = [name for name, _, _ in SETTINGS]
+    plain = r.source["plain, off"]
+    defaults = ("expandable segments with stitching\n(this device has virtual memory)" if r.expandable
+                else "plain segments too\n(this device has no virtual memory)")
     out = [f"cupool demo: weight streaming on {r.device} (4 cached layers, 2 evicted at a time, float32)",
            "Layers are written when loaded and checked when evicted, so a corrupting move would fail the run.", "",
-           "The source's ten steps (PyTorch's caching allocator) beside cupool:",
-           f"  {'step':>4}  {'action':<13} {'shape':<12} {'source':>12} {'compaction off':>15} {'compaction on':>14}",
-           f"  {'':>4}  {'':<13} {'':<12} {'frag segs':>12} {'frag segs':>15} {'frag segs':>14}"]
-    for a, b in zip(r.source["off"], r.source["on"]):
-        _, _, sfrag, ssegs = workloads.SOURCE_STEPS[a.step - 1]
-        out.append(f"  {a.step:>4}  {a.action:<13} {str(a.shape):<12} {sfrag:>7.3f} {ssegs:>4} "
-                   f"{a.fragmentation:>10.3f} {a.segments:>4} {b.fragmentation:>9.3f} {b.segments:>4}")
-    frag = {k: [s.fragmentation for s in v] for k, v in r.source.items()}
-    out += ["", f"  {'':<20} {'source':>8} {'off':>8} {'on':>8}",
-            f"  {'max fragmentation':<20} {workloads.SOURCE_MAX:>8.3f} {max(frag['off']):>8.3f} "
-            f"{max(frag['on']):>8.3f}",
-            f"  {'mean fragmentation':<20} {workloads.SOURCE_MEAN:>8.3f} "
-            f"{sum(frag['off']) / len(frag['off']):>8.3f} {sum(frag['on']) / len(frag['on']):>8.3f}", "",
+           "Settings: 'plain, off' is PyTorch's caching allocator's way: plain segments (expandable_segments=False,\n"
+           "stitch=False), compaction off.  'off' and 'on' are cupool's defaults, " + defaults + ", compaction off "
+           "(plain arrays) and on (movable buffers, compacted when\nfragmentation passes 0.3).", "",
+           "The source's ten steps (PyTorch's caching allocator) beside cupool's three settings:",
+           f"  {'step':>4}  {'action':<13} {'shape':<12} {'source':>12}" + "".join(f" {n:>14}" for n in names),
+           f"  {'':>4}  {'':<13} {'':<12} {'frag segs':>12}" + f" {'frag segs':>14}" * len(names)]
+    for i, (action, shape, sfrag, ssegs) in enumerate(workloads.SOURCE_STEPS):
+        out.append(f"  {i + 1:>4}  {action:<13} {str(shape):<12} {sfrag:>7.3f} {ssegs:>4}"
+                   + "".join(f" {_frag_segs(r.source[n][i])}" for n in names))
+    frag = {n: [s.fragmentation for s in r.source[n]] for n in names}
+    out += ["", f"  {'':<20} {'source':>8}" + "".join(f" {n:>11}" for n in names),
+            f"  {'max fragmentation':<20} {workloads.SOURCE_MAX:>8.3f}" + "".join(f" {max(frag[n]):>11.3f}"
+                                                                                  for n in names),
+            f"  {'mean fragmentation':<20} {workloads.SOURCE_MEAN:>8.3f}"
+            + "".join(f" {sum(frag[n]) / len(frag[n]):>11.3f}" for n in names),
+            "", "'plain, off' " + ("reproduces the source's fragmentation and segments at every step."
+                               if _reproduces(plain) else "differs from the source: see the steps above."), "",
             f"A longer run: {r.steps} layers of {len(set(r.shapes))} mixed shapes (seed {r.seed}), "
             f"peak of live bytes {format_bytes(r.peak_live)}:",
-            f"  {'compaction':<16} {'max frag':>9} {'mean frag':>10} {'peak reserved':>15} {'device allocs':>14} "
+            f"  {'setting':<12} {'max frag':>9} {'mean frag':>10} {'peak reserved':>19} {'device allocs':>14} "
             f"{'smallest device':>22}"]
     for row in r.rows:
-        if row.unavailable:
-            out.append(f"  {row.name:<16} {row.unavailable}")
-            continue
-        smallest = ("n/a on a GPU" if not r.sim else "> 4x" if row.smallest is None
+        smallest = ("n/a on a GPU" if row.smallest is None
                     else f"{format_bytes(row.smallest)} ({row.smallest / r.peak_live:.2f}x)")
-        out.append(f"  {row.name:<16} {row.max_fragmentation:>9.3f} {row.mean_fragmentation:>10.3f} "
-                   f"{format_bytes(row.peak_reserved):>9} ({row.peak_reserved / r.peak_live:.2f}x) "
-                   f"{row.device_allocs:>14} {smallest:>22}")
+        reserved = f"{format_bytes(row.peak_reserved)} ({row.peak_reserved / r.peak_live:.2f}x)"
+        out.append(f"  {row.name:<12} {row.max_fragmentation:>9.3f} {row.mean_fragmentation:>10.3f} "
+                   f"{reserved:>19} {row.device_allocs:>14} {smallest:>22}")
     out += ["",
-            "'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running "
-            "out of memory, as a multiple of the live peak; 1.00x is what a perfect allocator needs.\n"
-            "'device allocs': segments taken from the device; compaction gives emptied segments back, "
-            "so it trades some device allocations for memory.\n"
-            "'off' and 'on' run the defaults: expandable segments with stitching where the device has virtual "
-            "memory\n(granules mapped at a segment's end, free granules of holes remapped side by side for a request "
-            "no free range fits;\n'device allocs' then counts mappings); 'off, plain': segments allocated whole from "
-            "the device, as before.", "",
+            "'smallest device': the least sim capacity (2 MiB steps) on which the run completes without running out "
+            "of memory,\nas a multiple of the live peak; 1.00x is what a perfect allocator needs.  'device allocs': "
+            "segments taken from\nthe device (with expandable segments: mappings); compaction gives emptied segments "
+            "back, so it trades some\ndevice allocations for memory.", "",
             "Streaming a synthetic HDF5 model (the ten layer shapes, three passes) through cupool.streaming.LayerCache",
-            "under the source's four cache settings, cupool's figures beside the source's:",
+            "under the source's four cache settings (cupool's defaults), cupool's figures beside the source's:",
             streaming.format_table(r.table)]
     return "\n".join(out)

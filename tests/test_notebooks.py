@@ -11,17 +11,20 @@ every figure has a title and no legend over its lines or bars, no stray
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
-pytest.importorskip("nbclient", reason="the notebook tests need the test extra: pip install 'cupool[test]'")
+NEEDS = "the notebook tests need the test extra: pip install '.[test]' in cupool's checkout"
+nbformat = pytest.importorskip("nbformat", reason=NEEDS)
+pytest.importorskip("nbclient", reason=NEEDS)
 from nbclient import NotebookClient  # noqa: E402
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 #: Run first in the kernel: notes every figure matplotlib draws (inline output, or a file): its titles, and
 #: how many points of its lines, and how many bars, lie under its legends.
@@ -79,6 +82,8 @@ def _execute(path: Path, folder: Path) -> tuple[nbformat.NotebookNode, list[dict
     client = NotebookClient(nb, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(folder)}})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MPLBACKEND", raising=False)  # the kernel's own inline backend, as a user has
+        # The kernel runs in an empty folder: without this it would import whichever cupool is installed.
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         try:
             client.execute()
         except CellExecutionError as e:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+import cupool
+from cupool import demo, workloads
 from cupool.device import cuda_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +136,7 @@ def test_the_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
         (tmp_path / "driver.py").write_text(DRIVER)
         argv = [sys.executable, str(tmp_path / "driver.py"), str(path)]
     env = {k: v for k, v in os.environ.items() if k != "CUPOOL_CONF"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's cupool
     try:
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
@@ -146,3 +149,71 @@ def test_the_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
         assert re.search(shows, done.stdout, re.M), (
             f"README line {snippet.line} ({snippet.section}) printed {done.stdout!r}, which does not show {shows!r}"
         )
+
+
+# ------------------------------------------------------------------ the demo's table
+#: The README's demo table: its columns, by the demo's names for them.
+DEMO_COLUMNS = {"source (PyTorch)": "source", "plain segments, compaction off": "plain, off",
+                "defaults, compaction off": "off", "defaults, compaction on": "on"}
+DEMO_STEPS, DEMO_SEED = 200, 0  # `cupool demo`'s defaults, which the README's table shows
+
+
+def _markdown_table(section: str) -> list[list[str]]:
+    """The first table in ``section`` of the README: its rows (header first), cells stripped of bold."""
+    text = README.read_text()
+    body = text[text.index(f"\n## {section}\n"):]
+    body = body[:body.index("\n## ", 1)]
+    rows = [ln for ln in body.splitlines() if ln.startswith("|")]
+    assert rows, f"no table in the README's section {section!r}"
+    return [[c.strip().replace("**", "") for c in ln.strip().strip("|").split("|")] for ln in rows if "---" not in ln]
+
+
+def _demo_output() -> str:
+    """What ``cupool demo --device sim`` prints above its streaming table, computed in this process.
+
+    The demo's own functions with its arguments (sim, its default capacity, steps and seed), which are the
+    figures it prints; only the streaming table and the check of the capacity (which change none of these) are
+    left out, to keep this quick.
+    """
+    def make(**pool_kw):
+        return cupool.Pool("sim", **pool_kw)
+
+    shapes = workloads.mixed_shapes(DEMO_STEPS, seed=DEMO_SEED)
+    rows = [demo.mixed_run(make(**pool_kw), name, shapes, kw) for name, pool_kw, kw in demo.SETTINGS]
+    smallest = demo.smallest_devices(shapes)
+    for row in rows:
+        row.smallest = smallest[row.name]
+    first = make()
+    result = demo.DemoResult(first.device.name, True, bool(first.config["expandable_segments"]),
+                             demo.ten_steps(make), DEMO_STEPS, DEMO_SEED, shapes,
+                             workloads.peak_live_bytes(shapes), rows, table=[])
+    return demo.format_result(result)
+
+
+def _printed_figures(out: str) -> dict[str, dict[str, str]]:
+    """The README's cells as the demo's output gives them: {row label: {column name: cell}}."""
+    names = ["source", *(name for name, _, _ in demo.SETTINGS)]
+    summary = {}
+    for which in ("max", "mean"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {which} fragmentation"))
+        summary[which] = dict(zip(names, line.split()[2:], strict=True))
+    figures = {"ten steps: max / mean fragmentation": {n: f"{summary['max'][n]} / {summary['mean'][n]}" for n in names}}
+    mixed = f"{DEMO_STEPS} mixed layers: "
+    row = re.compile(r"^  (?P<name>.+?)\s+(?P<max>\d\.\d{3})\s+(?P<mean>\d\.\d{3})\s+\d+ MiB \((?P<reserved>[\d.]+)x\)"
+                     r"\s+(?P<allocs>\d+)\s+\d+ MiB \((?P<smallest>[\d.]+)x\)$", re.M)
+    found = {m["name"]: m for m in row.finditer(out)}
+    assert sorted(found) == sorted(names[1:]), out
+    for label, cell in (("max / mean fragmentation", "{max} / {mean}"), ("peak reserved / live peak", "{reserved}×"),
+                        ("smallest device / live peak", "{smallest}×"), ("device allocations", "{allocs}")):
+        figures[mixed + label] = {"source": "", **{n: cell.format(**found[n].groupdict()) for n in names[1:]}}
+    return figures
+
+
+def test_the_demo_table_is_what_the_demo_prints():
+    """Issue 28: the README's table showed figures (0.222 / 0.026, 1.30x, 189) that `cupool demo` no longer printed."""
+    head, *rows = _markdown_table("The demo")
+    assert [DEMO_COLUMNS.get(c) for c in head[1:]] == list(DEMO_COLUMNS.values()), head
+    readme = {r[0]: dict(zip(DEMO_COLUMNS.values(), r[1:], strict=True)) for r in rows}
+    out = _demo_output()
+    assert readme == _printed_figures(out), out
+    assert "'plain, off' reproduces the source's fragmentation and segments at every step." in out
