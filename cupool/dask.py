@@ -7,7 +7,7 @@ from its worker's pool.  ``dask worker ... --preload cupool.dask --cupool-max-si
 sets the same up from the command line (``dask_setup``).  ``stats``,
 ``empty_cache`` and ``record`` reach every worker through ``Client.run``.
 ``python -m cupool.dask --help`` lists the preload's options.  Needs
-``distributed`` (``pip install "cupool[dask]"``); ``import cupool`` never imports
+``distributed`` (``pip install distributed``, or ``pip install ".[dask]"`` in cupool's checkout); ``import cupool`` never imports
 this module.
 
 A bad argument must fail where the user typed it, not as a log line in every
@@ -39,7 +39,7 @@ try:
     from distributed import Client, Worker, WorkerPlugin
     from distributed.core import Status
 except ImportError as e:  # pragma: no cover - exercised only where distributed is missing
-    raise ImportError('cupool.dask needs distributed: pip install "cupool[dask]"') from e
+    raise ImportError("cupool.dask needs distributed: pip install distributed (or '.[dask]' in cupool's checkout)") from e
 
 from ._dask_arguments import (  # after distributed: it needs click, which comes with distributed
     PRELOAD_HELP,

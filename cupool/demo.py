@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from . import streaming, workloads
 from ._units import format_bytes
+from ._words import count
 from .device import SimDevice
 from .errors import OutOfMemoryError
 from .pool import Pool
@@ -299,7 +300,7 @@ def format_result(r: DemoResult) -> str:
             + "".join(f" {sum(frag[n]) / len(frag[n]):>11.3f}" for n in names),
             "", "'plain, off' " + ("reproduces the source's fragmentation and segments at every step."
                                if _reproduces(plain) else "differs from the source: see the steps above."), "",
-            f"A longer run: {r.steps} layers of {len(set(r.shapes))} mixed shapes (seed {r.seed}), "
+            f"A longer run: {count(r.steps, 'layer')} of {count(len(set(r.shapes)), 'mixed shape')} (seed {r.seed}), "
             f"peak of live bytes {format_bytes(r.peak_live)}:",
             f"  {'setting':<12} {'max frag':>9} {'mean frag':>10} {'peak reserved':>19} {'device allocs':>14} "
             f"{'smallest device':>22}"]

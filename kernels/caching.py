@@ -15,7 +15,7 @@ packages installed read-only), one subfolder per source folder, so that two
 environments never share entries.  Where no folder is writable the function is
 compiled in each process, as with ``cache=False``.
 
-Why cache at all.  The replay engine takes ~14 s to compile and loads from the
+Why cache at all.  The replay engine takes about 45 s to compile on two busy cores and loads from the
 cache in well under a second; the move kernel ~2 s against 0.1 s (2-core machine).
 
 Private Numba API.  Numba has no per-function cache location: only the

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install 'cupool[dask]')")
+distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install distributed, or '.[dask]' in cupool's checkout)")
 cloudpickle = pytest.importorskip("cloudpickle", reason="distributed ships functions with cloudpickle")
 
 from conftest import HAS_GPU

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install 'cupool[dask]')")
+distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install distributed, or '.[dask]' in cupool's checkout)")
 
 from distributed.core import Status
 

@@ -11,7 +11,7 @@ import time
 import click
 import pytest
 
-distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install 'cupool[dask]')")
+distributed = pytest.importorskip("distributed", reason="cupool.dask needs distributed (pip install distributed, or '.[dask]' in cupool's checkout)")
 
 cloudpickle = pytest.importorskip("cloudpickle", reason="distributed ships functions with cloudpickle")
 

@@ -475,7 +475,7 @@ def test_snapshots_show_expandable_segments_as_pytorch_does(recorded, tmp_path):
 
 
 def test_an_expandable_snapshot_renders_with_torch_memory_viz(recorded, tmp_path):
-    mv = pytest.importorskip("torch.cuda._memory_viz", reason="torch is not installed (pip install cupool[viz])")
+    mv = pytest.importorskip("torch.cuda._memory_viz", reason="torch is not installed (pip install torch, or '.[viz]' in cupool's checkout)")
     import pickle
 
     from cupool.observe.snapshot import export_trace

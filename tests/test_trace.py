@@ -609,7 +609,7 @@ def test_export_snapshot_shape(tmp_path, expandable, grows, segments):
 
 
 def test_export_snapshot_renders_with_torch_memory_viz(tmp_path):
-    mv = pytest.importorskip("torch.cuda._memory_viz", reason="torch is not installed (pip install cupool[viz])")
+    mv = pytest.importorskip("torch.cuda._memory_viz", reason="torch is not installed (pip install torch, or '.[viz]' in cupool's checkout)")
     pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False)  # its figures are plain segments'
     data, keep, _ = _exported(pool, tmp_path)
     summary = mv.segsum(data)

@@ -30,8 +30,8 @@ class CudaVirtualMemory(VirtualMemory):
                 from cuda.bindings import driver as cuda_driver
             except ImportError:
                 raise VirtualMemoryUnsupported(
-                    "CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cupool[vmm]' "
-                    "(cuda-bindings>=12)"
+                    "CUDA virtual memory needs NVIDIA's driver bindings: pip install "
+                    "'cuda-bindings>=12' (or '.[vmm]' in cupool's checkout)"
                 ) from None
             driver = cuda_driver
         self._drv = drv = driver
