@@ -66,7 +66,7 @@ class Arena(FastPath):
     # Slots, not a __dict__: the compiled fast path's methods then skip looking for
     # overrides in an instance dict on every call (Cython's cpdef dispatch).
     __slots__ = ("device", "limit", "policy", "heaps", "observers", "segments", "view", "closed",
-                 "streams", "compaction_stale")
+                 "streams", "compaction_stale", "refusal")
 
     def __init__(
         self, device: Any, limit: int, policy: Policy, track_sites: bool,
@@ -91,6 +91,8 @@ class Arena(FastPath):
         # Whether anything that could let compaction do more (a free, a lease ending)
         # happened since it last ran.
         self.compaction_stale = True
+        # Why the device last refused to grow during the request being served (for its error).
+        self.refusal = ""
         # A dropped arena gives every segment back (Note [Lifetimes]).  Not at exit:
         # the process's end returns device memory, and CUDA may already be gone.
         fin = weakref.finalize(self, _give_back, self.segments)
@@ -164,6 +166,7 @@ class Arena(FastPath):
         """The chain past the heap: a free block of at least ``size`` from new memory, or the error."""
         books = self.books
         books.misses += 1
+        self.refusal = ""
         if round_page(size) > self.limit:  # 5. above the limit on its own: nothing could help; fail, changing nothing
             raise self.out_of_memory(size, key, "the request alone is larger than the pool's limit of "
                                      f"{format_bytes(self.limit)}", fragmentation=None)
@@ -179,13 +182,15 @@ class Arena(FastPath):
                 block = self.grow(kind, size, key, exact)
             if block is not None:
                 return block
-        raise self.out_of_memory(size, key, self.policy.oom_reason())  # 8. out of memory
+        reason = "; ".join(r for r in (self.policy.oom_reason(), self.refusal) if r)
+        raise self.out_of_memory(size, key, reason)  # 8. out of memory
 
     def grow(self, kind: int, size: int, key: Any, exact: bool) -> Block | None:
         """A free block of at least ``size`` from new device memory, within the limit; None if that fails."""
         try:
             return self.segments.grow(kind, size, key, self.room(), exact)
-        except DeviceOutOfMemory:
+        except DeviceOutOfMemory as e:  # the device's words go into the error, should the request fail
+            self.refusal = f"the device refused: {e}"
             return None
 
     def out_of_memory(self, size: int, key: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
