@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
+from . import settings
 from ._units import parse_size
 from .device import SimDevice, parse_device
 from .pool import Pool
@@ -133,21 +134,32 @@ them and prints the setup they describe; it starts nothing."""
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def _setting_option(s: settings.Setting) -> Callable[[_F], _F]:
+    """The ``--cupool-NAME`` option of one of ``Pool``'s settings, read as its registry entry says."""
+    flag = "--cupool-" + s.name.replace("_", "-")
+    text = f"{s.help[0].upper()}{s.help[1:]}"
+    if s.kind == "flag":  # unset: Pool's default, which the registry's help states where it is not plain
+        default = "" if s.default is None else f" (default: {'on' if s.default else 'off'})"
+        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=f"{text}{default}.")
+    if s.name == "device":  # the worker's GPU by name, checked where the worker can see it
+        return click.option(flag, default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
+    if s.name == "spill":
+        return click.option(flag, help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
+    types: dict[str, Any] = {
+        "size": SIZE, "fraction": click.FloatRange(0, 1, min_open=True),
+        "threshold": click.FloatRange(0, 1, max_open=True), "choice": click.Choice(s.choices),
+    }
+    return click.option(flag, type=types[s.kind], help=f"{text}.")
+
+
+#: Settings a worker's pool does not take from its command line: sites are a debugging aid of one process.
+_NOT_PRELOADED = ("track_sites",)
+
+
 def preload_options(f: _F) -> _F:
-    """The preload's ``--cupool-NAME`` options, each with its help, on ``cupool.dask.dask_setup``."""
-    options = [
-        click.option("--cupool-device", default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'."),
-        click.option("--cupool-max-size", type=SIZE, help="Cap on the pool's reserved bytes: 80%, 20GiB, bytes."),
-        click.option("--cupool-initial-size", type=SIZE, help="Reserved when the worker starts, and kept."),
-        click.option("--cupool-release-threshold", type=SIZE, help="Free bytes kept cached; the rest goes back."),
-        click.option("--cupool-capacity", type=SIZE, help="The sim device's memory (sim only)."),
-        click.option("--cupool-defrag-threshold", type=click.FloatRange(0, 1, max_open=True),
-                     help="Compact when fragmentation is above it."),
-        click.option("--cupool-expandable-segments/--no-cupool-expandable-segments", default=None,
-                     help="Grow segments in place (default: Pool's, on where the device has virtual memory)."),
-        click.option("--cupool-stitch/--no-cupool-stitch", default=None,
-                     help="Stitch holes of expandable segments (default: Pool's, on with expandable segments)."),
-        click.option("--cupool-spill", help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it."),
+    """The preload's ``--cupool-NAME`` options, each with its help, on ``cupool.dask.dask_setup``: one per
+    setting of the registry (``cupool.settings``), then the hooks'."""
+    options = [_setting_option(s) for s in settings.SETTINGS if s.name not in _NOT_PRELOADED] + [
         click.option("--cupool-cupy/--no-cupool-cupy", default=None, help="Hook CuPy (default: when it imports)."),
         click.option("--cupool-numba/--no-cupool-numba", default=True, show_default=True, help="Hook Numba."),
     ]

@@ -2,7 +2,7 @@
 
 In the spirit of ``PYTORCH_CUDA_ALLOC_CONF``: comma-separated ``key=value``
 pairs, e.g. ``CUPOOL_CONF="max_size=80%,initial_size=2GB,expandable_segments=true"``.  The keys are the
-keyword arguments of ``Pool``.  A typo must not silently give a pool with the
+keyword arguments of ``Pool``, as the registry of settings (``cupool.settings``) lists and reads them.  A typo must not silently give a pool with the
 defaults, so an unknown key, a repeated key or an unreadable value is an error
 that names the variable, the entry and what would have been accepted.
 """
@@ -10,56 +10,15 @@ that names the variable, the entry and what would have been accepted.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
-from ._units import parse_size
+from . import settings
 
 ENV_VAR = "CUPOOL_CONF"
 
 
-def _size(key: str, value: str) -> str:
-    # Percentages need the device's total, known only once the pool exists, so the
-    # syntax is checked here against a stand-in total and the text is kept.
-    parse_size(value, total=100, name=key)
-    return value
-
-
-def _fraction(key: str, value: str) -> float:
-    try:
-        f = float(value)
-    except ValueError:
-        raise ValueError(f"{key}: {value!r} is not a number (try 0.8)") from None
-    if not 0 < f <= 1:
-        raise ValueError(f"{key}: must be in (0, 1], got {value}")
-    return f
-
-
-def _device(key: str, value: str) -> str:
-    v = value.strip().lower()
-    if v not in ("auto", "sim", "cuda"):
-        raise ValueError(f"{key}: must be auto, sim or cuda, got {value!r} (the device index follows the current device)")
-    return v
-
-
-def _flag(key: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v not in ("true", "false", "1", "0"):
-        raise ValueError(f"{key}: must be true or false, got {value!r}")
-    return v in ("true", "1")
-
-
-_KEYS: dict[str, Callable[[str, str], Any]] = {
-    "device": _device,
-    "capacity": _size,
-    "initial_size": _size,
-    "max_size": _size,
-    "memory_fraction": _fraction,
-    "release_threshold": _size,
-    "release_before_split": _flag,
-    "expandable_segments": _flag,
-    "stitch": _flag,
-}
+#: The keys, from the one registry of settings (``cupool.settings``).
+_KEYS = settings.names(conf=True)
 
 
 #: ``PYTORCH_CUDA_ALLOC_CONF`` keys users bring along, and what cupool does instead (the error says so).
@@ -100,7 +59,7 @@ def parse_conf(text: str) -> dict[str, Any]:
         if key in out:
             raise ValueError(f"{ENV_VAR}: key {key!r} is given twice")
         try:
-            out[key] = _KEYS[key](key, value.strip())
+            out[key] = settings.BY_NAME[key].parse(value)
         except ValueError as e:
             raise ValueError(f"{ENV_VAR}: {e}") from None
     return out

@@ -50,6 +50,7 @@ from ._dask_arguments import (  # after distributed: it needs click, which comes
     preload_options,
     spill_template,
 )
+from . import settings
 from ._units import parse_size
 from .errors import StateError, WorkerError, add_note
 from .hooks import existing_pool, install, installed, uninstall
@@ -224,7 +225,7 @@ class CupoolSetup(WorkerPlugin):
 
 _HOOK_DEFAULTS: dict[str, bool | None] = {"cupy": None, "numba": True}
 #: ``Pool``'s arguments that are sizes (``cupool._units.parse_size``).
-_SIZE_KEYS = ("capacity", "initial_size", "max_size", "release_threshold")
+_SIZE_KEYS = settings.names(kind="size")
 
 
 def _leave(entry: _Installed, address: str, now: bool = False) -> None:
