@@ -35,6 +35,7 @@ import io
 import logging
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -433,12 +434,11 @@ def _rmm_event(p: Path, line: int, row: list[str], previous_ns: int | None) -> t
     if kind is None:
         raise TraceError(p, f"line {line}: unknown action {action[:100]!r} "
                             "(expected allocate, free or allocate failure)")
-    try:
-        t_ns, a, n, s = _rmm_time(when), int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0
-    except (ValueError, OverflowError):
-        raise TraceError(p, f"line {line}: cannot parse time {when[:100]!r}, pointer {ptr[:100]!r}, "
-                            f"size {size[:100]!r} or stream {stream[:100]!r}") from None
     where = f"line {line}"
+    t_ns = _parsed(p, where, "time", when, _rmm_time)
+    a = _parsed(p, where, "pointer", ptr, _rmm_pointer)
+    n = _parsed(p, where, "size", size, int)
+    s = _parsed(p, where, "stream", stream, _rmm_stream)
     if previous_ns is not None and t_ns < previous_ns - _DAY_NS // 2 and _CLOCK.match(when):
         t_ns += _DAY_NS * (1 + (previous_ns - t_ns) // _DAY_NS)  # the wall clock passed midnight
     n = _checked(p, where, "size", n)
@@ -446,6 +446,35 @@ def _rmm_event(p: Path, line: int, row: list[str], previous_ns: int | None) -> t
         _held(p, where, n)
     return (_checked(p, where, "time", t_ns, signed=True), kind, _checked(p, where, "pointer", a), n,
             _checked(p, where, "stream", s, signed=True))
+
+
+def _parsed(p: Path, where: str, name: str, text: str, parse: Callable[[str], int]) -> int:
+    """``parse(text)``, or a TraceError naming the field that does not parse."""
+    try:
+        return parse(text)
+    except (ValueError, OverflowError):
+        raise TraceError(p, f"{where}: cannot parse the {name} {text[:100]!r}") from None
+
+
+def _rmm_pointer(text: str) -> int:
+    """A pointer as RMM writes it: hexadecimal, and ``(nil)`` for the null pointer of a failed allocation.
+
+    RMM formats pointers with ``%p`` (``0x7f...``), which glibc writes as
+    ``(nil)`` for null: the pointer of every ``allocate failure`` row; some
+    versions write ``%llx`` (no ``0x``).  RMM's own parser reads them as
+    hexadecimal with or without the prefix, and so does this.
+    """
+    return 0 if text in ("", "(nil)") else int(text, 16)
+
+
+def _rmm_stream(text: str) -> int:
+    """A stream as RMM writes it (``0x...`` or hexadecimal digits) or as cupool writes it (decimal)."""
+    if text in ("", "(nil)"):
+        return 0
+    try:
+        return int(text, 0)
+    except ValueError:
+        return int(text, 16)
 
 
 def _held(p: Path, where: str, size: int) -> None:
@@ -476,10 +505,11 @@ def _rmm_time(s: str) -> int:
     if m:
         h, mi, sec, frac = m.groups()
         return ((int(h) * 60 + int(mi)) * 60 + int(sec)) * 10**9 + int(frac.ljust(9, "0")[:9])
-    whole, dot, frac = s.partition(".")
+    sign, digits = (-1, s[1:]) if s.startswith("-") else (1, s)
+    whole, dot, frac = digits.partition(".")
     if not whole.isdigit() or (dot and not frac.isdigit()):
         # Exponent forms and the like: a float is close enough (float seconds lose ns anyway).
         return int(round(float(s) * 1e9))
-    # Parse digits, not a float: epoch seconds in a double keep only ~0.2 us.
-    return int(whole) * 10**9 + int(frac.ljust(9, "0")[:9] or 0)
+    # Parse digits, not a float: epoch seconds in a double keep only ~0.2 us; a sign applies to the whole.
+    return sign * (int(whole) * 10**9 + int(frac.ljust(9, "0")[:9] or 0))
 
