@@ -89,13 +89,13 @@ def atomic_output(path: str | os.PathLike[str], what: str, text: bool = False) -
     name = os.fspath(path)
     descriptor = 1 if name == STDOUT else _descriptor(name)
     if descriptor is not None:
-        with _into_descriptor(descriptor, path, what, text) as fh:
-            yield fh
+        with _into_descriptor(descriptor, path, what, text) as into:
+            yield into
         return
     special = _open_special(name, path, what)
     if special is not None:
-        with _into(special, path, what, text) as fh:
-            yield fh
+        with _into(special, path, what, text) as into:
+            yield into
         return
     target = Path(os.path.realpath(path))
     try:

@@ -78,8 +78,8 @@ _LENGTH = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_
            pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
 _FRAME, _MEMOIZE, _POP = _NAMED["FRAME"], _NAMED["MEMOIZE"], _NAMED["POP"]
 #: Opcodes that push a value that is not a string, with an argument of fixed width: their size in bytes.
-_PLAIN = bytearray(1 + _ARG_WIDTH[c] if _DOES[c] == _PUSH and not _PUSHES_KEY[c] and _ARG_WIDTH[c] is not None
-                   and _ARG_WIDTH[c] >= 0 and c != _FRAME else 0 for c in range(256))
+_PLAIN = bytearray(1 + w if _DOES[c] == _PUSH and not _PUSHES_KEY[c] and w is not None and w >= 0 else 0
+                   for c, w in enumerate(_ARG_WIDTH))
 #: The commonest opcodes of a snapshot, which the walk looks for first.
 _FAST = ("BINGET", "SHORT_BINUNICODE", "MEMOIZE", "MARK", "SETITEMS")
 
