@@ -156,3 +156,13 @@ def test_a_dict_with_a_number_as_key_is_refused_before_unpickling(tmp_path):
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [], "allocator_settings": {1: 2}}))
     with pytest.raises(TraceError, match=r"a dict key \(opcode SETITEM at byte \d+\) is not a string"):
         load_trace(path)
+
+
+def test_real_snapshots_pass_the_walk():
+    """PyTorch's own snapshots, where present beside the repository (``shared/traces``, as test_real_traces)."""
+    shared = ROOT.parent / "shared" / "traces"
+    found = sorted(shared.glob("*.pickle")) if shared.is_dir() else []
+    if not found:
+        pytest.skip(f"no real snapshots here ({shared} is absent; it is not part of the repository)")
+    for path in found:
+        assert len(load_trace(path)) > 0, path
