@@ -53,7 +53,9 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_replay)
     p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
+    p.add_argument("-o", "--output", default="report.png",
+                   help="image to write (default report.png), '-' for standard output; a device or FIFO is "
+                        "written into")
     p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
