@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import demo
-from ._files import refuse_overwriting_input
+from ._files import refuse_overwriting_input, status_stream
 from ._units import format_bytes
 from ._words import count
 from .config import ENV_VAR, env_conf
@@ -142,26 +142,30 @@ EXPORT_FORMATS = {"torch": "snapshot.pickle", "rmm-csv": "rmm_log.csv"}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    if args.index < 0:
-        raise ValueError(f"--index must be a device index >= 0, got {args.index}")
     fmt = args.format or ("rmm-csv" if args.output and args.output.lower().endswith(".csv") else "torch")
+    if args.index is not None and fmt == "rmm-csv":
+        raise ValueError("--index names the device of a PyTorch snapshot; an RMM log has no device field "
+                         "(leave out --index with --format rmm-csv)")
+    if args.index is not None and args.index < 0:
+        raise ValueError(f"--index must be a device index >= 0, got {args.index}")
     out = Path(args.output or EXPORT_FORMATS[fmt])
     what = "RMM log" if fmt == "rmm-csv" else "snapshot"
     if not out.resolve().parent.is_dir():
         raise OSError(f"cannot write the {what} {out}: the folder {out.resolve().parent} does not exist")
     refuse_overwriting_input(out, args.trace, what)
     trace = load_trace(args.trace)
+    said = status_stream(out)  # not into the output, when that is standard output
     if fmt == "rmm-csv":
         n = write_rmm_log(trace, out)
         print(f"wrote {out}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
-              f"of {args.trace}")
+              f"of {args.trace}", file=said)
         return 0
-    n = export_trace(trace, out, args.index)
+    n = export_trace(trace, out, args.index or 0)
     if n:
         print(f"wrote {out}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
-              f"{count(len(trace), 'event')} ({trace.format}) of {args.trace}")
+              f"{count(len(trace), 'event')} ({trace.format}) of {args.trace}", file=said)
     else:
-        print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export")
+        print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export", file=said)
     return 0
 
 
@@ -200,12 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "which RMM's replay benchmark reads.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default=None,
-                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv); written "
-                        "whole or not at all, and never over the input")
+                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv), '-' for "
+                        "standard output; a file is written whole or not at all, and never over the input; a "
+                        "device or FIFO is written into")
     p.add_argument("--format", choices=tuple(EXPORT_FORMATS), default=None,
-                   help="torch: a PyTorch memory snapshot pickle; rmm-csv: an RMM logging_resource_adaptor CSV "
+                   help="torch: a PyTorch memory snapshot pickle; rmm-csv: an RMM logging_resource_adaptor CSV, "
+                        "times as RMM's HH:MM:SS.ffffff clock and every thread 0 (traces record no thread) "
                         "(default: rmm-csv for an output ending in .csv, else torch)")
-    p.add_argument("--index", type=int, default=0, help="the device index the snapshot names (default 0; torch only)")
+    p.add_argument("--index", type=int, default=None,
+                   help="the device index the snapshot names (default 0; torch only: an RMM log has no device)")
     p.set_defaults(func=_cmd_export)
     for p in sub.choices.values():
         p.set_defaults(command_parser=p)  # for main: a command refuses what it does not know itself

@@ -560,13 +560,14 @@ def test_rmm_wall_clock_times_and_midnight(tmp_path):
     [
         ("1,1.0,allocate,0x10\n", "line 2: expected 6 fields"),
         ("1,1.0,reallocate,0x10,5,0x0\n", "line 2: unknown action 'reallocate'"),
-        ("1,1.0,allocate,zz,5,0x0\n", "line 2: cannot parse"),
-        ("1,1.0,allocate,0x10,5.5,0x0\n", "line 2: cannot parse"),
+        ("1,1.0,allocate,zz,5,0x0\n", "line 2: cannot parse the pointer 'zz'"),
+        ("1,1.0,allocate,0x10,5.5,0x0\n", "line 2: cannot parse the size '5.5'"),
+        ("1,1.0,allocate,0x10,5,0x0q\n", "line 2: cannot parse the stream '0x0q'"),
         ("1,1.0,allocate,0x10,-5,0x0\n", "line 2: size -5 is out of range"),
         ("1,1.0,allocate,0xffffffffffffffffff,5,0x0\n", "line 2: pointer 4722366482869645213695 is out of range"),
         ("1,1.0,allocate,0x10,99999999999999999999,0x0\n", "line 2: size 99999999999999999999 is out of range"),
         ("1,1e12,allocate,0x10,5,0x0\n", "line 2: time 1000000000000000000000 is out of range"),
-        ("1,inf,allocate,0x10,5,0x0\n", "line 2: cannot parse"),
+        ("1,inf,allocate,0x10,5,0x0\n", "line 2: cannot parse the time 'inf'"),
     ],
 )
 def test_rmm_log_errors_name_the_line(tmp_path, body, problem):
@@ -574,6 +575,31 @@ def test_rmm_log_errors_name_the_line(tmp_path, body, problem):
     p.write_text("Thread,Time,Action,Pointer,Size,Stream\n" + body)
     with pytest.raises(TraceError, match=re.escape(problem)):
         load_trace(p)
+
+
+def test_rmm_failure_rows_as_rmm_writes_them(tmp_path):
+    """RMM prints pointers with %p, which writes the null pointer of every failed allocation as (nil); some
+    versions print %llx, hexadecimal without 0x, pointers and streams alike (issue 28)."""
+    p = tmp_path / "failed.csv"
+    p.write_text("Thread,Time,Action,Pointer,Size,Stream\n"
+                 "140573312345856,08:00:01.000250,allocate,0x7f8a40000000,1024,0x7f8a38001020\n"
+                 "140573312345856,08:00:01.000300,allocate failure,(nil),1099511627776,0x7f8a38001020\n"
+                 "140573312345856,08:00:01.000400,allocate,7f8a40000400,2048,7f8a38001020\n"
+                 "140573312345856,08:00:01.000500,free,0x7f8a40000000,1024,0\n")
+    tr = load_trace(p)
+    assert [tr.kinds[k] for k in tr.kind] == ["alloc", "oom", "alloc", "free"]
+    assert tr.addr.tolist() == [0x7F8A40000000, 0, 0x7F8A40000400, 0x7F8A40000000]
+    assert tr.stream.tolist() == [1, 1, 1, 0]  # 0x7f8a38001020 both ways (numbered after the null stream)
+    assert replay(tr, {"capacity": "64MiB"}).ooms == 1
+
+
+def test_rmm_negative_decimal_times_keep_their_nanoseconds(tmp_path):
+    p = tmp_path / "negative.csv"
+    p.write_text("Thread,Time,Action,Pointer,Size,Stream\n"
+                 "0,-1234567890.123456789,allocate,0x10,512,0\n"
+                 "0,-0.000000001,free,0x10,512,0\n"
+                 "0,-0.5,allocate,0x10,512,0\n")
+    assert load_rmm_log(p).t_ns.tolist() == [-1_234_567_890_123_456_789, -1, -500_000_000]
 
 
 # ------------------------------------------------------------- snapshot export

@@ -64,7 +64,9 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                                "marked, fragmentation over time, and a map of the segments at peak reserved.  A trace "
                                "with movable buffers is replayed on the pool engine, any other on the numba engine.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("-o", "--output", default="report.png", help="image to write (default report.png)")
+    p.add_argument("-o", "--output", default="report.png",
+                   help="image to write (default report.png), '-' for standard output; a device or FIFO is "
+                        "written into")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones: {', '.join(CONFIG_KEYS)}; a trace with movable "
                         "buffers also takes the other keyword arguments of cupool.Pool")
@@ -224,7 +226,7 @@ def _show_config(cfg: dict[str, Any], capacity: int) -> str:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .._files import refuse_overwriting_input
+    from .._files import refuse_overwriting_input, status_stream
 
     out = _report_path(args.output)
     folder = out.resolve().parent
@@ -234,13 +236,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     config = _base_config(args)
     summary = plot_report(trace, out, config)
+    said = status_stream(out)  # not into the image, when that is standard output
     for w in summary["warnings"]:
-        print(f"warning: {w}")
+        print(f"warning: {w}", file=said)
     print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
-          f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
+          f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
     print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
-          f"{summary['ooms']} OOMs")
+          f"{summary['ooms']} OOMs", file=said)
     return 0
 
 
@@ -249,17 +252,22 @@ def _report_path(output: str) -> Path:
 
     Given a folder, ``report.png`` in it; given a name without an extension,
     that name with ``.png`` (which matplotlib would add without a word).  An
-    extension matplotlib cannot write is refused before the replay.
+    extension matplotlib cannot write is refused before the replay.  Standard
+    output (``-``), a device or a FIFO is written as it is named (a PNG if the
+    name has no extension).
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
+    from .._files import written_in_place
+
     out = Path(output)
-    if out.is_dir():
+    in_place = written_in_place(output)
+    if out.is_dir() and not in_place:
         out = out / "report.png"
-    elif not out.suffix:
+    elif not out.suffix and not in_place:
         out = out.with_name(out.name + ".png")
     formats = FigureCanvasBase.get_supported_filetypes()
-    if out.suffix[1:].lower() not in formats:
+    if (out.suffix or not in_place) and out.suffix[1:].lower() not in formats:
         raise ValueError(f"cannot write the report {out}: {out.suffix!r} is not an image format matplotlib "
                          f"writes ({', '.join('.' + f for f in sorted(formats))})")
     return out

@@ -5,6 +5,9 @@
 * ``recorder``: ``EventRecorder`` (``pool.record()``), a ring buffer of a pool's
   events optionally streamed to that file;
 * ``importers``: PyTorch memory snapshots and RMM logs as ``Trace``s;
+* ``untrusted``: reading a snapshot's pickle with work and memory bounded by its
+  size, and naming its values in errors by type and size only;
+* ``rmm_log``: a trace written as an RMM log;
 * ``load``: ``load_trace``, which reads any of the three.
 
 Event kinds are ``cupool.core.events.KINDS``; nothing here keeps a list of its own.

@@ -21,11 +21,10 @@ allocation, a free, a segment) larger than any device can hold
 (``MAX_DEVICE_BYTES``) is damage, not a workload, and is refused the same way;
 a refused request (``oom``, ``allocate failure``) may be of any size.
 
-Snapshots are pickles, and unpickling can run code or, with a forged length
-field, ask for terabytes; the loader accepts only plain containers, numbers and
-strings, which is all a snapshot holds, and walks the opcodes first, refusing
-any length or memo index the file itself cannot back, so nothing is allocated
-for a field's say-so.
+Snapshots are pickles, untrusted input: ``untrusted.read_pickle`` loads only
+plain containers, numbers and strings, which is all a snapshot holds, with work
+and memory bounded by the file's size, and a value in the wrong place is named
+in errors by its type and size (``untrusted.describe``), never printed.
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ import csv
 import io
 import logging
 import math
-import os
-import pickle
-import pickletools
 import re
-import stat
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -49,6 +45,7 @@ import numpy as np
 from .._units import MAX_DEVICE_BYTES, format_bytes
 from ..core.sizes import PAGE, SMALL_SEGMENT, round_page, round_size
 from .format import FORMAT, Trace, TraceError
+from .untrusted import describe, read_pickle
 
 log = logging.getLogger("cupool")
 
@@ -71,113 +68,10 @@ _INT64_MAX = (1 << 63) - 1
 _DAY_NS = 86_400 * 10**9
 #: Kinds whose size is a block that some device held (a refused request's is not).
 _BLOCK_KINDS = ("alloc", "free", "segment_alloc", "segment_free")
-#: The largest snapshot read: it is read whole, and unpickled takes several times that.
-MAX_SNAPSHOT_BYTES = 4 << 30
 #: A snapshot's sim device: its recorded peak reserved times this, rounded up to a 2 MiB page.
 #: A replay places blocks its own way, so it may need a little more than the recording reserved;
 #: a quarter more absorbs that without hiding a configuration that really needs far more.
 CAPACITY_HEADROOM = Fraction(5, 4)
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it references the Python object {module}.{name}")
-
-
-# What the opcode walk needs of each opcode: the width of its argument, from
-# pickletools' table (> 0: fixed bytes; UP_TO_NEWLINE; TAKEN_FROM_ARGUMENT*: a
-# length field, then that many bytes); None: not an opcode.  Opcodes that reach
-# for Python objects pass the walk: the unpickler's find_class refuses them, by name.
-_OP_NAME = {ord(op.code): op.name for op in pickletools.opcodes}
-_ARG_WIDTH: list[int | None] = [None] * 256
-for _op in pickletools.opcodes:
-    _ARG_WIDTH[ord(_op.code)] = 0 if _op.arg is None else _op.arg.n
-del _op
-_TWO_LINES = {ord("c"), ord("i")}  # GLOBAL, INST: a module and a name, a line each
-#: Length fields: (bytes, signed) by argument kind.
-_LENGTH = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-           pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
-_PUTS = {ord("p"), ord("q"), ord("r")}  # PUT, BINPUT, LONG_BINPUT: an index into the memo
-_MEMOIZE, _FRAME, _STOP = ord("\x94"), ord("\x95"), ord(".")
-
-
-def _check_pickle(data: bytes) -> str | None:
-    """What makes ``data`` unsafe to unpickle (None: nothing).
-
-    The C unpickler trusts a pickle's length fields and memo indices: it
-    allocates a BINBYTES8's length before reading it, and grows its memo to
-    twice an index (LONG_BINPUT 2**32 - 1 costs 64 GiB).  Every length here must
-    fit in the bytes that follow, and every memo index must be one a pickler
-    could have written (the next free one at most), so what is built is bounded
-    by the file's size.
-    """
-    n, pos, memo = len(data), 0, 0
-    widths, puts = _ARG_WIDTH, _PUTS
-    while pos < n:
-        op = data[pos]
-        width = widths[op]
-        pos += 1
-        if width == 0:
-            if op == _MEMOIZE:
-                memo += 1
-            elif op == _STOP:
-                return None
-        elif width is None:
-            return f"byte {pos - 1} ({op:#04x}) is not a pickle opcode"
-        elif width > 0:
-            if op == _FRAME or op in puts:
-                value = int.from_bytes(data[pos:pos + width], "little")
-                if op == _FRAME and value > n - pos - width:
-                    return f"a FRAME at byte {pos - 1} claims {value} bytes, but {max(n - pos - width, 0)} follow"
-                if op in puts:
-                    if value > memo:
-                        return f"a memo index at byte {pos - 1} is {value}, past the {memo} entries made so far"
-                    memo += 1
-            pos += width
-        elif width == pickletools.UP_TO_NEWLINE:
-            end = data.find(b"\n", pos)
-            if op in _TWO_LINES and end >= 0:
-                end = data.find(b"\n", end + 1)
-            if end < 0:
-                break
-            if op in puts:  # PUT, the text form
-                text = data[pos:end]
-                if not text.isdigit() or len(text) > 19 or int(text) > memo:
-                    return f"a memo index at byte {pos - 1} is {text[:40]!r}, past the {memo} entries made so far"
-                memo += 1
-            pos = end + 1
-        else:
-            size, signed = _LENGTH[width]
-            length = int.from_bytes(data[pos:pos + size], "little", signed=signed)
-            pos += size
-            if not 0 <= length <= n - pos:
-                return (f"a length field of opcode {_OP_NAME[op]} at byte {pos - size - 1} claims {length} bytes, "
-                        f"but {max(n - pos, 0)} follow")
-            pos += length
-    return "the pickle ends before its STOP opcode (truncated?)"
-
-
-def _read_pickle(p: Path) -> Any:
-    """The plain data pickled in ``p``, or a TraceError saying why it cannot be had safely."""
-    try:
-        with open(p, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise TraceError(p, "not a regular file")
-            if st.st_size > MAX_SNAPSHOT_BYTES:
-                raise TraceError(p, f"a snapshot of {format_bytes(st.st_size)} is past the "
-                                    f"{format_bytes(MAX_SNAPSHOT_BYTES)} this reader takes")
-            data = fh.read(st.st_size)
-    except OSError as e:
-        raise TraceError(p, f"cannot read the file ({e.strerror or e})") from None
-    problem = _check_pickle(data)
-    if problem is not None:
-        raise TraceError(p, f"not a readable PyTorch memory snapshot pickle: {problem}")
-    try:
-        # From memory, not the file: a read the walk did not foresee then asks for no more than the file holds.
-        return _PlainUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
-        raise TraceError(p, f"not a readable PyTorch memory snapshot pickle ({e or type(e).__name__})") from None
 
 
 def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
@@ -202,7 +96,7 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     device from the recorded peak reserved instead (``recorded_peak_reserved``).
     """
     p = Path(path)
-    snap = _read_pickle(p)
+    snap = read_pickle(p)
     if isinstance(snap, list):  # torch.cuda.memory_snapshot() before 2.1: the segments alone
         snap = {"segments": snap}
     if not isinstance(snap, dict) or ("device_traces" not in snap and "segments" not in snap):
@@ -214,14 +108,12 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
         raise TraceError(p, "'segments' must be a list of segment dicts")
     _check_size(p, traces, segments)
-    devices = {s.get("device", 0) for s in segments} | set(range(len(traces)))
-    holding = sorted(d for d in devices if isinstance(d, int) and _holds(traces, segments, d))
+    on = [_field(p, f"segments[{j}]", s, "device", 0, "segment") for j, s in enumerate(segments)]
+    holding = sorted(d for d in set(on) | set(range(len(traces))) if d in on or _replayable(traces, d))
     if device is None:
         # The device with the most replayable events, else the most segments: a device whose trace
         # holds only markers (a "snapshot" action) is not the program's.
-        busiest = max(holding, key=lambda d: (_replayable(traces, d), sum(s.get("device", 0) == d for s in segments)),
-                      default=0)
-        device = busiest
+        device = max(holding, key=lambda d: (_replayable(traces, d), on.count(d)), default=0)
     elif isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise TraceError(p, f"device must be a device index (an int >= 0), got {device!r}")
     elif device not in holding:
@@ -229,7 +121,7 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
         raise TraceError(p, f"device {device} holds nothing in this snapshot: no allocations, frees or segments "
                             f"(devices that do: {which})")
     events = _torch_events(p, device, traces[device] if device < len(traces) else [])
-    held = _torch_segments(p, [s for s in segments if s.get("device", 0) == device])
+    held = _torch_segments(p, [(j, s) for j, s in enumerate(segments) if on[j] == device])
     seed, config = _torch_seed(events, held)
     history = any(kind in _BLOCK_KINDS for _, kind, *_ in events)
     t0 = events[0][0] if events else 0
@@ -361,34 +253,29 @@ def _check_size(p: Path, traces: list[list], segments: list[dict]) -> None:
 def _replayable(traces: list[list], device: int) -> int:
     """How many of a device's trace entries are allocations, frees, segments or OOMs."""
     entries = traces[device] if device < len(traces) else []
-    return sum(isinstance(e, dict) and e.get("action") in _TORCH_ACTIONS for e in entries)
-
-
-def _holds(traces: list[list], segments: list[dict], device: int) -> bool:
-    """Whether ``device`` has anything to replay: an event of ``_TORCH_ACTIONS`` or a segment."""
-    return _replayable(traces, device) > 0 or any(s.get("device", 0) == device for s in segments)
+    # Only a string is looked up: hashing an untrusted tuple can take exponential time (see ``untrusted``).
+    return sum(isinstance(e, dict) and isinstance(a := e.get("action"), str) and a in _TORCH_ACTIONS
+               for e in entries)
 
 
 def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:
     """The replayable events of one device's trace, every number checked."""
     events = []
-    skipped: dict[str, int] = {}
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or "action" not in e:
             raise TraceError(p, f"device_traces[{device}][{i}] is not an event dict with an 'action'")
         action = e["action"]
         where = f"device_traces[{device}][{i}]"
         if not isinstance(action, str):
-            raise TraceError(p, f"{where}: the action must be a string, got {action!r}")
+            raise TraceError(p, f"{where}: the action must be a string, got {describe(action)}")
         kind = _TORCH_ACTIONS.get(action)
         if kind is None:
-            skipped[action] = skipped.get(action, 0) + 1
             if action not in _TORCH_SKIPPED:
-                log.warning("%s: %s: skipping unknown PyTorch trace action %r", p, where, action)
+                log.warning("%s: %s: skipping unknown PyTorch trace action %s", p, where, describe(action))
             continue
         values = []
         for name, default, scale in (("time_us", i, 1000), ("addr", 0, 1), ("size", 0, 1), ("stream", 0, 1)):
-            values.append(_field(p, where, e, name, default, scale, signed=name in ("time_us", "stream")))
+            values.append(_field(p, where, e, name, default, action, scale, signed=name in ("time_us", "stream")))
         t_ns, addr, size, stream = values
         if kind in _BLOCK_KINDS:
             _held(p, where, size)
@@ -396,39 +283,46 @@ def _torch_events(p: Path, device: int, entries: list) -> list[tuple]:
     return events
 
 
-def _field(p: Path, where: str, d: dict, name: str, default: int, scale: int = 1, signed: bool = False) -> int:
+def _field(p: Path, where: str, d: dict, name: str, default: int, what: str, scale: int = 1,
+           signed: bool = False) -> int:
+    """``d[name]`` (or ``default``) times ``scale``, checked; ``what`` the entry is (an action, "segment")."""
     v = d.get(name, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceError(p, f"{where} ({d.get('action', 'segment')}): {name} must be an integer, got {v!r}")
+        raise TraceError(p, f"{where} ({what}): {name} must be an integer, got {describe(v)}")
     return _checked(p, where, name, v * scale, signed=signed)
 
 
-def _torch_segments(p: Path, segments: list[dict]) -> list[tuple[int, int, bool, int, list[tuple[int, int]]]]:
+def _torch_segments(p: Path, segments: list[tuple[int, dict]]) -> list[tuple[int, int, bool, int,
+                                                                              list[tuple[int, int]]]]:
     """The snapshot's final segments: (address, size, small, stream, [(address, size) of active blocks]).
 
     A block's size is its request (``requested_size``), as trace events give it.
     Snapshots before PyTorch 2.1 give blocks no address: they lie end to end
-    from their segment's start.
+    from their segment's start.  ``segments``: (index in the snapshot, segment).
     """
     out = []
-    for j, seg in enumerate(segments):
+    for j, seg in segments:
         where = f"segments[{j}]"
-        base = _field(p, where, seg, "address", 0)
-        total = _field(p, where, seg, "total_size", 0)
+        base = _field(p, where, seg, "address", 0, "segment")
+        total = _field(p, where, seg, "total_size", 0, "segment")
         _held(p, where, total)
         if not isinstance(seg.get("blocks", []), list):
             raise TraceError(p, f"{where}: 'blocks' must be a list of block dicts")
         blocks, at = [], base
         for k, b in enumerate(seg.get("blocks", [])):
+            at_k = f"{where}.blocks[{k}]"
             if not isinstance(b, dict):
-                raise TraceError(p, f"{where}.blocks[{k}] is not a block dict")
-            size = _field(p, f"{where}.blocks[{k}]", b, "size", 0)
-            at = _field(p, f"{where}.blocks[{k}]", b, "address", at)
-            if str(b.get("state", "")).startswith("active"):
-                blocks.append((at, _field(p, f"{where}.blocks[{k}]", b, "requested_size", size)))
+                raise TraceError(p, f"{at_k} is not a block dict")
+            size = _field(p, at_k, b, "size", 0, "block")
+            at = _field(p, at_k, b, "address", at, "block")
+            state = b.get("state", "")
+            if not isinstance(state, str):
+                raise TraceError(p, f"{at_k} (block): state must be a string, got {describe(state)}")
+            if state.startswith("active"):
+                blocks.append((at, _field(p, at_k, b, "requested_size", size, "block")))
             at += size
-        out.append((base, total, seg.get("segment_type") == "small", _field(p, where, seg, "stream", 0, signed=True),
-                    blocks))
+        out.append((base, total, seg.get("segment_type") == "small",
+                    _field(p, where, seg, "stream", 0, "segment", signed=True), blocks))
     return out
 
 
@@ -556,12 +450,11 @@ def _rmm_event(p: Path, line: int, row: list[str], previous_ns: int | None) -> t
     if kind is None:
         raise TraceError(p, f"line {line}: unknown action {action[:100]!r} "
                             "(expected allocate, free or allocate failure)")
-    try:
-        t_ns, a, n, s = _rmm_time(when), int(ptr, 0) if ptr else 0, int(size), int(stream, 0) if stream else 0
-    except (ValueError, OverflowError):
-        raise TraceError(p, f"line {line}: cannot parse time {when[:100]!r}, pointer {ptr[:100]!r}, "
-                            f"size {size[:100]!r} or stream {stream[:100]!r}") from None
     where = f"line {line}"
+    t_ns = _parsed(p, where, "time", when, _rmm_time)
+    a = _parsed(p, where, "pointer", ptr, _rmm_pointer)
+    n = _parsed(p, where, "size", size, int)
+    s = _parsed(p, where, "stream", stream, _rmm_stream)
     if previous_ns is not None and t_ns < previous_ns - _DAY_NS // 2 and _CLOCK.match(when):
         t_ns += _DAY_NS * (1 + (previous_ns - t_ns) // _DAY_NS)  # the wall clock passed midnight
     n = _checked(p, where, "size", n)
@@ -569,6 +462,35 @@ def _rmm_event(p: Path, line: int, row: list[str], previous_ns: int | None) -> t
         _held(p, where, n)
     return (_checked(p, where, "time", t_ns, signed=True), kind, _checked(p, where, "pointer", a), n,
             _checked(p, where, "stream", s, signed=True))
+
+
+def _parsed(p: Path, where: str, name: str, text: str, parse: Callable[[str], int]) -> int:
+    """``parse(text)``, or a TraceError naming the field that does not parse."""
+    try:
+        return parse(text)
+    except (ValueError, OverflowError):
+        raise TraceError(p, f"{where}: cannot parse the {name} {text[:100]!r}") from None
+
+
+def _rmm_pointer(text: str) -> int:
+    """A pointer as RMM writes it: hexadecimal, and ``(nil)`` for the null pointer of a failed allocation.
+
+    RMM formats pointers with ``%p`` (``0x7f...``), which glibc writes as
+    ``(nil)`` for null: the pointer of every ``allocate failure`` row; some
+    versions write ``%llx`` (no ``0x``).  RMM's own parser reads them as
+    hexadecimal with or without the prefix, and so does this.
+    """
+    return 0 if text in ("", "(nil)") else int(text, 16)
+
+
+def _rmm_stream(text: str) -> int:
+    """A stream as RMM writes it (``0x...`` or hexadecimal digits) or as cupool writes it (decimal)."""
+    if text in ("", "(nil)"):
+        return 0
+    try:
+        return int(text, 0)
+    except ValueError:
+        return int(text, 16)
 
 
 def _held(p: Path, where: str, size: int) -> None:
@@ -581,7 +503,7 @@ def _held(p: Path, where: str, size: int) -> None:
 def _checked(p: Path, where: str, name: str, v: int, signed: bool = False) -> int:
     """``v`` if it fits an int64 column (and is not negative, unless ``signed``); else a TraceError."""
     if not (-_INT64_MAX - 1 if signed else 0) <= v <= _INT64_MAX:
-        raise TraceError(p, f"{where}: {name} {v} is out of range "
+        raise TraceError(p, f"{where}: {name} {describe(v)} is out of range "
                             f"({'an int64' if signed else 'from 0 to 2**63 - 1'})")
     return v
 
@@ -599,10 +521,11 @@ def _rmm_time(s: str) -> int:
     if m:
         h, mi, sec, frac = m.groups()
         return ((int(h) * 60 + int(mi)) * 60 + int(sec)) * 10**9 + int(frac.ljust(9, "0")[:9])
-    whole, dot, frac = s.partition(".")
+    sign, digits = (-1, s[1:]) if s.startswith("-") else (1, s)
+    whole, dot, frac = digits.partition(".")
     if not whole.isdigit() or (dot and not frac.isdigit()):
         # Exponent forms and the like: a float is close enough (float seconds lose ns anyway).
         return int(round(float(s) * 1e9))
-    # Parse digits, not a float: epoch seconds in a double keep only ~0.2 us.
-    return int(whole) * 10**9 + int(frac.ljust(9, "0")[:9] or 0)
+    # Parse digits, not a float: epoch seconds in a double keep only ~0.2 us; a sign applies to the whole.
+    return sign * (int(whole) * 10**9 + int(frac.ljust(9, "0")[:9] or 0))
 

@@ -16,12 +16,18 @@ integers, the pointer as hexadecimal, and three actions: ``allocate``,
 * segments are the upstream resource's business, which an RMM log does not
   show, and the annotations (``compact``, ``spill``, ``reclaim:*`` ...) have no
   row: their block events carry the memory;
-* a trace records no threads: every row is thread 0;
-* the time is the trace's clock in seconds with nine decimals, which
-  ``cupool.trace.load_rmm_log`` reads back to the nanosecond.
+* neither a cupool trace nor a PyTorch snapshot records which thread made a
+  call: every row is thread 0 (RMM's parser groups rows by thread, so one
+  thread is also the order the trace has);
+* the time is what RMM writes, the time of day of spdlog's ``%H:%M:%S.%f``
+  (``08:00:01.000250``): the trace's clock taken as nanoseconds since a
+  midnight, cut to the microsecond, the hours wrapping at 24.
 
 ``load_rmm_log(write_rmm_log(trace))`` therefore gives back the trace's block
-events, with movable kinds as plain ones (``tests/test_rmm_export.py``).
+events, with movable kinds as plain ones, and their times to the microsecond
+less a whole number of days (the reader counts a clock that goes back past
+midnight as the next day, so a gap of 12 hours or more between two events is
+lost, as in RMM's own logs; ``tests/test_rmm_export.py``).
 """
 
 from __future__ import annotations
@@ -43,13 +49,13 @@ ACTIONS = {
 
 
 def rmm_rows(trace: Trace) -> Iterator[tuple[int, str, str, str, int, int]]:
-    """The trace's rows of an RMM log, in order: (thread, time, action, pointer, size, stream)."""
+    """The trace's rows of an RMM log, in order: (thread, time, action, pointer, size, stream); thread is 0."""
     actions = [ACTIONS.get(k) for k in trace.kinds]
     for t, k, addr, size, stream in zip(trace.t_ns.tolist(), trace.kind.tolist(), trace.addr.tolist(),
                                         trace.size.tolist(), trace.stream.tolist()):
         action = actions[k]
         if action is not None:
-            yield 0, _seconds(t), action, hex(addr), size, stream
+            yield 0, _clock(t), action, hex(addr), size, stream
 
 
 def write_rmm_log(trace: Trace, path: str | os.PathLike[str]) -> int:
@@ -64,7 +70,9 @@ def write_rmm_log(trace: Trace, path: str | os.PathLike[str]) -> int:
     return n
 
 
-def _seconds(t_ns: int) -> str:
-    """Nanoseconds as decimal seconds, exactly (a float would lose the nanoseconds of a large clock)."""
-    sign, t = ("-", -t_ns) if t_ns < 0 else ("", t_ns)
-    return f"{sign}{t // 10**9}.{t % 10**9:09d}"
+def _clock(t_ns: int) -> str:
+    """Nanoseconds as RMM's time of day, ``HH:MM:SS.ffffff`` (a clock before 0 counts back from midnight)."""
+    us = t_ns // 1000 % (86_400 * 10**6)  # floor division: -1 ns is 23:59:59.999999
+    seconds, us = divmod(us, 10**6)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:{seconds:02d}.{us:06d}"
