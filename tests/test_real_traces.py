@@ -25,7 +25,7 @@ B = 1 << 33  # a small one, freed during the window
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 GiB = 1 << 30
 #: The capacity source of the mid-run snapshot, whose segments A and B reserve 22 MiB.
-_SIZED_22 = "1.25 x the recorded peak reserved 22 MiB; the snapshot does not record the device's total"
+_SIZED_22 = "1.25x the recorded peak reserved 22 MiB; the snapshot does not record the device's total"
 _SAME = ("peak_allocated", "ooms", "unmatched_frees", "seeded_blocks", "history")
 
 

@@ -187,7 +187,7 @@ def sized_capacity(trace: Trace) -> tuple[int, str] | None:
     peak = recorded_peak_reserved(trace)
     if peak is None:
         return None
-    why = (f"{float(CAPACITY_HEADROOM):g} x the recorded peak reserved {format_bytes(peak)}; "
+    why = (f"{float(CAPACITY_HEADROOM):g}x the recorded peak reserved {format_bytes(peak)}; "
            "the snapshot does not record the device's total")
     return math.ceil(peak * CAPACITY_HEADROOM / PAGE) * PAGE, why
 
