@@ -19,6 +19,7 @@ import pytest
 
 import cupool
 from cupool.core import PURE_ENV, build_info, compiled_module
+from cupool.core import fast
 from cupool.core.fast import Allocation
 from cupool.hooks import cupy as hook
 
@@ -62,7 +63,10 @@ def test_cupy_gets_pool_memory_and_nothing_else_of_cupools(pool):
 
 @pytest.mark.parametrize("path", ["pointer", "unowned"])
 def test_objects_kept_alive_per_allocation(pool, path):
-    """Counted by tracemalloc: the pointer and one object of cupool's (two with UnownedMemory)."""
+    """Counted by tracemalloc: the pointer and one object of cupool's (two with UnownedMemory).
+
+    The fraction over a whole number is the pool's: a list growing now and then.
+    """
     if path == "pointer" and not runs:
         pytest.skip("cupool's memory object does not run")
     alloc = cupool.cupy_allocator(pool, path=path)
@@ -81,7 +85,9 @@ def test_objects_kept_alive_per_allocation(pool, path):
     mine = [tracemalloc.Filter(False, tracemalloc.__file__)]
     blocks = sum(s.count_diff for s in after.filter_traces(mine).compare_to(before.filter_traces(mine), "filename"))
     per = (blocks - 2) / len(kept)  # less the list and its items
-    assert round(per, 1) == (2.0 if path == "pointer" else 3.0), per
+    # UnownedMemory keeps the Allocation alive, which uncompiled is a Python object with a dict
+    expected = 2 if path == "pointer" else 3 if fast.COMPILED else 4
+    assert abs(per - expected) < 0.1, per
     del kept
     assert live(pool) == 0
 
