@@ -276,10 +276,10 @@ def test_an_allocation_costs_cupool_two_objects_the_allocation_and_the_finalizer
     from cupool.core.fast import Allocation
 
     p = mm.memalloc(1024)
-    _, release, args, kwargs = p._finalizer.peek()
-    assert (args, kwargs) == ((), {}) and not hasattr(release, "__dict__")
+    pointer, release, args, kwargs = p._finalizer.peek()
+    assert pointer is p and (args, kwargs) == ((), {}) and not hasattr(release, "__dict__")
     allocation = release.allocation
     assert type(allocation) is Allocation and allocation.ptr == p.device_pointer_value
     assert [r for r in gc.get_referents(release) if r not in (mm, None, type(release))] == [allocation]
-    del p, release, allocation
+    del p, pointer, release, allocation
     assert pool.stats()["allocation.all.current"] == 0
