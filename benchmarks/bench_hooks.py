@@ -25,6 +25,17 @@ they come off the pool's stacks, and its accounting log is folded (an int per
 call, until the next fold) before each snapshot.  No int is made per
 allocation: sizes are shared with CuPy's, pointers are C fields or the block's.
 
+On a GPU the ``UnownedMemory`` path asks CuPy for the current device and stream
+in Python on every allocation (``cupy.cuda.runtime.getDevice()``,
+``cupy.cuda.get_current_stream().ptr``); ``PoolMemory`` calls CuPy's own C
+functions instead (``cupy.cuda.device.get_device_id``,
+``cupy.cuda.stream.get_current_stream_ptr``, found in their modules'
+``__pyx_capi__``): two indirect C calls, no Python call and no object made, the
+same CUDA work behind them.  Without a GPU those functions raise, so the Python
+side is measured with stand-ins of the same shape: a no-argument builtin that
+returns an int for each call, and CuPy's own ``Stream.null.ptr`` read for the
+stream (``lookups``).
+
     python benchmarks/bench_hooks.py [--number 20000] [--rounds 15] [--hold 2000]
 """
 
@@ -101,6 +112,34 @@ def objects_per_allocation(alloc: Callable[[int], Any], hold: int) -> float:
     return (blocks - 2) / hold  # less the list ``kept`` and its array of items
 
 
+def lookups(number: int) -> float:
+    """Nanoseconds of CPU for the Python lookups of the UnownedMemory path on a GPU, with stand-ins.
+
+    ``get_device()`` and ``get_stream()`` are no-argument builtins as CuPy's
+    ``getDevice`` and ``get_current_stream`` are; the stream is CuPy's, whose
+    ``ptr`` is read as the hook reads it.  What the stand-ins leave out (the CUDA
+    runtime's own look-up) is the same on both paths.
+    """
+    import itertools
+    import sys
+
+    get_device = sys.getrecursionlimit
+    get_stream = itertools.repeat(cupy.cuda.Stream.null).__next__
+    index = get_device()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(number):
+            if get_device() != index:
+                raise AssertionError
+            get_stream().ptr
+        best = min(best, (time.thread_time() - t0) / number * 1e9)
+    t0 = time.thread_time()
+    for _ in range(number):
+        pass
+    return best - (time.thread_time() - t0) / number * 1e9  # less the loop itself
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=20000, help="calls per sample")
@@ -132,6 +171,8 @@ def main() -> None:
     for name in names:
         print(f"  {name:22s} {objects_per_allocation(allocs[name], args.hold):.2f}")
     print("target: PoolMemory <= 1.25x the floor; 2 objects (the MemoryPointer and one of cupool's)")
+    print(f"GPU lookups through Python (UnownedMemory path, stand-ins): {lookups(args.number):.0f} ns per allocation; "
+          "PoolMemory: two C calls, no Python call, no object")
 
 
 if __name__ == "__main__":

@@ -146,8 +146,8 @@ def _choose(dotted: str) -> tuple[str, str]:
     if why is None:
         try:
             module = importlib.import_module(dotted)
-        except (ImportError, ValueError, TypeError) as exc:  # built for another Python, CuPy or fast.pxd
-            # (Cython checks the types a module cimports at import: a ValueError or TypeError)
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:  # built for another Python, CuPy, fast.pxd
+            # (Cython looks up and checks the types a module cimports at import: those errors)
             why = f"the compiled module does not import: {exc}"
             _warn(f"{_fallback(source)}: {why}; {_REBUILD}")
         else:
