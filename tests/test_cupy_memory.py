@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import cupool
+from conftest import needs_gpu
 from cupool.core import PURE_ENV, build_info, compiled_module
 from cupool.core import fast
 from cupool.core.fast import Allocation
@@ -212,3 +213,20 @@ def test_cupool_info_says_which_memory_object_cupy_gets(capsys):
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cupy memory")]
     path, why = hook.memory_path()
     assert line.split(None, 2)[2] == f"{path} ({why})"
+
+
+@needs_gpu
+@needs_object
+def test_on_a_gpu_the_block_is_taken_for_cupys_current_stream_looked_up_in_c():
+    """CuPy's own C functions give the device and stream: a block freed is tagged with the stream it served."""
+    assert hook.memory_path()[1].endswith("stream in C and device in C")
+    pool = cupool.Pool("cuda")
+    with cupool.using(pool):
+        with cupy.cuda.Stream() as s:
+            x = cupy.arange(1000, dtype=cupy.float32)
+            assert float(x.sum()) == 499500.0
+            del x
+            s.synchronize()
+    with pool.hold() as view:
+        tags = {b.tag for seg in view.segments() for b in seg.blocks if b.free}
+    assert s.ptr in tags and live(pool) == 0
