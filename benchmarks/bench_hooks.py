@@ -22,7 +22,9 @@ blocks Python traced, divided by that count, are the objects each allocation
 keeps alive (CuPy's ``MemoryPointer`` is one of them).  The pool's own objects
 are kept out of the count: the blocks were allocated and freed once before, so
 they come off the pool's stacks, and its accounting log is folded (an int per
-call, until the next fold) before each snapshot.  No int is made per
+call, until the next fold) before each snapshot.  So are ``PoolMemory``'s
+reusable shells (at most 64 emptied ``Allocation`` objects, Note [One memory
+object]): 64 allocations made first fill them.  No int is made per
 allocation: sizes are shared with CuPy's, pointers are C fields or the block's.
 
 On a GPU the ``UnownedMemory`` path asks CuPy for the current device and stream
@@ -94,8 +96,9 @@ def objects_per_allocation(alloc: Callable[[int], Any], hold: int) -> float:
     """Memory blocks Python traced per allocation kept alive (each object is one block)."""
     pool = getattr(alloc, "pool", None)
     fold = pool._arena.books.fold if pool is not None else (lambda: None)  # the fast path's log: the pool's ints
-    held = [alloc(1024) for _ in range(hold)]
+    held = [alloc(1024) for _ in range(hold + 64)]
     del held  # the blocks wait on the pool's stacks: taking them again makes no pool objects
+    first = [alloc(1024) for _ in range(64)]  # fills PoolMemory's 64 reusable shells: a constant
     gc.collect()
     fold()  # not stats(): that would give the parked blocks back to the heap
     tracemalloc.start()
@@ -108,7 +111,7 @@ def objects_per_allocation(alloc: Callable[[int], Any], hold: int) -> float:
         tracemalloc.stop()
     mine = [tracemalloc.Filter(False, tracemalloc.__file__)]  # not the first snapshot's own blocks
     blocks = sum(s.count_diff for s in after.filter_traces(mine).compare_to(before.filter_traces(mine), "filename"))
-    del kept
+    del kept, first
     return (blocks - 2) / hold  # less the list ``kept`` and its array of items
 
 

@@ -71,8 +71,9 @@ def test_objects_kept_alive_per_allocation(pool, path):
     if path == "pointer" and not runs:
         pytest.skip("cupool's memory object does not run")
     alloc = cupool.cupy_allocator(pool, path=path)
-    held = [alloc(1024) for _ in range(500)]
+    held = [alloc(1024) for _ in range(600)]
     del held  # the blocks now wait on the pool's stacks: taking them again makes no pool objects
+    first = [alloc(1024) for _ in range(64)]  # fills PoolMemory's reusable shells: a constant, not per allocation
     fold = pool._arena.books.fold  # the fast path's log (an int per call) is the pool's, not the allocation's;
     fold()  # folded without stats(), which would give the parked blocks back to the heap
     tracemalloc.start()
@@ -89,7 +90,7 @@ def test_objects_kept_alive_per_allocation(pool, path):
     # UnownedMemory keeps the Allocation alive, which uncompiled is a Python object with a dict
     expected = 2 if path == "pointer" else 3 if fast.COMPILED else 4
     assert abs(per - expected) < 0.1, per
-    del kept
+    del kept, first
     assert live(pool) == 0
 
 

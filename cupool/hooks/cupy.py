@@ -37,14 +37,14 @@ allocation costs CuPy three objects: the pointer, the ``UnownedMemory`` and the
 pool's ``Allocation`` it keeps alive.  ``PoolMemory`` derives from ``BaseMemory``
 and carries the block itself, so an allocation is the ``MemoryPointer`` and one
 ``PoolMemory``.  The ``Allocation`` that ``malloc_key`` returns hands its block
-over (``adopt``) and is kept, empty, as a *shell*; when the memory dies, a shell
-(or a new ``Allocation``) is filled with the same fields and given to the fast
-path's own finalizer free (``FastPath.finalize_later``): lock-free when nobody
-holds the pool's lock, queued when a finalizer finds it held (Note
-[Finalizers]), never waiting.  A shell freed at once is kept for the next time;
-one that was queued belongs to the queue.  The free protocol is written once, in
-``cupool.core.fast``; ``cupool.hooks.cupy_memory`` never touches the pool's lock or stacks.
-Shells are only ever touched with the GIL held and no Python code running
+over (``adopt``) and is kept, empty, as a *shell* (at most 64 of them), or dies
+having freed nothing.  When the memory dies, a shell (or a new ``Allocation``)
+is filled with the same fields and dropped at once, so the ``Allocation``'s own
+finalizer frees the block, as it does every other ``Allocation``'s: lock-free
+when nobody holds the pool's lock, queued when a finalizer finds it held (Note
+[Finalizers]), never waiting.  The free protocol is written once, in
+``cupool.core.fast``; ``cupool.hooks.cupy_memory`` never touches the pool's lock
+or stacks.  Shells are touched only with the GIL held and no Python code running
 between taking one and filling it.
 
 A pool that records call sites (``track_sites``) keeps a weak reference to each

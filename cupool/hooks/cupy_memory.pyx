@@ -64,24 +64,20 @@ cdef class PoolMemory(BaseMemory):
 
     def __dealloc__(self):
         cdef Allocation a
-        cdef FastPath owner = self.owner
         if self.block is not None:
-            # The one free protocol (Note [Finalizers]): the fast path's own, given an Allocation.
+            # The one free protocol (Note [Finalizers]): an Allocation's own finalizer, as it drops.
             if _shells:
                 a = _shells.pop()
                 a.ptr = self.block.addr
                 a.size = self.requested
                 a.stream = self.stream
-                a.owner = owner
+                a.owner = self.owner
                 a.block = self.block
                 a.kind = self.kind
             else:
-                a = new_allocation(owner, self.block, self.requested, self.stream, self.kind)
+                a = new_allocation(self.owner, self.block, self.requested, self.stream, self.kind)
             self.block = None
-            owner.finalize_later(a)
-            if a.block is None and len(_shells) < SHELLS:  # freed now, not queued: reusable
-                a.owner = None
-                _shells.append(a)
+            a = None
 
     @property
     def nbytes(self):
@@ -91,7 +87,7 @@ cdef class PoolMemory(BaseMemory):
         return 0 if self.block is None else int(self.block.size)
 
 
-#: Allocations that gave their block away, for the next free to fill (Note [One memory object]).
+#: Allocations that gave their block away, for a free to fill and drop (Note [One memory object]).
 cdef list _shells = []
 cdef Py_ssize_t SHELLS = 64
 
@@ -108,7 +104,7 @@ cdef PoolMemory adopt(Allocation a, int device_id):
         m.requested = a.size
         m.stream = a.stream
         m.kind = a.kind
-        a.block = None  # nobody else has seen a: kept for the next free, or dies without freeing
+        a.block = None  # nobody else has seen a: kept for a free to fill, or dies without freeing
         if len(_shells) < SHELLS:
             a.owner = None
             _shells.append(a)
