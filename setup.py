@@ -1,16 +1,19 @@
-"""Compiles cupool's fast path with Cython, from the same ``.py`` that runs uncompiled.
+"""Compiles cupool's fast path and its CuPy memory object with Cython.
 
 Everything else about the package (its name, packages, dependencies) is in
 pyproject.toml; this file only adds the compiled modules, because setuptools takes
 extension modules from ``setup()`` alone.
 
-Which modules are compiled, and the names of the files a build leaves beside each
-one, are read from ``cupool/core/__init__.py`` (without importing cupool, whose
-dependencies a build does not have), so that the build and the run-time choice of
-path read one list.  For each module the build leaves, beside where the extension
-goes, either the extension and ``<extension>.source-sha256`` (the hash of the source
-it was compiled from: at import, an edited source is never shadowed silently by an
-older build), or ``<extension>.build-error`` saying why there is no extension (a line, then details).
+Which modules are compiled (dotted names, wherever they live), and the names of
+the files a build leaves beside each one, are read from ``cupool/core/__init__.py``
+(without importing cupool, whose dependencies a build does not have), so that the
+build and the run-time choice of path read one list.  A module is built from its
+``.py`` (the same file runs uncompiled) or its ``.pyx`` (compiled only), in the
+list's order; it may cimport the modules listed before it.  For each module the
+build leaves, beside where the extension goes, either the extension and
+``<extension>.source-sha256`` (the hash of the sources it was compiled from: at
+import, an edited source is never shadowed silently by an older build), or
+``<extension>.build-error`` saying why there is no extension (a line, then details).
 
 Compiling is optional: without Cython, without a working C compiler, or when Cython
 rejects the source, the install still succeeds, says so once on stderr (pip shows
@@ -49,17 +52,28 @@ def _core_constants() -> dict[str, object]:
 
 
 _CONST = _core_constants()
-COMPILED = tuple(f"cupool/core/{name}.py" for name in _CONST["COMPILED_MODULES"])
+MODULES = tuple(str(name) for name in _CONST["COMPILED_MODULES"])
 SOURCE_HASH = str(_CONST["SOURCE_HASH_SUFFIX"])
 BUILD_ERROR = str(_CONST["BUILD_ERROR_SUFFIX"])
 
 
-def source_sha256(source: Path) -> str:
-    """The hash cupool/core/__init__.py compares at import: the .py, then its augmenting .pxd if any."""
+def module_source(dotted: str) -> Path | None:
+    """The ``.py`` or ``.pyx`` a listed module is built from (as cupool.core.module_source), if written."""
+    base = ROOT.joinpath(*dotted.split("."))
+    for suffix in (".py", ".pyx"):
+        if base.with_suffix(suffix).exists():
+            return base.with_suffix(suffix)
+    return None
+
+
+def source_sha256(dotted: str, source: Path) -> str:
+    """The hash cupool/core/__init__.py compares at import: the source, its augmenting .pxd if any,
+    then the .pxd of each module listed before it (which it may cimport)."""
     h = hashlib.sha256(source.read_bytes())
-    pxd = source.with_suffix(".pxd")
-    if pxd.exists():
-        h.update(pxd.read_bytes())
+    earlier = MODULES[:MODULES.index(dotted)]
+    for pxd in [source.with_suffix(".pxd")] + [ROOT.joinpath(*d.split(".")).with_suffix(".pxd") for d in earlier]:
+        if pxd.exists():
+            h.update(pxd.read_bytes())
     return h.hexdigest()
 
 
@@ -95,12 +109,13 @@ class OptionalBuildExt(build_ext):
         except ImportError:
             self._outcome[ext.name] = (False, "Cython is not installed (pip install cython, then reinstall cupool)")
             return
-        digest = source_sha256(ROOT / ext.sources[0])
+        digest = source_sha256(ext.name, ROOT / ext.sources[0])
         messages = io.StringIO()
         try:  # force: a C file left in build/ by an earlier build may look newer than an edited source
             with contextlib.redirect_stderr(messages):
                 (cext,) = cythonize([ext], build_dir=os.path.join(self.build_temp, "cython"), quiet=True,
-                                    force=True, compiler_directives={"language_level": "3"})
+                                    force=True, compiler_directives={"language_level": "3"},
+                                    include_path=[str(ROOT)])  # a module cimports those listed before it
         except Exception:  # Cython rejected the source: its messages say where
             self._outcome[ext.name] = (False, f"Cython could not compile {ext.sources[0]}\n{messages.getvalue()}")
             return
@@ -147,9 +162,10 @@ class OptionalBuildExt(build_ext):
 def _extensions() -> list[Extension]:
     """One extension per listed module whose source exists (a listed module may not be written yet)."""
     out = []
-    for rel in COMPILED:
-        if (ROOT / rel).exists():
-            out.append(Extension(rel[:-3].replace("/", "."), [rel], optional=True))
+    for dotted in MODULES:
+        source = module_source(dotted)
+        if source is not None:
+            out.append(Extension(dotted, [source.relative_to(ROOT).as_posix()], optional=True))
     return out
 
 

@@ -28,6 +28,7 @@ from ._units import format_bytes
 from ._words import count
 from .config import ENV_VAR, env_conf
 from .core import build_info
+from .hooks.cupy import memory_path
 from .device import CudaDevice, cuda_available, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
@@ -114,6 +115,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"memory          {format_bytes(free)} free of {format_bytes(total)}")
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
+    print("cupy memory     {} ({})".format(*memory_path()))
     print("configuration")
     _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")

@@ -2,8 +2,9 @@
 
 The main test run takes whichever path this install runs (``cupool.core.build_info()``):
 compiled after ``pip install -e ".[test,cuda12]"`` on a machine with a C compiler.
-This module runs the conformance suites and the state machines a second time, in a
-fresh interpreter, on the other path: uncompiled (``CUPOOL_PURE_PYTHON=1``) when the
+This module runs the conformance suites, the state machines and the CuPy hook a
+second time (CuPy's memory is cupool's compiled ``PoolMemory`` where the fast path
+is compiled, ``UnownedMemory`` where it is not), in a fresh interpreter, on the other path: uncompiled (``CUPOOL_PURE_PYTHON=1``) when the
 main run is compiled, compiled (``CUPOOL_PURE_PYTHON=0``) when the main run was
 forced uncompiled.  So the README's one test command proves both, and only these
 suites (about a minute), not the whole suite, run twice.
@@ -36,6 +37,8 @@ SUITES = (
     "tests/test_testing.py",
     "tests/test_fold.py",  # the log's two folds: fold_log compiled, numpy uncompiled
     "tests/test_lifetimes.py",  # finalizers, re-entrancy and interrupts through the fast path
+    "tests/test_cupy_hook.py",  # CuPy on cupool: PoolMemory compiled, UnownedMemory uncompiled
+    "tests/test_cupy_memory.py",  # the memory object itself, and its fallback
 )
 
 #: Reasons the compiled path does not run that are defects, not circumstances.

@@ -9,6 +9,7 @@ and the stale cases edit copies of the first.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,29 +20,43 @@ from pathlib import Path
 
 import pytest
 
-from cupool.core import BUILD_ERROR_SUFFIX, COMPILED_MODULES, PURE_ENV, SOURCE_HASH_SUFFIX, build_info
+from cupool.core import BUILD_ERROR_SUFFIX, COMPILED_MODULES, PURE_ENV, SOURCE_HASH_SUFFIX, build_info, module_source
 
 ROOT = Path(__file__).resolve().parent.parent
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
-NAMES = [n for n in COMPILED_MODULES if (ROOT / "cupool" / "core" / f"{n}.py").exists()]
+#: Every listed module written in this version (dotted), and those of cupool.core (chosen at import: the fast path).
+MODULES = [d for d in COMPILED_MODULES if module_source(d) is not None]
+NAMES = [d.rpartition(".")[2] for d in MODULES if d.startswith("cupool.core.")]
+MEMORY = "cupool.hooks.cupy_memory"
 
-pytestmark = pytest.mark.skipif(not NAMES, reason="none of cupool.core.COMPILED_MODULES is written yet")
+pytestmark = pytest.mark.skipif(not NAMES, reason="none of cupool.core's COMPILED_MODULES is written yet")
 
-#: What a user's first run does; prints what the test reads, as JSON.
+#: What a user's first run does, CuPy memory included; prints what the test reads, as JSON.
 _RUN = r"""
 import json, sys
 import cupool, cupool.core
 pool = cupool.Pool("sim", capacity="16MiB")
 blocks = [pool.malloc(n) for n in (1, 100, 4096, 100_000) * 8]
 del blocks
+arrays = [cupool.cupy_allocator(pool)(n) for n in (1, 100, 4096) * 4]
+memory = type(arrays[0].mem).__name__
+del arrays
 stats = pool.stats()
 print(json.dumps({
     "info": cupool.core.build_info(),
-    "files": {n: sys.modules[f"cupool.core.{n}"].__file__ for n in cupool.core.COMPILED_MODULES},
+    "memory": cupool.hooks.cupy.memory_path(),
+    "memory_object": memory,
+    "files": {d.rpartition(".")[2]: sys.modules[d].__file__ for d in cupool.core.COMPILED_MODULES
+              if d.startswith("cupool.core.")},
     "allocated": stats["allocated_bytes.all.current"],
     "cupool": cupool.__file__,
 }))
 """
+
+
+def _path(site: Path, dotted: str, suffix: str) -> Path:
+    """Where ``dotted``'s file with ``suffix`` lies in an install at ``site``."""
+    return site.joinpath(*dotted.split(".")).with_name(dotted.rpartition(".")[2] + suffix)
 
 
 def _copy_checkout(dest: Path) -> Path:
@@ -99,23 +114,25 @@ def compiled_site(src, tmp_path_factory) -> Path:
 
 
 def test_with_a_compiler_the_install_builds_each_module_and_runs_it(compiled_site, tmp_path):
-    for name in NAMES:
-        assert (compiled_site / "cupool" / "core" / f"{name}{EXT}").is_file()
-        assert (compiled_site / "cupool" / "core" / f"{name}{EXT}{SOURCE_HASH_SUFFIX}").is_file()
-        assert not (compiled_site / "cupool" / "core" / f"{name}{EXT}{BUILD_ERROR_SUFFIX}").exists()
+    for dotted in MODULES:  # wherever it lives: cupool/core/fast, cupool/hooks/cupy_memory
+        assert _path(compiled_site, dotted, EXT).is_file()
+        assert _path(compiled_site, dotted, f"{EXT}{SOURCE_HASH_SUFFIX}").is_file()
+        assert not _path(compiled_site, dotted, f"{EXT}{BUILD_ERROR_SUFFIX}").exists()
     out, err = _run(compiled_site, tmp_path)
     assert out["info"]["fast_path"] == "compiled", out["info"]
     assert all(f.endswith(EXT) for f in out["files"].values()), out["files"]
-    assert "uncompiled" not in err, err
+    assert out["memory"][0] == out["memory_object"] == "PoolMemory", out
+    assert "uncompiled" not in err and "Warning" not in err, err
 
 
 def test_the_environment_variable_forces_the_uncompiled_path(compiled_site, tmp_path):
     out, err = _run(compiled_site, tmp_path, **{PURE_ENV: "1"})
     assert out["info"] == {"fast_path": "pure", "reason": "; ".join(f"{n}: {PURE_ENV}=1" for n in NAMES)}
     assert all(f.endswith(".py") for f in out["files"].values()), out["files"]
+    assert out["memory"] == ["UnownedMemory", f"{PURE_ENV}=1"] and out["memory_object"] == "UnownedMemory"
     assert "uncompiled" not in err, err
     out, _ = _run(compiled_site, tmp_path, **{PURE_ENV: "0"})
-    assert out["info"]["fast_path"] == "compiled"
+    assert out["info"]["fast_path"] == "compiled" and out["memory_object"] == "PoolMemory"
 
 
 @pytest.mark.parametrize("change", ["edit the source", "lose the record"])
@@ -148,18 +165,81 @@ def test_an_extension_that_does_not_import_is_not_used(compiled_site, tmp_path):
     assert len([line for line in err.splitlines() if "RuntimeWarning" in line]) == 1, err
 
 
-def test_without_a_compiler_the_install_succeeds_and_runs_uncompiled(src, tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def plain_site(src, tmp_path_factory) -> tuple[Path, str]:
+    """An install made without a C compiler, and what pip printed."""
+    site = tmp_path_factory.mktemp("plain") / "site"
     r = _install(src, site, CC="false", CXX="false")
-    assert "not compiled, cupool will run uncompiled" in r.stdout + r.stderr  # said once, at install
-    core = site / "cupool" / "core"
-    for name in NAMES:
-        assert not (core / f"{name}{EXT}").exists()
-        assert (core / f"{name}{EXT}{BUILD_ERROR_SUFFIX}").read_text().startswith("no working C compiler\n")
+    return site, r.stdout + r.stderr
+
+
+def test_without_a_compiler_the_install_succeeds_and_runs_uncompiled(plain_site, tmp_path):
+    site, printed = plain_site
+    assert "not compiled, cupool will run uncompiled" in printed  # said once, at install
+    for dotted in MODULES:
+        assert not _path(site, dotted, EXT).exists()
+        assert _path(site, dotted, f"{EXT}{BUILD_ERROR_SUFFIX}").read_text().startswith("no working C compiler\n")
     out, err = _run(site, tmp_path)
     assert out["info"]["fast_path"] == "pure" and "no working C compiler" in out["info"]["reason"], out["info"]
     assert all(f.endswith(".py") for f in out["files"].values()), out["files"]
+    assert out["memory_object"] == "UnownedMemory" and "needs cupool.core.fast compiled" in out["memory"][1], out
     assert "uncompiled" not in err, err  # not being compiled is said by build_info and `cupool info`, not at import
+
+
+def test_a_stale_memory_object_is_never_used_and_the_fast_path_still_runs(compiled_site, tmp_path):
+    """The CuPy memory object (a .pyx outside cupool.core) is chosen by the same rules, at its first use."""
+    site = tmp_path / "site"
+    shutil.copytree(compiled_site, site)
+    with open(_path(site, MEMORY, ".pyx"), "a") as f:
+        f.write("\n# an edit after the build\n")
+    out, err = _run(site, tmp_path)
+    assert out["info"]["fast_path"] == "compiled", out["info"]
+    assert out["memory_object"] == "UnownedMemory" and "stale build" in out["memory"][1], out
+    warnings = [line for line in err.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and "cupy_memory" in warnings[0] and "pip install" in warnings[0], err
+
+
+def test_the_memory_objects_record_covers_the_fast_paths_declarations_it_cimports(compiled_site):
+    """An edited fast.pxd makes the memory object stale too: its C code depends on that layout."""
+    record = _path(compiled_site, MEMORY, f"{EXT}{SOURCE_HASH_SUFFIX}").read_text().strip()
+    sources = [_path(compiled_site, MEMORY, ".pyx"), compiled_site / "cupool" / "core" / "fast.pxd"]
+    assert record == hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+
+
+#: Build notes a user's disk may hold (issue 28): each must make cupool fall back, saying why, never fail the import.
+_BROKEN = {
+    "an empty build note": ("plain", lambda site: _path(site, "cupool.core.fast", f"{EXT}{BUILD_ERROR_SUFFIX}")
+                            .write_bytes(b""), "the note is empty or unreadable"),
+    "a build note not in UTF-8": ("plain", lambda site: _path(site, "cupool.core.fast", f"{EXT}{BUILD_ERROR_SUFFIX}")
+                                  .write_bytes(b"\xff\xfe not UTF-8\n"), "the note is empty or unreadable"),
+    "a folder for the source's hash": ("compiled", lambda site: _folder_for(
+        _path(site, "cupool.core.fast", f"{EXT}{SOURCE_HASH_SUFFIX}")), "unreadable record"),
+}
+
+
+def _folder_for(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("broken", list(_BROKEN))
+def test_a_broken_build_note_falls_back_with_a_reason(compiled_site, plain_site, tmp_path, broken):
+    which, spoil, reason = _BROKEN[broken]
+    site = tmp_path / "site"
+    shutil.copytree(compiled_site if which == "compiled" else plain_site[0], site)
+    spoil(site)
+    out, _ = _run(site, tmp_path)
+    assert out["info"]["fast_path"] == "pure" and reason in out["info"]["reason"], out["info"]
+    assert out["files"]["fast"] == str(site / "cupool" / "core" / "fast.py")
+
+
+def test_warnings_made_errors_do_not_fail_the_import_of_a_stale_build(compiled_site, tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(compiled_site, site)
+    with open(site / "cupool" / "core" / "fast.py", "a") as f:
+        f.write("\n# an edit after the build\n")
+    out, _ = _run(site, tmp_path, PYTHONWARNINGS="error")
+    assert out["info"]["fast_path"] == "pure" and "stale build" in out["info"]["reason"], out["info"]
 
 
 def test_build_info_and_cupool_info_say_which_path_runs(capsys):

@@ -488,7 +488,7 @@ def test_function_path_is_thread_safe(pool):
 
 
 def test_unknown_path_and_pinned_pool_are_refused():
-    with pytest.raises(ValueError, match="path must be one of 'pointer', 'function'"):
+    with pytest.raises(ValueError, match="path must be one of 'pointer', 'unowned', 'function'"):
         cupool.cupy_allocator(cupool.Pool("sim", capacity="8MiB"), path="c")
     with pytest.raises(ValueError, match="pinned host memory"):
         cupool.cupy_allocator(cupool.PinnedPool("sim", capacity="4MiB"), path="function")

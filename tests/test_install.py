@@ -67,12 +67,15 @@ def test_the_wheel_holds_every_module_and_kernels_only_inside_cupool(wheel):
     assert not missing, f"not in the wheel (add their packages to [tool.setuptools] packages): {missing}"
     assert not {n for n in modules if n.split("/")[0] != "cupool"}, "the wheel installs something beside cupool/"
     assert not {n for n in modules if "__pycache__" in n}, "the wheel ships cache files"
-    # The compiled fast path ships with the source it was built from (cupool.core.build_info checks it).
-    assert "cupool/core/fast.pxd" in modules
-    built = [n for n in modules if n.startswith("cupool/core/fast.") and n.endswith(".so")]
+    # Each compiled module ships with the source it was built from (cupool.core checks its hash at import).
+    assert {"cupool/core/fast.pxd", "cupool/hooks/cupy_memory.pyx"} <= modules
+    built = [n for n in modules if n.endswith(".so")]
     cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc")
     if shutil.which(cc.split()[0]):  # the compiler the build would use (CC, else Python's own)
-        assert built, "a machine with a C compiler builds a wheel with the compiled fast path"
+        from cupool.core import COMPILED_MODULES
+
+        stems = {so.split(".")[0] for so in built}
+        assert stems == {d.replace(".", "/") for d in COMPILED_MODULES}, f"a C compiler builds each listed module: {built}"
     for so in built:
         assert f"{so}.source-sha256" in modules, f"{so} ships without the hash of its source"
     (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]

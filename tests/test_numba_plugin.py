@@ -266,3 +266,20 @@ def test_mapped_host_memory_retries_after_the_flush_too(mm, pinned, monkeypatch,
     del h
     gc.collect()
     assert live(pinned) == 0
+
+
+def test_an_allocation_costs_cupool_two_objects_the_allocation_and_the_finalizer(mm, pool):
+    """What Numba's finalizer holds is one object with slots, holding the Allocation and nothing else of
+    this allocation (before: a closure, three cells, a holder list and a tuple around the Allocation)."""
+    import gc
+
+    from cupool.core.fast import Allocation
+
+    p = mm.memalloc(1024)
+    pointer, release, args, kwargs = p._finalizer.peek()
+    assert pointer is p and (args, kwargs) == ((), {}) and not hasattr(release, "__dict__")
+    allocation = release.allocation
+    assert type(allocation) is Allocation and allocation.ptr == p.device_pointer_value
+    assert [r for r in gc.get_referents(release) if r not in (mm, None, type(release))] == [allocation]
+    del p, pointer, release, allocation
+    assert pool.stats()["allocation.all.current"] == 0

@@ -1,9 +1,19 @@
 """CuPy allocators over a cupool pool, through either of CuPy's two Python doors.
 
-``path="pointer"`` (the default) returns a ``MemoryPointer`` over ``UnownedMemory``
-whose owner is the pool's ``Allocation``: when CuPy drops the memory, the
-allocation's finalizer returns the block (safely, even from inside the pool), so
-there is no second layer of bookkeeping to keep in step with CuPy's.
+``path="pointer"`` (the default) returns a ``MemoryPointer`` over cupool's own
+memory object, ``PoolMemory`` (``cupool.hooks.cupy_memory``, compiled): one object
+per allocation besides CuPy's pointer, which frees its block through the fast
+path when CuPy drops it (Note [One memory object]).  On a GPU it asks CuPy for the
+current device and stream through CuPy's own C functions.  Where that module does
+not run (not compiled, ``CUPOOL_PURE_PYTHON=1``, or a CuPy whose ``BaseMemory``
+differs from what it declares), ``"pointer"`` is ``"unowned"``, with one warning
+in the last case; ``memory_path()`` says which runs, and ``cupool info`` prints it.
+
+``path="unowned"`` returns a ``MemoryPointer`` over ``UnownedMemory`` whose
+owner is the pool's ``Allocation``: when CuPy drops the memory, the allocation's
+finalizer returns the block (safely, even from inside the pool), so there is no
+second layer of bookkeeping to keep in step with CuPy's.  Two objects per
+allocation besides the pointer, and CuPy's device and stream looked up in Python.
 
 ``path="function"`` hands CuPy a ``cupy.cuda.memory.PythonFunctionAllocator``:
 CuPy builds the memory object in Cython and calls ``malloc_func(size, device_id)
@@ -17,8 +27,29 @@ on a machine with a GPU; without one, its two functions can still be called
 directly (``allocator.malloc_func`` / ``allocator.free_func``), as the tests do.
 
 Which path is faster is for a GPU to say: ``python -m cupool.validate`` measures
-both against CuPy's own ``MemoryPool`` in one run; the default stays ``"pointer"``
+each against CuPy's own ``MemoryPool`` in one run; the default stays ``"pointer"``
 until it has.
+
+Note [One memory object]
+~~~~~~~~~~~~~~~~~~~~~~~~
+CuPy's ``MemoryPointer`` holds a ``BaseMemory``.  Through ``UnownedMemory`` an
+allocation costs CuPy three objects: the pointer, the ``UnownedMemory`` and the
+pool's ``Allocation`` it keeps alive.  ``PoolMemory`` derives from ``BaseMemory``
+and carries the block itself, so an allocation is the ``MemoryPointer`` and one
+``PoolMemory``.  The ``Allocation`` that ``malloc_key`` returns hands its block
+over (``adopt``) and is kept, empty, as a *shell* (at most 64 of them), or dies
+having freed nothing.  When the memory dies, a shell (or a new ``Allocation``)
+is filled with the same fields and dropped at once, so the ``Allocation``'s own
+finalizer frees the block, as it does every other ``Allocation``'s: lock-free
+when nobody holds the pool's lock, queued when a finalizer finds it held (Note
+[Finalizers]), never waiting.  The free protocol is written once, in
+``cupool.core.fast``; ``cupool.hooks.cupy_memory`` never touches the pool's lock
+or stacks.  Shells are touched only with the GIL held and no Python code running
+between taking one and filling it.
+
+A pool that records call sites (``track_sites``) keeps a weak reference to each
+``Allocation``: there the memory holds the ``Allocation`` instead of adopting its
+block, two objects rather than one, so the record lives as long as the memory.
 
 CuPy's third door, ``CFunctionAllocator(param, malloc_ptr, free_ptr, owner)``, is
 not used: CuPy calls the C functions and has no way to hear that one failed.  A 0
@@ -30,16 +61,20 @@ ladder) would turn into writes through a null device pointer.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..core import compiled_module
 from ..core.fast import Allocation
 from ..errors import DoubleFreeError, ForeignAllocationError, InvalidFreeError
 from ..pool import Pool
 from .routing import default_pool, gpu_available
 
 #: The ways into CuPy ``cupy_allocator`` offers; the first is the default.
-PATHS = ("pointer", "function")
+PATHS = ("pointer", "unowned", "function")
+#: The module of cupool's compiled CuPy memory object (``COMPILED_MODULES`` lists it).
+MEMORY_MODULE = "cupool.hooks.cupy_memory"
 
 MallocFunc = Callable[[int, int], int]
 FreeFunc = Callable[[int, int], None]
@@ -51,21 +86,21 @@ def cupy_allocator(pool: Pool | None = None, path: str = "pointer") -> Callable[
     ``pool=None`` follows the current device to its default pool.  On a GPU the
     block is taken for CuPy's current stream, so the pool's stream rules see what
     CuPy will do with it; on the sim device CuPy has no streams and stream 0 is used.
-    ``path`` chooses CuPy's door (see the module's docstring): ``"pointer"`` or
-    ``"function"``.  The allocator keeps its pool alive (``allocator.pool``).
+    ``path`` chooses CuPy's door (see the module's docstring): ``"pointer"``,
+    ``"unowned"`` or ``"function"``.  The allocator keeps its pool alive (``allocator.pool``).
     """
     if path not in PATHS:
         raise ValueError(f"cupy_allocator(): path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
     if pool is None:
         if not gpu_available():
             return cupy_allocator(default_pool(), path)
-        return _routed_pointer() if path == "pointer" else _routed_function()
+        return _routed_function() if path == "function" else _routed_pointer(path)
     if not isinstance(pool, Pool):
         raise TypeError(f"cupy_allocator() takes a cupool.Pool, got {type(pool).__name__}")
     if not pool.device.capabilities.device_memory:
         raise ValueError(f"cupy_allocator(): {pool!r} holds pinned host memory; use pool.cupy_allocator()")
-    if path == "pointer":
-        return _pointer_allocator(pool)
+    if path != "function":
+        return _pointer_allocator(pool, path)
     malloc_func, free_func = _functions(pool)
     allocator = _function_allocator_type()(malloc_func, free_func)
     allocator.pool = pool
@@ -73,13 +108,47 @@ def cupy_allocator(pool: Pool | None = None, path: str = "pointer") -> Callable[
 
 
 # ---------------------------------------------------------------- the pointer path
-def _pointer_allocator(pool: Pool) -> Callable[[int], Any]:
+@functools.cache
+def memory_path() -> tuple[str, str]:
+    """Which memory object ``path="pointer"`` gives CuPy, and why: ``("PoolMemory" | "UnownedMemory", why)``.
+
+    Chosen once per process, at the first call (it imports CuPy).  A CuPy whose
+    ``BaseMemory`` is not laid out as the compiled module declares it is warned
+    about once, here; the other reasons (not compiled, forced uncompiled) are said
+    by ``cupool info`` alone, as for the fast path.  ``("none", why)`` where CuPy
+    cannot be imported.
+    """
+    try:
+        import cupy  # noqa: F401  (the compiled module imports it: say so plainly, not as a failed build)
+    except ImportError as e:
+        return "none", f"CuPy cannot be imported: {e}"
+    module, why = compiled_module(MEMORY_MODULE)
+    if module is None:
+        return "UnownedMemory", why
+    mismatch = module.layout_mismatch()
+    if mismatch is not None:
+        why = f"the installed CuPy differs from what cupool was built for: {mismatch}"
+        warnings.warn(f"cupool gives CuPy UnownedMemory (slower): {why}", RuntimeWarning, stacklevel=2)
+        return "UnownedMemory", why
+    lookups = module.c_lookups()
+    via = " and ".join(f"{k} in C" for k, v in lookups.items() if v) or "device and stream through Python"
+    return "PoolMemory", f"compiled, one object per allocation; on a GPU: {via}"
+
+
+def _pointer_allocator(pool: Pool, path: str) -> Callable[[int], Any]:
+    gpu = not pool.device.capabilities.host_accessible  # a real GPU's memory: CuPy's device and stream matter
+    if path == "pointer" and memory_path()[0] == "PoolMemory":
+        module, _ = compiled_module(MEMORY_MODULE)
+        assert module is not None
+        allocator: Callable[[int], Any] = module.pointer_allocator(pool, pool.malloc_key, pool.device.index, gpu,
+                                                                   _wrong_device)
+        return allocator
     import cupy
 
     pointer, unowned = cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory
     malloc = pool.malloc_key
     index = pool.device.index
-    if not pool.device.capabilities.host_accessible:  # a real GPU's memory: CuPy's device and stream matter
+    if gpu:
         get_device = cupy.cuda.runtime.getDevice
         get_stream = cupy.cuda.get_current_stream
 
@@ -104,7 +173,7 @@ def _pointer_allocator(pool: Pool) -> Callable[[int], Any]:
     return allocate
 
 
-def _routed_pointer() -> Callable[[int], Any]:
+def _routed_pointer(path: str) -> Callable[[int], Any]:
     import cupy
 
     get_device = cupy.cuda.runtime.getDevice
@@ -114,7 +183,7 @@ def _routed_pointer() -> Callable[[int], Any]:
         index = get_device()
         alloc = per_device.get(index)
         if alloc is None:
-            alloc = per_device.setdefault(index, _pointer_allocator(default_pool(index)))
+            alloc = per_device.setdefault(index, _pointer_allocator(default_pool(index), path))
         return alloc(nbytes)
 
     return route

@@ -19,6 +19,7 @@ time, so whatever stands in there is what this plugin uses.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -38,37 +39,41 @@ if not all(hasattr(_cuda, name) for name in _EMM_NAMES):
         "has no external memory manager interface"
     )
 
-#: An allocation on its way back, with the pinned pool it came from (None: device memory).
-_Held = tuple[Allocation, PinnedPool | None]
-
 _pinned_pool: PinnedPool | None = None
 _pinned_lock = threading.Lock()
 
 
+@functools.cache
 def _uses_nv_binding() -> bool:
+    """Whether this Numba talks to the driver through the NVIDIA bindings (read once: a Numba
+    chooses at import, and the imports here cost more than the rest of ``memalloc``)."""
     # numba-cuda uses the NVIDIA bindings only; the built-in target chooses by config.
     from numba.cuda.cudadrv import driver
 
     return bool(getattr(driver, "USE_NV_BINDING", True))
 
 
-def device_pointer(addr: int) -> Any:
-    """A device pointer of the type this Numba expects (CUdeviceptr or ctypes), for Numba's pointer classes."""
+@functools.cache
+def _pointer_types() -> tuple[Any, Any]:
+    """(device pointer type, host pointer type) of this Numba: CUdeviceptr and int, or ctypes'."""
     if _uses_nv_binding():
         from numba.cuda.cudadrv.driver import binding
 
-        return binding.CUdeviceptr(addr)
+        return binding.CUdeviceptr, int
+    import ctypes
+
     from numba.cuda.cudadrv import drvapi
 
-    return drvapi.cu_device_ptr(addr)
+    return drvapi.cu_device_ptr, ctypes.c_void_p
+
+
+def device_pointer(addr: int) -> Any:
+    """A device pointer of the type this Numba expects (CUdeviceptr or ctypes), for Numba's pointer classes."""
+    return _pointer_types()[0](addr)
 
 
 def _host_pointer(addr: int) -> Any:
-    if _uses_nv_binding():
-        return addr
-    import ctypes
-
-    return ctypes.c_void_p(addr)
+    return _pointer_types()[1](addr)
 
 
 def default_pinned_pool() -> PinnedPool:
@@ -97,7 +102,7 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
         self._pinned = pinned_pool
         self._defer_lock = threading.RLock()  # finalizers may fire while it is held
         self._defer_depth = 0
-        self._deferred: list[_Held] = []
+        self._deferred: list[_Release] = []
 
     # -- which pool ------------------------------------------------------------
     def _device_index(self) -> int | None:
@@ -121,7 +126,7 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
 
     def memalloc(self, size: int) -> Any:
         a = self._attempt(self.pool, size)
-        return _cuda.MemoryPointer(self.context, device_pointer(a.ptr), size, finalizer=self._finalizer(a))
+        return _cuda.MemoryPointer(self.context, device_pointer(a.ptr), size, finalizer=_Release(self, a))
 
     def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False) -> Any:
         if wc:  # write-combined memory is a different kind of page; Numba's own path allocates it
@@ -132,11 +137,11 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
         if mapped:  # pool segments are allocated mapped and portable
             # Numba keeps mapped memory in self.allocations; the finalizer must take it
             # out again, or the pool's next block at this address collides with it.
-            finalizer = self._finalizer(a, pinned, a.ptr)
+            finalizer = _Release(self, a, pinned, a.ptr)
             mem = _cuda.MappedMemory(self.context, _host_pointer(a.ptr), size, finalizer=finalizer)
             self.allocations[a.ptr] = mem
             return mem.own()
-        return _cuda.PinnedMemory(self.context, _host_pointer(a.ptr), size, finalizer=self._finalizer(a, pinned))
+        return _cuda.PinnedMemory(self.context, _host_pointer(a.ptr), size, finalizer=_Release(self, a, pinned))
 
     def get_memory_info(self) -> Any:
         pool = self.pool
@@ -201,35 +206,57 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
         pending.clear()
         return pool.malloc(size)  # outside the handler: a second failure is the error, not a chain of two
 
-    def _finalizer(self, a: Allocation, pinned: PinnedPool | None = None, mapped_key: int | None = None) -> Any:
-        """What Numba calls when the pointer dies: defer, or let the allocation go.
-
-        Numba runs it from a ``weakref.finalize``, i.e. possibly from the garbage
-        collector in the middle of a pool operation, where ``Pool.free`` would
-        block on the pool's lock; dropping the reference lets the ``Allocation``'s
-        own finalizer free the block, which is safe there.
-        """
-        holder: list[_Held] = [(a, pinned)]
-
-        def finalize() -> None:
-            if mapped_key is not None:
-                self.allocations.pop(mapped_key, None)
-            with self._defer_lock:
-                if self._defer_depth:
-                    self._deferred.append(holder.pop())
-                    return
-            _let_go(holder)
-
-        return finalize
 
 
-def _let_go(held: list[_Held]) -> None:
-    """Drop the last references: each ``Allocation`` then returns its block itself.
+class _Release:
+    """What Numba calls when a pointer dies: defer inside ``defer_cleanup``, else let the allocation go.
 
-    Pinned memory is host memory the CPU may write as soon as it is reused, so,
-    as ``cuMemFreeHost`` does under Numba's own manager, it waits for the device.
+    Numba runs it from a ``weakref.finalize``, i.e. possibly from the garbage
+    collector in the middle of a pool operation, where ``Pool.free`` would
+    block on the pool's lock; dropping the reference lets the ``Allocation``'s
+    own finalizer free the block, which is safe there.
+
+    One object with slots, so an allocation costs cupool two objects, this and
+    its ``Allocation`` (a closure, its cells and a holder cost five more).  Numba
+    allows no fewer: its ``MemoryPointer`` takes a finalizer to call, which must
+    decide at call time whether to defer, and only compiled code can rebuild an
+    ``Allocation`` from its block, as CuPy's memory object does (Note [One memory
+    object]).
     """
-    for a, pinned in held:
-        if pinned is not None and not a.freed:
-            pinned.device.synchronize()
+
+    __slots__ = ("manager", "allocation", "pinned", "mapped_key")
+
+    def __init__(self, manager: CupoolMemoryManager, a: Allocation, pinned: PinnedPool | None = None,
+                 mapped_key: int | None = None) -> None:
+        self.manager = manager
+        self.allocation: Allocation | None = a
+        self.pinned = pinned  # the pinned pool it came from (None: device memory)
+        self.mapped_key = mapped_key  # where Numba keeps mapped memory in its books
+
+    def __call__(self) -> None:
+        m = self.manager
+        if self.mapped_key is not None:
+            # Numba keeps mapped memory in m.allocations; the finalizer must take it out again,
+            # or the pool's next block at this address collides with it.
+            m.allocations.pop(self.mapped_key, None)
+        with m._defer_lock:
+            if m._defer_depth:
+                m._deferred.append(self)
+                return
+        self.let_go()
+
+    def let_go(self) -> None:
+        """Drop the last reference: the ``Allocation`` then returns its block itself.
+
+        Pinned memory is host memory the CPU may write as soon as it is reused, so,
+        as ``cuMemFreeHost`` does under Numba's own manager, it waits for the device.
+        """
+        a, self.allocation = self.allocation, None
+        if a is not None and self.pinned is not None and not a.freed:
+            self.pinned.device.synchronize()
+
+
+def _let_go(held: list[_Release]) -> None:
+    for r in held:
+        r.let_go()
     held.clear()

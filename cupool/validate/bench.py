@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..hooks import cupy_allocator
-from ..hooks.cupy import PATHS
+from ..hooks.cupy import PATHS, memory_path
 from ..pool import Pool
 from .records import PASSED, Context, Result, Table
 
@@ -200,8 +200,9 @@ def hook_paths(ctx: Context) -> Result:
         met = "met" if ratio <= HOOK_TARGET else "not met"
         verdict = (f"fastest path that passed the workload: {best!r}, {ratio:.2f}x CuPy's pool "
                    f"(target <= {HOOK_TARGET}x: {met})")
+    memory, why = memory_path()
     notes = [verdict, f"medians of {repeat} interleaved samples of {number:,} calls ({time.perf_counter() - t0:.1f} s)",
-             rmm_note]
+             rmm_note, f"path='pointer' gives CuPy {memory} ({why}); path='unowned' gives UnownedMemory"]
     return Result(
         PASSED,
         summary=verdict,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from . import bench, extras, memory, moves, suites, workload
+from . import bench, extras, memory, moves, numba_bench, suites, workload
 from .records import FAILED, Context, Result, skipped
 from .report import default_report_path, environment, probe_gpu, render
 from .results import to_json
@@ -52,6 +52,8 @@ CHECKS = (
     Check("torch-summary", "PyTorch's own memory_summary over pool.stats()", extras.torch_summary, on_sim=True),
     Check("malloc-free", "malloc + free among 1k and 100k live blocks, beside CuPy's MemoryPool", bench.malloc_free),
     Check("hook-paths", "cp.empty + drop through each CuPy hook path, beside CuPy's pool and RMM", bench.hook_paths),
+    Check("numba-hooks", "device_array and memalloc + drop: cupool.numba beside Numba's default manager",
+          numba_bench.numba_hooks),
     Check("pinned", "Pinned memory (PinnedPool)", memory.pinned, on_sim=True),
     Check("spill", "Spilling to host and to HDF5", memory.spill, on_sim=True),
     Check("trace", "A trace recorded here, replayed on the sim device", memory.trace, on_sim=True),
