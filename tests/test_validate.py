@@ -611,7 +611,7 @@ def test_expandable_runs_the_gpu_tests_of_virtual_memory_and_says_why_when_it_ca
     assert "test_vmm.py::test_real" in r.details and "-m gpu" in r.commands[0]
     monkeypatch.setattr(extras, "has_bindings", lambda: False)
     r = extras.expandable(sim(tmp_path, tests=root))
-    assert r.status == SKIPPED and "pip install 'cupool[vmm]'" in r.summary
+    assert r.status == SKIPPED and "pip install 'cuda-bindings>=12'" in r.summary
     assert extras.expandable(sim(tmp_path)).status == SKIPPED  # no test suite
 
 

@@ -345,7 +345,7 @@ def test_a_gpu_without_virtual_memory_is_refused():
 
 def test_missing_driver_bindings_say_which_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(VirtualMemoryUnsupported, match=r"cupool\[vmm\]"):
+    with pytest.raises(VirtualMemoryUnsupported, match=r"pip install .cuda-bindings>=12. \(or .\.\[vmm\]. in cupool.s checkout\)"):
         CudaVirtualMemory(0)
 
 

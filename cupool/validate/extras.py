@@ -40,7 +40,7 @@ def expandable(ctx: Context) -> Result:
     if ctx.tests is None:
         return no_tests()
     if not has_bindings():
-        return skipped("CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cupool[vmm]' (cuda-bindings)")
+        return skipped("CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cuda-bindings>=12' (or '.[vmm]' in cupool's checkout)")
     files = [f"{ctx.tests.name}/{f}" for f in EXPANDABLE_TESTS]
     return suite_result(run_pytest(["-m", "gpu", *files], ctx.tests.parent, ctx.timeout))
 
@@ -53,7 +53,7 @@ def vmm_latency(ctx: Context) -> Result:
     if not script.exists():
         return skipped(f"the benchmarks are not available ({script} is missing)")
     if ctx.device != "sim" and not has_bindings():
-        return skipped("CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cupool[vmm]' (cuda-bindings)")
+        return skipped("CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cuda-bindings>=12' (or '.[vmm]' in cupool's checkout)")
     granules, repeats = (["1", "4"], "3") if ctx.quick else (["1", "8", "64"], "20")
     argv = [sys.executable, str(script), "--device", ctx.device, "--granules", *granules, "--repeats", repeats,
             "--json"]
