@@ -52,7 +52,6 @@ from ._units import MAX_NBYTES, as_nbytes, format_bytes, parse_size
 from .core.arena import Arena
 from .core.books import PeakWindow
 from .core.events import Callback
-from .core.expandable import Expander, virtual_memory_of
 from .core.fast import Allocation
 from .core.figures import Stats, figures
 from .core.handles import DeviceArray, Movable, array_nbytes, as_shape
@@ -68,6 +67,7 @@ from .pressure.policy import PoolPolicy, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
 from .sizing import check_fraction, resolve
+from .sourcing import sourcing
 
 if TYPE_CHECKING:
     from .trace.recorder import EventRecorder
@@ -100,6 +100,10 @@ class Pool:
         with ``store(device, ptr, nbytes)`` and ``describe()``, see ``cupool.pressure.spill``).
     spill_policy: ``"lru"``, ``"fifo"`` or ``"adaptive"``: the order of the reclaim
         ladder and of spill victims (see ``cupool.pressure.scheduler``).
+    upstream: where plain segments come from (``cupool.device.upstream``): ``"device"`` (cudaMalloc),
+        ``"managed"`` (cudaMallocManaged: the pool may hold more than the device has) or ``"async"``
+        (cudaMallocAsync on the segment's stream: growing and trimming never synchronize the device).
+        Not with expandable segments, which map virtual memory instead.
     expandable_segments, stitch: grow one virtual segment per stream and size class, 2 MiB at a time, as
         PyTorch does; and let the ladder remap free granules of holes into one range (Note [Virtual memory]).
         None (the default): both wherever the device has virtual memory (the sim device on Linux, a GPU
@@ -129,6 +133,7 @@ class Pool:
         spill_policy: str = "lru",
         expandable_segments: bool | None = None,
         stitch: bool | None = None,
+        upstream: str = "device",
     ) -> None:
         for name, flag in (("track_sites", track_sites), ("release_before_split", release_before_split)):
             if not isinstance(flag, bool):
@@ -138,12 +143,12 @@ class Pool:
         check_defrag_threshold(defrag_threshold)
         check_fraction(memory_fraction)
         dev = make_device(device, capacity)
-        limit, init, threshold = resolve(dev.total, max_size, memory_fraction, initial_size, release_threshold)
+        src = sourcing(dev, expandable_segments, stitch, upstream)
+        self._total = src.total  # what percentages and the default limit are taken of
+        limit, init, threshold = resolve(self._total, max_size, memory_fraction, initial_size, release_threshold)
         self.device = dev
         # Owns defrag_threshold, release_threshold and release_before_split (the properties below).
         self._policy = policy = PoolPolicy(defrag_threshold, None, release_before_split)
-        vm = virtual_memory_of(dev, expandable_segments, stitch)  # None without expandable segments
-        stitching = vm is not None and stitch is not False
         # The settings in force; ``limit`` and the thresholds have owners of their own (properties).
         self._settings = {
             "device": dev.name,
@@ -151,10 +156,9 @@ class Pool:
             "initial_size": init,
             "max_size": max_size,
             "memory_fraction": memory_fraction,
-            "expandable_segments": vm is not None, "stitch": stitching,
+            "expandable_segments": src.expandable_segments, "stitch": src.stitch, "upstream": src.upstream,
         }
-        source = None if vm is None else _expander(vm, stitching)
-        arena = self._arena = Arena(dev, limit, policy, track_sites, source)
+        arena = self._arena = Arena(dev, limit, policy, track_sites, src.make)
         self._movables = Movables(arena)
         tier = make_tier(spill, dev, lambda: _spill_pinned_pool(dev), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.
@@ -366,7 +370,7 @@ class Pool:
 
     @release_threshold.setter
     def release_threshold(self, value: int | str | None) -> None:
-        threshold = None if value is None else parse_size(value, self.device.total, "release_threshold")
+        threshold = None if value is None else parse_size(value, self._total, "release_threshold")
         with self.hold() as view:
             self._policy.release_threshold = threshold
             self._arena.set_eager(threshold is not None)
@@ -399,7 +403,7 @@ class Pool:
     def set_limit(self, max_size: int | str) -> None:
         """Change the cap on reserved bytes now (as ``max_size``).  Below what is reserved, cached
         segments go back; live memory stays, and the pool does not grow until enough is freed."""
-        limit = min(self.device.total, parse_size(max_size, self.device.total, "max_size"))
+        limit = min(self._total, parse_size(max_size, self._total, "max_size"))
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit
@@ -599,14 +603,6 @@ def _spill_pinned_pool(dev: Device) -> PinnedPool:
     pinned = PinnedPool(pinned_device_beside(dev))
     pinned.scheduler.collect_garbage = False
     return pinned
-
-
-def _expander(vm: Any, stitch: bool) -> Callable[..., Expander]:
-    """The arena's segment source over ``vm`` (Note [Virtual memory])."""
-    def make(device: Any, heaps: Any, books: Any, observers: Any) -> Expander:
-        return Expander(vm, device, heaps, books, observers, stitch)
-
-    return make
 
 
 def _admitted(ref: weakref.ref[Pool], malloc: Callable[[int, Any], Allocation]) -> Callable[[int, Any], Allocation]:

@@ -144,6 +144,10 @@ SETTINGS: tuple[Setting, ...] = (
                  "device has virtual memory)"),
     Setting("stitch", "flag", None, "source", conf=True, recorded=True, engine=True, follows="expandable_segments",
             help="let the ladder remap free granules of holes into one range (default: with expandable segments)"),
+    Setting("upstream", "choice", "device", "source", conf=True, recorded=False, engine=False,
+            choices=("device", "managed", "async"),
+            help="where plain segments come from: device (cudaMalloc), managed (cudaMallocManaged: may exceed the "
+                 "device) or async (cudaMallocAsync: never synchronizes)"),
 )
 
 BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}

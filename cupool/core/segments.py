@@ -31,7 +31,8 @@ implements these hooks, each called with the arena's lock held:
 9. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
    everything back when the arena dies (its finalizer).
 
-``DeviceSegments`` (this module) allocates each segment from the device;
+``DeviceSegments`` (this module) takes each segment from an upstream
+(``cupool.device.upstream``: the device's malloc, managed or stream-ordered memory);
 ``Expander`` (``cupool.core.expandable``) maps 2 MiB granules of virtual memory.
 """
 
@@ -43,6 +44,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from ..device.upstream import DeviceUpstream, Upstream
 from ..errors import DeviceOutOfMemory
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
@@ -90,8 +92,11 @@ class DeviceSegments:
     stitching = False
     whole = True
 
-    def __init__(self, device: Any, heaps: tuple[Heap, Heap], books: Books, observers: Observers) -> None:
+    def __init__(self, device: Any, heaps: tuple[Heap, Heap], books: Books, observers: Observers,
+                 upstream: Upstream | None = None) -> None:
         self.device = device
+        #: Where segments come from and go back to (``cupool.device.upstream``): the device's own malloc by default.
+        self.upstream: Upstream = DeviceUpstream(device) if upstream is None else upstream
         self.heaps = heaps
         self.books = books
         self.observers = observers
@@ -100,7 +105,7 @@ class DeviceSegments:
 
     def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
         nbytes = round_page(nbytes)
-        ptr = self.device.malloc(nbytes)
+        ptr = self.upstream.allocate(nbytes, key)
         self.books.device_allocs += 1
         seg = self.heaps[kind].add_segment(ptr, nbytes, key, keep=keep)
         self.books.account(kind, SEGMENTS, 1)
@@ -127,7 +132,7 @@ class DeviceSegments:
     def drop(self, kind: int, seg: Segment) -> None:
         self.heaps[kind].remove_segment(seg)
         if not self.closed:
-            self.device.free(seg.addr, seg.size)
+            self.upstream.deallocate(seg.addr, seg.size, seg.stream)
         self.books.device_frees += 1
         self.books.account(kind, SEGMENTS, -1)
         self.books.account(kind, RESERVED, -seg.size)
@@ -174,6 +179,6 @@ class DeviceSegments:
         for heap in self.heaps:
             for seg in list(heap.segments.values()):
                 try:
-                    self.device.free(seg.addr, seg.size)
+                    self.upstream.deallocate(seg.addr, seg.size, seg.stream)
                 except Exception:  # noqa: BLE001 - a finalizer must not raise; say what leaked
                     log.exception("cupool: could not give segment %#x back to %r", seg.addr, self.device)

@@ -43,13 +43,38 @@ class CudaDevice(Device):
         self._vm: CudaVirtualMemory | None = None  # made by virtual_memory(), on first use
 
     def malloc(self, nbytes: int) -> int:
+        return self._refused_as_oom(self._allocate, nbytes)
+
+    def _refused_as_oom(self, call: Any, *args: Any) -> int:
+        """``call(*args)`` on this device; the runtime's out-of-memory is ``DeviceOutOfMemory``."""
         with self._dev:
             try:
-                return self._allocate(nbytes)
+                ptr: int = call(*args)
+                return ptr
             except self._rt.CUDARuntimeError as e:
                 if e.status == 2:  # cudaErrorMemoryAllocation
                     raise DeviceOutOfMemory(str(e)) from None
                 raise
+
+    # The upstreams' calls (``cupool.device.upstream``); not run on a GPU yet (docs/gpu-validation.md).
+    def malloc_managed(self, nbytes: int) -> int:
+        """``cudaMallocManaged`` (attached globally): the driver pages it between the GPU and the host."""
+        return self._refused_as_oom(self._rt.mallocManaged, nbytes, 1)  # cudaMemAttachGlobal
+
+    def free_managed(self, ptr: int, nbytes: int) -> None:
+        self.free(ptr, nbytes)
+
+    def managed_info(self) -> tuple[int, int]:
+        """The device's own figures: how far managed memory may oversubscribe depends on the host."""
+        return self.mem_info()
+
+    def malloc_async(self, nbytes: int, stream: int) -> int:
+        """``cudaMallocAsync`` on ``stream`` from the device's default memory pool (no synchronization)."""
+        return self._refused_as_oom(self._rt.mallocAsync, nbytes, stream)
+
+    def free_async(self, ptr: int, nbytes: int, stream: int) -> None:
+        with self._dev:
+            self._rt.freeAsync(ptr, stream)
 
     def _allocate(self, nbytes: int) -> int:
         ptr: int = self._rt.malloc(nbytes)

@@ -87,51 +87,124 @@ class SimDevice(Device):
         self._lock = threading.Lock()
         self._enqueued: dict[int, int] = {}
         self._retired: dict[int, int] = {}
+        #: Device-wide synchronizations: ``synchronize()``, and the one ``free`` implies (as cudaFree).
+        self.syncs = 0
+        #: Bytes of managed memory (``malloc_managed``), which may exceed the capacity (oversubscription).
+        self.managed = 0
+        self._managed_sizes: dict[int, int] = {}
+        # Stream-ordered frees waiting for their stream's work (``free_async``): (ptr, stream, mark).
+        self._freeing: list[tuple[int, int, int]] = []
         self._vm: SimVirtualMemory | None = None  # made by virtual_memory(), on first use
 
     # -- memory ---------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         size = round_up(max(nbytes, 1), PAGE)
         with self._lock:
+            self._retire_frees()
             free = self.capacity - self.used - self._mapped()
             if size > free:
                 raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {free} free")
-            addr: int
-            extent: int
-            for addr, extent in self._extents.items():
-                if extent >= size:
-                    break
-            else:
-                raise DeviceOutOfMemory(f"sim device: address space exhausted for {size} bytes")
-            del self._extents[addr]
-            if extent > size:
-                self._extents[addr + size] = extent - size
-            self._sizes[addr] = size
-            self.used += size
+            return self._take(size)
+
+    def _take(self, size: int) -> int:
+        """Take ``size`` bytes of the address span (lock held; the caller checked the budget)."""
+        addr: int
+        extent: int
+        for addr, extent in self._extents.items():
+            if extent >= size:
+                break
+        else:
+            raise DeviceOutOfMemory(f"sim device: address space exhausted for {size} bytes")
+        del self._extents[addr]
+        if extent > size:
+            self._extents[addr + size] = extent - size
+        self._sizes[addr] = size
+        self.used += size
         return addr
 
     def free(self, ptr: int, nbytes: int) -> None:
         self.synchronize()  # as cudaFree does: work still queued may use the segment
         with self._lock:
-            size = self._sizes.pop(ptr, None)
-            if size is None:
+            if ptr not in self._sizes:
                 raise ValueError(f"sim device: {ptr:#x} is not a segment of this device")
-            self.used -= size
-            self._mmap.madvise(mmap.MADV_DONTNEED, ptr - self.base, size)
-            i = self._extents.bisect_left(ptr)
-            if i < len(self._extents):
-                nxt = self._extents.peekitem(i)
-                if nxt[0] == ptr + size:
-                    size += nxt[1]
-                    del self._extents[nxt[0]]
-            if i > 0:
-                prev_addr, prev_size = self._extents.peekitem(i - 1)
-                if prev_addr + prev_size == ptr:
-                    ptr, size = prev_addr, prev_size + size
-            self._extents[ptr] = size
+            self._give(ptr)
+
+    # -- managed memory: more than the device holds, paged to the host (upstream="managed") -----
+    def malloc_managed(self, nbytes: int) -> int:
+        """Managed memory, as ``cudaMallocManaged``: the capacity may be exceeded, up to the address span
+        (``headroom`` times the capacity), as host memory would back the pages the device cannot hold."""
+        size = round_up(max(nbytes, 1), PAGE)
+        with self._lock:
+            free = self._span - self.used - self._mapped()
+            if size > free:
+                raise DeviceOutOfMemory(f"sim device: {size} bytes of managed memory requested, {free} free")
+            addr = self._take(size)
+            self._managed_sizes[addr] = size
+            self.managed += size
+            return addr
+
+    def free_managed(self, ptr: int, nbytes: int) -> None:
+        self.synchronize()  # as cudaFree does
+        with self._lock:
+            size = self._managed_sizes.pop(ptr, None)
+            if size is None:
+                raise ValueError(f"sim device: {ptr:#x} is not managed memory of this device")
+            self.managed -= size
+            self._give(ptr)
+
+    def managed_info(self) -> tuple[int, int]:
+        """(free, total) managed bytes: the total is the address span, the capacity plus what the host backs."""
+        return self._span - self.used - self._mapped(), self._span
+
+    @property
+    def oversubscribed(self) -> int:
+        """Bytes in use beyond the capacity: what a GPU would page out to the host."""
+        return max(0, self.used + self._mapped() - self.capacity)
+
+    # -- stream-ordered memory (upstream="async") --------------------------------------------------
+    def malloc_async(self, nbytes: int, stream: int) -> int:
+        """``cudaMallocAsync`` on ``stream``: no synchronization; frees whose stream is done are reused."""
+        return self.malloc(nbytes)
+
+    def free_async(self, ptr: int, nbytes: int, stream: int) -> None:
+        """``cudaFreeAsync`` on ``stream``: no synchronization.  The bytes go back once the work enqueued on
+        ``stream`` so far has retired, as the driver's pool orders reuse after it."""
+        with self._lock:
+            if ptr not in self._sizes:
+                raise ValueError(f"sim device: {ptr:#x} is not a segment of this device")
+            self._freeing.append((ptr, stream, self._enqueued.get(stream, 0)))
+            self._retire_frees()
+
+    def _retire_frees(self) -> None:
+        """Give back the stream-ordered frees whose stream's work has retired (lock held)."""
+        if self._freeing:
+            waiting = []
+            for ptr, stream, mark in self._freeing:
+                if self._retired.get(stream, 0) >= mark:
+                    self._give(ptr)
+                else:
+                    waiting.append((ptr, stream, mark))
+            self._freeing = waiting
+
+    def _give(self, ptr: int) -> None:
+        """Return a range to the address span (lock held)."""
+        size = self._sizes.pop(ptr)
+        self.used -= size
+        self._mmap.madvise(mmap.MADV_DONTNEED, ptr - self.base, size)
+        i = self._extents.bisect_left(ptr)
+        if i < len(self._extents):
+            nxt = self._extents.peekitem(i)
+            if nxt[0] == ptr + size:
+                size += nxt[1]
+                del self._extents[nxt[0]]
+        if i > 0:
+            prev_addr, prev_size = self._extents.peekitem(i - 1)
+            if prev_addr + prev_size == ptr:
+                ptr, size = prev_addr, prev_size + size
+        self._extents[ptr] = size
 
     def mem_info(self) -> tuple[int, int]:
-        return self.capacity - self.used - self._mapped(), self.capacity
+        return max(0, self.capacity - self.used - self._mapped()), self.capacity
 
     # -- virtual memory ----------------------------------------------------------
     def virtual_memory(self) -> VirtualMemory:
@@ -180,6 +253,9 @@ class SimDevice(Device):
             keys = list(self._enqueued) if stream is None else [stream]
             for k in keys:
                 self._retired[k] = self._enqueued.get(k, 0)
+            if stream is None:
+                self.syncs += 1
+            self._retire_frees()
 
     # -- views ----------------------------------------------------------------
     def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> np.ndarray:
