@@ -21,6 +21,7 @@ from ._files import refuse_overwriting_input
 from ._units import format_bytes
 from .core import build_info
 from .hooks.cupy import memory_path
+from .hooks.torch import shim_status
 from .device import CudaDevice, cuda_available, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
@@ -80,6 +81,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"memory          {format_bytes(free)} free of {format_bytes(total)}")
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print("cupy memory     {} ({})".format(*memory_path()))
+    print("torch shim      {} ({})".format(*shim_status()))
     print("configuration")
     _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")

@@ -195,3 +195,12 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         logging.getLogger("cupool").warning("%s", note)
+
+
+class TorchAllocatorError(Error, RuntimeError):
+    """PyTorch cannot be served by cupool: its allocator was already in use, or cupool's shim is not built.
+
+    PyTorch switches allocators only before its first CUDA tensor (its allocator
+    is in use from then on), so ``cupool.install(torch=True)`` must come first
+    in the program.  A ``RuntimeError``, as torch's own refusal is.
+    """
