@@ -10,7 +10,7 @@ pool CuPy and Numba get there (found once per device, and kept until ``use``
 changes it), and takes the block for torch's stream: the stream handle becomes
 the block's stream key (``device.stream_key``), so cupool's stream rules (Note
 [Streams]) hold for torch's streams.  The shim keeps each live
-block's ``Allocation`` by address, so ``free`` finds it; a free of an address it
+block's ``Allocation`` by address (a C++ map), so ``free`` finds it; a free of an address it
 did not serve is logged (logger ``cupool.torch``) and ignored.
 
 Note [Torch's allocator]
@@ -172,7 +172,7 @@ def serving_pool(device: int) -> Pool:
 
 def live_blocks() -> int:
     """How many blocks torch holds through the shim now (0 where it is not built)."""
-    return len(_registered[0].live) if _registered else 0
+    return int(_registered[0].live()) if _registered else 0
 
 
 def allocator() -> Any:

@@ -25,7 +25,7 @@
  * raises it as RuntimeError.  Only a C++ caller may use that one; a C caller
  * (ctypes) uses cupool_torch_alloc and checks for NULL.
  *
- * The live blocks are held here, in a dict from address to cupool.Allocation:
+ * The live blocks are held here, in a map from address to cupool.Allocation:
  * a free pops its Allocation and drops it, and the Allocation's own finalizer
  * gives the block back to its pool, on the stream it was taken for.
  */
@@ -33,8 +33,10 @@
 #include <Python.h>
 
 #include <cstddef>
+#include <new>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 namespace {
 
@@ -42,7 +44,7 @@ PyObject *resolve = nullptr;  // resolve(device) -> (pool, malloc_key, stream_ke
 PyObject *served = nullptr;   // {device: resolve(device)}, until forget()
 PyObject *report = nullptr;   // report(exception): keeps a refusal's reason
 PyObject *unknown = nullptr;  // unknown(ptr, size, device, stream): logs a free of a pointer not served here
-PyObject *live = nullptr;     // {address: Allocation} of the blocks torch holds
+std::unordered_map<void *, PyObject *> live;  // address -> Allocation (owned) of the blocks torch holds
 PyObject *ptr_name = nullptr; // "ptr", interned
 
 thread_local std::string reason;  // this thread's last refusal, for the C++ entry point
@@ -128,7 +130,7 @@ PyObject *stream_key(PyObject *key_fn, void *stream) {
 }
 
 void *alloc_locked(size_t size, int device, void *stream) {
-    if (resolve == nullptr || live == nullptr) {
+    if (resolve == nullptr) {
         PyErr_SetString(PyExc_RuntimeError,
                         "cupool's torch shim is loaded but not set up: import cupool.torch first");
         refuse("cupool.torch is not imported");
@@ -155,43 +157,41 @@ void *alloc_locked(size_t size, int device, void *stream) {
         if (ptr == nullptr && !PyErr_Occurred()) {
             PyErr_SetString(PyExc_RuntimeError, "cupool served a block at address 0");
         }
-        if (ptr != nullptr && PyDict_SetItem(live, address, a) < 0) {
-            ptr = nullptr;
-        }
         Py_DECREF(address);
     }
-    Py_DECREF(a);  // not kept in `live`: its block goes back at once
+    if (ptr != nullptr) {
+        try {
+            auto placed = live.emplace(ptr, a);  // `live` owns the reference now
+            if (!placed.second) {
+                PyErr_Format(PyExc_RuntimeError, "cupool served %p, which torch already holds", ptr);
+                ptr = nullptr;
+            }
+        } catch (const std::bad_alloc &) {
+            PyErr_NoMemory();
+            ptr = nullptr;
+        }
+    }
     if (ptr == nullptr) {
+        Py_DECREF(a);  // not kept: its block goes back at once
         refuse("cupool could not record the block");
     }
     return ptr;
 }
 
 void free_locked(void *ptr, size_t size, int device, void *stream) {
-    PyObject *key = PyLong_FromVoidPtr(ptr);
-    if (key == nullptr || live == nullptr) {
-        PyErr_WriteUnraisable(nullptr);
-        Py_XDECREF(key);
-        return;
-    }
-    PyObject *a = PyDict_GetItemWithError(live, key);  // borrowed
-    if (a != nullptr) {
-        Py_INCREF(a);
-        if (PyDict_DelItem(live, key) < 0) {
-            PyErr_WriteUnraisable(key);
-        }
+    auto found = live.find(ptr);
+    if (found != live.end()) {
+        PyObject *a = found->second;
+        live.erase(found);
         Py_DECREF(a);  // the Allocation dies here: its finalizer frees the block
-    } else if (PyErr_Occurred()) {
-        PyErr_WriteUnraisable(key);
     } else if (unknown != nullptr) {
-        PyObject *r = PyObject_CallFunction(unknown, "OnlN", key, (Py_ssize_t)size, (long)device,
+        PyObject *r = PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
                                             PyLong_FromVoidPtr(stream));
         if (r == nullptr) {
             PyErr_WriteUnraisable(unknown);
         }
         Py_XDECREF(r);
     }
-    Py_DECREF(key);
 }
 
 }  // namespace
@@ -263,6 +263,10 @@ PyObject *shim_register(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyObject *shim_live(PyObject *, PyObject *) {
+    return PyLong_FromSize_t(live.size());
+}
+
 PyObject *shim_reason(PyObject *, PyObject *) {
     return PyUnicode_DecodeUTF8(reason.data(), static_cast<Py_ssize_t>(reason.size()), "replace");
 }
@@ -271,6 +275,7 @@ PyMethodDef methods[] = {
     {"register", shim_register, METH_VARARGS,
      "register(resolve, report, unknown): the Python callables the C functions call."},
     {"forget", shim_forget, METH_NOARGS, "Forget which pool serves each device: resolve() is asked again."},
+    {"live", shim_live, METH_NOARGS, "How many blocks torch holds through the shim now."},
     {"reason", shim_reason, METH_NOARGS, "This thread's last refusal, as the C++ entry point words it."},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -288,12 +293,11 @@ PyMODINIT_FUNC PyInit_torch_shim(void) {
     if (m == nullptr) {
         return nullptr;
     }
-    if (live == nullptr) {
-        live = PyDict_New();
+    if (served == nullptr) {
         served = PyDict_New();
         ptr_name = PyUnicode_InternFromString("ptr");
     }
-    if (live == nullptr || served == nullptr || ptr_name == nullptr || PyModule_AddObjectRef(m, "live", live) < 0 ||
+    if (served == nullptr || ptr_name == nullptr ||
         PyModule_AddStringConstant(m, "ALLOC", "cupool_torch_alloc") < 0 ||
         PyModule_AddStringConstant(m, "FREE", "cupool_torch_free") < 0 ||
         PyModule_AddStringConstant(m, "TORCH_ALLOC", "cupool_torch_alloc_or_throw") < 0) {
