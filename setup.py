@@ -107,6 +107,9 @@ class OptionalBuildExt(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         if ext.sources[0].endswith(".cpp"):  # C++ written by hand: no Cython
+            # Always compiled, as the Cython modules are: an extension an earlier build left in
+            # build/ (made with other compilers or flags) would otherwise count as up to date.
+            self.force = True
             self._compile(ext, source_sha256(ext.name, ROOT / ext.sources[0]))
             return
         try:

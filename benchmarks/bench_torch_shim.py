@@ -28,8 +28,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+from typing import TYPE_CHECKING
+
 import cupool
-import cupool.torch
+
+if TYPE_CHECKING:
+    from cupool.torch import Shim
 
 
 def cpu_per_round(body: Callable[[int], None], number: int) -> float:
@@ -40,6 +44,8 @@ def cpu_per_round(body: Callable[[int], None], number: int) -> float:
 
 
 def variants(pool: cupool.Pool, size: int) -> dict[str, Callable[[int], None]]:
+    import cupool.torch
+
     s = cupool.torch.shim()
     lib = ctypes.CDLL(s.path)
     alloc = getattr(lib, s.alloc)
@@ -68,7 +74,7 @@ def variants(pool: cupool.Pool, size: int) -> dict[str, Callable[[int], None]]:
     return {"pool": through_pool, "shim": through_shim, "ctypes": ctypes_alone, "compiled": compiled(s, size)}
 
 
-def compiled(s: cupool.torch.Shim, size: int) -> Callable[[int], None]:
+def compiled(s: Shim, size: int) -> Callable[[int], None]:
     """The shim's two functions called from machine code with the GIL released (Numba, through ctypes)."""
     import numba
 
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--size", type=int, default=4096)
     args = ap.parse_args(argv)
+    import cupool.torch  # after --help, which needs nothing
+
     pool = cupool.Pool("sim", capacity="256MiB")
     cupool.torch.use(pool)
     runs = variants(pool, args.size)

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -167,7 +167,8 @@ def use(pool: Pool | None) -> None:
 
 def serving_pool(device: int) -> Pool:
     """The pool torch's allocations on ``device`` come from (the default pool is made if need be)."""
-    return _pools.get(device) or default_pool(device)
+    pool = _pools.get(device)
+    return default_pool(device) if pool is None else pool
 
 
 def live_blocks() -> int:
