@@ -231,6 +231,23 @@ def test_install_too_late_says_so_and_changes_nothing(fake_torch):
     assert memory.current is None and not scopes.installed() and ct.serving_pool(0) is not pool
 
 
+def test_install_too_late_puts_cupys_allocator_back(fake_torch):
+    cupy = pytest.importorskip("cupy")
+    fake_torch(True)
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(TorchAllocatorError):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=True, numba=False, torch=True)
+    assert cupy.cuda.get_allocator() is before and not scopes.installed()
+
+
+def test_cupool_info_says_whether_the_shim_was_built(capsys):
+    from cupool.cli import main
+
+    assert main(["info"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torch shim")]
+    assert line.split()[2:] == f"{ct.shim_status()[0]} ({ct.shim_status()[1]})".split()
+
+
 def test_install_leaves_torch_alone_by_default(fake_torch):
     memory = fake_torch(False)
     cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=False, numba=False)
