@@ -161,6 +161,17 @@ def test_use_refuses_what_is_not_a_device_pool():
         ct.use(cupool.PinnedPool())
 
 
+def test_without_the_shim_cupool_says_why(monkeypatch):
+    from cupool.hooks import torch as front
+
+    monkeypatch.setattr(front, "_registered", [])
+    monkeypatch.setattr(front, "compiled_module", lambda name: (None, "not compiled at install: no working C compiler"))
+    with pytest.raises(TorchAllocatorError, match="not built here .*no working C compiler"):
+        ct.shim()
+    assert ct.shim_status() == ("not built", "not compiled at install: no working C compiler")
+    assert ct.live_blocks() == 0
+
+
 def test_cupool_torch_imports_without_torch():
     code = "import sys; sys.modules['torch'] = None; import cupool.torch; cupool.torch.shim(); print('ok')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
