@@ -50,7 +50,7 @@ PyObject *ptr_name = nullptr; // "ptr", interned
 thread_local std::string reason;  // this thread's last refusal, for the C++ entry point
 void *last_stream = nullptr;      // the last stream handle seen, and its key (stream_key is a pure function)
 PyObject *last_key = nullptr;
-PyObject *last_key_fn = nullptr;  // the stream_key that gave last_key (borrowed from `served`; compared only)
+PyObject *last_key_fn = nullptr;  // the stream_key that gave last_key (held, so its address is not reused)
 
 // The pending Python exception, given to `report` and kept (as text) in `reason`; nothing stays raised.
 void refuse(const char *fallback) {
@@ -86,7 +86,8 @@ void refuse(const char *fallback) {
     Py_XDECREF(tb);
 }
 
-// The (pool, malloc_key, stream_key) serving `device`, borrowed from `served`; nullptr with an exception set.
+// The (pool, malloc_key, stream_key) serving `device`, a new reference (a forget() on another thread,
+// while this one runs Python code, must not free it under us); nullptr with an exception set.
 PyObject *serving(int device) {
     PyObject *d = PyLong_FromLong(device);
     if (d == nullptr) {
@@ -99,10 +100,12 @@ PyObject *serving(int device) {
             PyErr_Format(PyExc_TypeError, "resolve() must give (pool, malloc_key, stream_key), got %R", made);
             Py_CLEAR(made);
         }
-        if (made != nullptr && PyDict_SetItem(served, d, made) == 0) {
-            entry = made;  // `served` holds it now
+        if (made != nullptr && PyDict_SetItem(served, d, made) < 0) {
+            Py_CLEAR(made);
         }
-        Py_XDECREF(made);
+        entry = made;
+    } else {
+        Py_XINCREF(entry);
     }
     Py_DECREF(d);
     return entry;
@@ -122,9 +125,10 @@ PyObject *stream_key(PyObject *key_fn, void *stream) {
     Py_DECREF(handle);
     if (key != nullptr) {
         Py_INCREF(key);
+        Py_INCREF(key_fn);
+        last_stream = stream;  // all three are set before a decref below may run Python code
         Py_XSETREF(last_key, key);
-        last_stream = stream;
-        last_key_fn = key_fn;
+        Py_XSETREF(last_key_fn, key_fn);
     }
     return key;
 }
@@ -145,6 +149,7 @@ void *alloc_locked(size_t size, int device, void *stream) {
         }
         Py_XDECREF(args[0]);
         Py_XDECREF(args[1]);
+        Py_DECREF(entry);
     }
     if (a == nullptr) {
         refuse("cupool could not allocate");
@@ -194,14 +199,25 @@ void free_locked(void *ptr, size_t size, int device, void *stream) {
     }
 }
 
+// Whether Python can take a call now: not before it starts, nor while it shuts down (where
+// PyGILState_Ensure would end a thread other than the main one).  Torch may free tensors then:
+// their memory goes with the process.
+bool python_ready() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+    return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
 }  // namespace
 
 extern "C" {
 
 /* A block of `size` bytes on `device` for `stream`; NULL (never an exception) when cupool refuses. */
 void *cupool_torch_alloc(size_t size, int device, void *stream) noexcept {
-    if (!Py_IsInitialized()) {
-        reason = "cupool's torch shim was called without a Python interpreter";
+    if (!python_ready()) {
+        reason = "cupool's torch shim was called while Python is not running (or is shutting down)";
         return nullptr;
     }
     PyGILState_STATE g = PyGILState_Ensure();
@@ -212,7 +228,7 @@ void *cupool_torch_alloc(size_t size, int device, void *stream) noexcept {
 
 /* Give back a block cupool_torch_alloc returned; a pointer it did not return is logged, never fatal. */
 void cupool_torch_free(void *ptr, size_t size, int device, void *stream) noexcept {
-    if (ptr == nullptr || !Py_IsInitialized()) {
+    if (ptr == nullptr || !python_ready()) {
         return;
     }
     PyGILState_STATE g = PyGILState_Ensure();
@@ -239,7 +255,7 @@ PyObject *shim_forget(PyObject *, PyObject *) {
         PyDict_Clear(served);
     }
     Py_CLEAR(last_key);
-    last_key_fn = nullptr;
+    Py_CLEAR(last_key_fn);
     Py_RETURN_NONE;
 }
 
