@@ -95,6 +95,38 @@ def test_many_threads_allocate_and_free_at_once(lib, pool):
     assert s["allocated_bytes.all.current"] == 0 and s["allocation.all.allocated"] >= 8 * 200
 
 
+def test_use_switches_pools_while_threads_allocate_and_each_block_goes_home(lib, pool):
+    other = cupool.Pool("sim", capacity="64MiB")
+    stop = threading.Event()
+    errors: list[object] = []
+
+    def work(stream: int) -> None:
+        while not stop.is_set():
+            ptr = lib.alloc(4096, 0, stream)
+            if not ptr:
+                errors.append(ct.last_error())
+                return
+            lib.free(ptr, 4096, 0, stream)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (0, 1, 2, 3)]
+    for t in threads:
+        t.start()
+    held = []
+    for i in range(200):
+        ct.use(other if i % 2 else pool)
+        held.append(lib.alloc(512, 0, i % 3))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.stats()["allocated_bytes.all.current"] > 0 and other.stats()["allocated_bytes.all.current"] > 0
+    for i, ptr in enumerate(held):
+        lib.free(ptr, 512, 0, i % 3)
+    for p in (pool, other):
+        assert p.stats()["allocated_bytes.all.current"] == 0
+        p.check()
+
+
 def test_a_block_freed_on_one_stream_is_not_reused_at_once_on_another(lib, pool):
     a = lib.alloc(4096, 0, 1)
     assert pool.snapshot()["segments"][0]["stream"] == 1
