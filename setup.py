@@ -1,4 +1,4 @@
-"""Compiles cupool's fast path and its CuPy memory object with Cython.
+"""Compiles cupool's fast path and its CuPy memory object with Cython, and PyTorch's allocator shim.
 
 Everything else about the package (its name, packages, dependencies) is in
 pyproject.toml; this file only adds the compiled modules, because setuptools takes
@@ -9,7 +9,8 @@ the files a build leaves beside each one, are read from ``cupool/core/__init__.p
 (without importing cupool, whose dependencies a build does not have), so that the
 build and the run-time choice of path read one list.  A module is built from its
 ``.py`` (the same file runs uncompiled) or its ``.pyx`` (compiled only), in the
-list's order; it may cimport the modules listed before it.  For each module the
+list's order; it may cimport the modules listed before it.  A ``.cpp`` module
+(written by hand, compiled only) goes to the C++ compiler as it is.  For each module the
 build leaves, beside where the extension goes, either the extension and
 ``<extension>.source-sha256`` (the hash of the sources it was compiled from: at
 import, an edited source is never shadowed silently by an older build), or
@@ -53,14 +54,15 @@ def _core_constants() -> dict[str, object]:
 
 _CONST = _core_constants()
 MODULES = tuple(str(name) for name in _CONST["COMPILED_MODULES"])
+SOURCE_SUFFIXES = tuple(str(s) for s in _CONST["SOURCE_SUFFIXES"])
 SOURCE_HASH = str(_CONST["SOURCE_HASH_SUFFIX"])
 BUILD_ERROR = str(_CONST["BUILD_ERROR_SUFFIX"])
 
 
 def module_source(dotted: str) -> Path | None:
-    """The ``.py`` or ``.pyx`` a listed module is built from (as cupool.core.module_source), if written."""
+    """The ``.py``, ``.pyx`` or ``.cpp`` a listed module is built from (as cupool.core.module_source), if written."""
     base = ROOT.joinpath(*dotted.split("."))
-    for suffix in (".py", ".pyx"):
+    for suffix in SOURCE_SUFFIXES:
         if base.with_suffix(suffix).exists():
             return base.with_suffix(suffix)
     return None
@@ -68,9 +70,9 @@ def module_source(dotted: str) -> Path | None:
 
 def source_sha256(dotted: str, source: Path) -> str:
     """The hash cupool/core/__init__.py compares at import: the source, its augmenting .pxd if any,
-    then the .pxd of each module listed before it (which it may cimport)."""
+    then the .pxd of each module listed before it (which it may cimport; a C++ source cimports none)."""
     h = hashlib.sha256(source.read_bytes())
-    earlier = MODULES[:MODULES.index(dotted)]
+    earlier = MODULES[:MODULES.index(dotted)] if source.suffix != ".cpp" else ()
     for pxd in [source.with_suffix(".pxd")] + [ROOT.joinpath(*d.split(".")).with_suffix(".pxd") for d in earlier]:
         if pxd.exists():
             h.update(pxd.read_bytes())
@@ -104,6 +106,12 @@ class OptionalBuildExt(build_ext):
         self._leave_notes()
 
     def build_extension(self, ext: Extension) -> None:
+        if ext.sources[0].endswith(".cpp"):  # C++ written by hand: no Cython
+            # Always compiled, as the Cython modules are: an extension an earlier build left in
+            # build/ (made with other compilers or flags) would otherwise count as up to date.
+            self.force = True
+            self._compile(ext, source_sha256(ext.name, ROOT / ext.sources[0]))
+            return
         try:
             from Cython.Build import cythonize
         except ImportError:
@@ -122,6 +130,9 @@ class OptionalBuildExt(build_ext):
         finally:
             sys.stderr.write(messages.getvalue())
         ext.sources = cext.sources  # the generated C file; ext keeps what setuptools set on it
+        self._compile(ext, digest)
+
+    def _compile(self, ext: Extension, digest: str) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:  # CompileError, LinkError, a missing compiler (DistutilsExecError)
@@ -165,7 +176,9 @@ def _extensions() -> list[Extension]:
     for dotted in MODULES:
         source = module_source(dotted)
         if source is not None:
-            out.append(Extension(dotted, [source.relative_to(ROOT).as_posix()], optional=True))
+            cpp = source.suffix == ".cpp"  # linked as C++, so the C++ runtime (exceptions) comes with it
+            out.append(Extension(dotted, [source.relative_to(ROOT).as_posix()], optional=True,
+                                 language="c++" if cpp else None))
     return out
 
 

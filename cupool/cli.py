@@ -29,6 +29,7 @@ from ._words import count
 from .config import ENV_VAR, env_conf
 from .core import build_info
 from .hooks.cupy import memory_path
+from .hooks.torch import shim_status
 from .device import CudaDevice, cuda_available, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
@@ -116,6 +117,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("cupy memory     {} ({})".format(*memory_path()))
+    print("torch shim      {} ({})".format(*shim_status()))
     print("configuration")
     _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")

@@ -12,8 +12,11 @@ Cython's pure-Python mode"):
 - ``COMPILED_MODULES`` lists every module setup.py compiles, by dotted name,
   wherever it lives; setup.py reads it from this file's text.  A module's source
   is its ``.py`` (Cython's pure-Python mode, with an augmenting ``.pxd``: the
-  same file runs uncompiled) or its ``.pyx`` (compiled only: uncompiled, the
-  module is absent and its user falls back, as ``cupool.hooks.cupy`` does).
+  same file runs uncompiled), its ``.pyx`` (compiled only: uncompiled, the
+  module is absent and its user falls back, as ``cupool.hooks.cupy`` does) or
+  its ``.cpp`` (a C++ extension written by hand, compiled only, as PyTorch's
+  allocator shim: it cimports nothing, so the rules below about the modules
+  listed before it do not apply to it).
 - setup.py leaves beside each extension the sha256 of its source: the ``.py`` or
   ``.pyx``, its ``.pxd``, and the ``.pxd`` of every module listed before it, which
   it may cimport (``SOURCE_HASH_SUFFIX``); or a note saying why it did not build
@@ -47,7 +50,9 @@ from pathlib import Path
 from types import ModuleType
 
 #: Every module setup.py compiles, by dotted name, in build order: one may cimport those before it.
-COMPILED_MODULES = ("cupool.core.fast", "cupool.hooks.cupy_memory")
+COMPILED_MODULES = ("cupool.core.fast", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
+#: The source suffixes of a listed module, in the order they are looked for; Cython compiles the first two.
+SOURCE_SUFFIXES = (".py", ".pyx", ".cpp")
 #: Beside a built extension: the sha256 of the source it was compiled from.
 SOURCE_HASH_SUFFIX = ".source-sha256"
 #: Beside where the extension would be: why it was not built.
@@ -62,9 +67,9 @@ _chosen: dict[str, tuple[str, str]] = {}  # dotted module -> ("compiled" | "pure
 
 
 def module_source(dotted: str) -> Path | None:
-    """The ``.py`` or ``.pyx`` a listed module is built from, None if it is not written yet."""
+    """The ``.py``, ``.pyx`` or ``.cpp`` a listed module is built from, None if it is not written yet."""
     base = _ROOT.joinpath(*dotted.split("."))
-    for suffix in (".py", ".pyx"):
+    for suffix in SOURCE_SUFFIXES:
         if base.with_suffix(suffix).exists():
             return base.with_suffix(suffix)
     return None
@@ -74,11 +79,16 @@ def _source_sha256(dotted: str, source: Path) -> str:
     """The hash setup.py records: the source, its augmenting .pxd if any, then the .pxd of each
     module listed before it (it may cimport them: its C code depends on their layout)."""
     h = hashlib.sha256(source.read_bytes())
-    earlier = COMPILED_MODULES[:COMPILED_MODULES.index(dotted)]
+    earlier = _cimported(dotted, source)
     for pxd in [source.with_suffix(".pxd")] + [_ROOT.joinpath(*d.split(".")).with_suffix(".pxd") for d in earlier]:
         if pxd.exists():
             h.update(pxd.read_bytes())
     return h.hexdigest()
+
+
+def _cimported(dotted: str, source: Path) -> tuple[str, ...]:
+    """The listed modules ``dotted`` may cimport: those before it, for a Cython source; none for C++."""
+    return COMPILED_MODULES[:COMPILED_MODULES.index(dotted)] if source.suffix != ".cpp" else ()
 
 
 def _read_marker(path: Path) -> str | None:
@@ -101,6 +111,8 @@ def _fallback(source: Path) -> str:
     """What running without the compiled module means, for a warning."""
     if source.suffix == ".py":
         return f"cupool runs {source} uncompiled (slower)"
+    if source.suffix == ".cpp":
+        return f"cupool does without the module compiled from {source}"
     return f"cupool does without the module compiled from {source} (its fallback is slower)"
 
 
@@ -111,7 +123,7 @@ def _why_not_compiled(dotted: str, source: Path) -> str | None:
         if flag != "1":
             _warn(f"{PURE_ENV}={flag!r} is neither 0 nor 1; running uncompiled")
         return f"{PURE_ENV}={flag}"
-    for earlier in COMPILED_MODULES[:COMPILED_MODULES.index(dotted)]:
+    for earlier in _cimported(dotted, source):
         if module_source(earlier) is not None and _choose(earlier)[0] != "compiled":
             return f"it needs {earlier} compiled, which runs uncompiled"
     folder, name = source.parent, source.stem

@@ -3,7 +3,9 @@
 ``using`` nests and restores whatever allocator the thread had (CuPy's
 ``using_allocator`` underneath; the Numba plugin follows routing too).
 ``install`` replaces CuPy's and Numba's allocators for every thread at once and
-keeps what was there, so ``uninstall`` can put it back.
+keeps what was there, so ``uninstall`` can put it back.  With ``torch=True`` it
+also makes cupool PyTorch's CUDA allocator (``cupool.hooks.torch``), which
+torch allows once, before its first CUDA tensor, and never undoes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from ..errors import StateError
 from ..pool import Pool
+from . import torch as torch_front
 from .cupy import cupy_allocator
 from .routing import check_device_pool, default_pool, set_process_pool, thread_route, using_pools
 
@@ -28,6 +31,7 @@ class _Installation:
 
     cupy_previous: Any
     numba_previous: Any
+    torch: bool  # torch's allocator was switched (for good: torch cannot switch back)
 
 
 _install_lock = threading.Lock()  # serialises install/uninstall
@@ -73,13 +77,16 @@ def _numba_driver() -> Any:
     return driver
 
 
-def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> Pool:
+def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True, torch: bool = False) -> Pool:
     """Make cupool the allocator of the whole process; returns the pool (the default one when ``pool`` is None).
 
     Numba reads its memory manager when it creates a CUDA context, so install
     before the first Numba kernel or array (or set ``NUMBA_CUDA_MEMORY_MANAGER=cupool.numba``).
+    ``torch=True`` makes cupool PyTorch's CUDA allocator too, which torch allows
+    only before its first CUDA tensor (``cupool.TorchAllocatorError`` otherwise,
+    with nothing changed); ``uninstall`` cannot undo that part.
     """
-    for flag, name in ((cupy, "cupy"), (numba, "numba")):
+    for flag, name in ((cupy, "cupy"), (numba, "numba"), (torch, "torch")):
         if not isinstance(flag, bool):
             raise TypeError(f"install(): {name} must be True or False, got {flag!r}")
     if pool is not None:
@@ -88,10 +95,10 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True) -> 
     with _install_lock:
         if _installed is not None:
             raise StateError("cupool.install(): cupool is already installed; call cupool.uninstall() first")
-        return _install(pool, cupy, numba)
+        return _install(pool, cupy, numba, torch)
 
 
-def _install(pool: Pool | None, cupy: bool, numba: bool) -> Pool:
+def _install(pool: Pool | None, cupy: bool, numba: bool, torch: bool) -> Pool:
     global _installed
     target = pool if pool is not None else default_pool()
     # Everything that can fail to import does so before anything is changed.
@@ -105,6 +112,8 @@ def _install(pool: Pool | None, cupy: bool, numba: bool) -> Pool:
         from .numba import CupoolMemoryManager
 
         driver = _numba_driver()
+    if torch:
+        plugged = torch_front.allocator()
     cupy_prev = numba_prev = _NOTHING
     if cupy:
         cupy_prev = cp.cuda.get_allocator()
@@ -117,13 +126,27 @@ def _install(pool: Pool | None, cupy: bool, numba: bool) -> Pool:
             if cupy_prev is not _NOTHING:
                 cp.cuda.set_allocator(cupy_prev)
             raise
-    _installed = _Installation(cupy_prev, numba_prev)
+    if torch:  # last: it cannot be undone, so it comes once everything else is in place
+        try:
+            torch_front.switch(plugged)
+        except BaseException:
+            if cupy_prev is not _NOTHING:
+                cp.cuda.set_allocator(cupy_prev)
+            if numba_prev is not _NOTHING:
+                driver._memory_manager = numba_prev
+            raise
+        torch_front.use(pool)
+    _installed = _Installation(cupy_prev, numba_prev, torch)
     set_process_pool(pool)
     return target
 
 
 def uninstall() -> None:
-    """Undo ``install()``: CuPy's and Numba's previous allocators are back."""
+    """Undo ``install()``: CuPy's and Numba's previous allocators are back.
+
+    PyTorch's cannot be: torch keeps cupool as its allocator, now serving from
+    the default pools (blocks already handed out go back to their own pool).
+    """
     global _installed
     _outside_using("uninstall()")
     with _install_lock:
@@ -136,6 +159,8 @@ def uninstall() -> None:
             cp.cuda.set_allocator(inst.cupy_previous)
         if inst.numba_previous is not _NOTHING:
             _numba_driver()._memory_manager = inst.numba_previous
+        if inst.torch:
+            torch_front.use(None)
         set_process_pool(None)
         _installed = None
 

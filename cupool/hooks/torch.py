@@ -1,0 +1,194 @@
+"""PyTorch's CUDA tensors from cupool's pool, through torch's pluggable allocator.
+
+``torch.cuda.memory.CUDAPluggableAllocator(path, alloc, free)`` loads a shared
+library and calls two C functions by name.  cupool's library is the compiled
+module ``cupool.hooks.torch_shim`` (``torch_shim.cpp``, built by ``pip
+install`` like the fast path; ``cupool info`` says whether it was).  Its C
+functions take the GIL and call this module: ``serve`` picks the pool, the one
+given to ``use(pool)`` for that device or else ``default_pool(device)``, the
+pool CuPy and Numba get there (found once per device, and kept until ``use``
+changes it), and takes the block for torch's stream: the stream handle becomes
+the block's stream key (``device.stream_key``), so cupool's stream rules (Note
+[Streams]) hold for torch's streams.  The shim keeps each live
+block's ``Allocation`` by address (a C++ map), so ``free`` finds it; a free of an address it
+did not serve is logged (logger ``cupool.torch``) and ignored.
+
+Note [Torch's allocator]
+~~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch's ``CUDAPluggableAllocator::malloc`` (torch/csrc/cuda/CUDAPluggableAllocator.cpp)
+stores whatever ``alloc`` returns in its table and hands it to the tensor
+without checking it: a NULL becomes a tensor at address 0, and the first kernel
+that touches it faults the device.  A C++ exception thrown by ``alloc``, on the
+other hand, goes through ``malloc`` and ``allocate`` to torch's Python binding,
+which raises any ``std::exception`` as ``RuntimeError`` with its message.  So
+the shim has two allocating entry points with the pluggable signature:
+
+* ``cupool_torch_alloc`` (``Shim.alloc``), for C callers (ctypes): returns NULL
+  when cupool refuses, and nothing crosses the C boundary;
+* ``cupool_torch_alloc_or_throw`` (``Shim.torch_alloc``), the one ``allocator()``
+  gives torch: on NULL it throws ``std::runtime_error`` carrying cupool's reason
+  (``cupool.OutOfMemoryError``'s message, say), after releasing the GIL.  The
+  torch caller gets ``RuntimeError: cupool could not allocate N bytes on device
+  D for PyTorch: OutOfMemoryError: ...``, never a tensor at address 0.
+
+Either way ``last_error()`` gives this thread's last refusal as the exception
+cupool raised (an ``OutOfMemoryError`` with its fields).  PyTorch switches
+allocators only before its first CUDA tensor: ``change_current_allocator``
+refuses once its allocator is initialised, and cupool says so
+(``TorchAllocatorError``).  The swap is for the life of the process:
+``uninstall()`` cannot give torch its caching allocator back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ..core import compiled_module
+from ..core.fast import Allocation
+from ..errors import TorchAllocatorError
+from ..pool import Pool
+from .routing import default_pool
+
+#: The compiled module that holds the C functions (``COMPILED_MODULES`` lists it).
+SHIM_MODULE = "cupool.hooks.torch_shim"
+#: What torch says when its allocator is already in use (``change_current_allocator``).
+TOO_LATE = (
+    "PyTorch's CUDA allocator is already in use: it can be switched to cupool only before the first "
+    "CUDA tensor (or anything else that initialises torch's CUDA allocator). Call "
+    "cupool.install(torch=True) (or torch.cuda.memory.change_current_allocator(cupool.torch.allocator())) "
+    "at the start of the program"
+)
+
+log = logging.getLogger("cupool.torch")
+
+_pools: dict[int, Pool] = {}  # device -> the pool use() gave
+_local = threading.local()  # .error: this thread's last refusal
+_setup_lock = threading.Lock()
+_registered: list[ModuleType] = []
+
+
+@dataclass(frozen=True)
+class Shim:
+    """Where PyTorch finds cupool's allocator: the library's ``path`` and its functions' names.
+
+    ``alloc`` and ``free`` have ``CUDAPluggableAllocator``'s signatures and never
+    raise (``alloc`` returns NULL on a refusal): for C callers.  ``torch_alloc`` is
+    ``alloc`` that throws a C++ exception instead of returning NULL: what torch
+    is given (Note [Torch's allocator]).
+    """
+
+    path: str
+    alloc: str
+    free: str
+    torch_alloc: str
+
+
+def shim_status() -> tuple[str, str]:
+    """``("built" | "not built", why)``: whether the shim runs here, for ``cupool info``."""
+    module, why = compiled_module(SHIM_MODULE)
+    return ("built" if module is not None else "not built"), why
+
+
+def shim() -> Shim:
+    """The shim's path and function names; raises ``TorchAllocatorError`` if it is not built."""
+    module = _module()
+    path = module.__file__
+    assert path is not None
+    return Shim(path, module.ALLOC, module.FREE, module.TORCH_ALLOC)
+
+
+def _module() -> ModuleType:
+    """The compiled shim, its Python callables registered once."""
+    if _registered:
+        return _registered[0]
+    module, why = compiled_module(SHIM_MODULE)
+    if module is None:
+        raise TorchAllocatorError(f"cupool's PyTorch shim is not built here ({why}); reinstall cupool with a "
+                                  "C++ compiler (`pip install .`; `cupool info` says why it was not built)")
+    with _setup_lock:
+        if not _registered:
+            module.register(_resolve, _report, _unknown)
+            _registered.append(module)
+    return module
+
+
+def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Callable[[Any], Any]]:
+    """Where torch's blocks on ``device`` come from: the pool, its ``malloc_key`` and its device's ``stream_key``.
+
+    The shim asks once per device and keeps the answer (and so the pool) until
+    ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
+    """
+    pool = serving_pool(device)
+    return pool, pool.malloc_key, pool.device.stream_key
+
+
+def _report(error: BaseException) -> None:
+    _local.error = error
+
+
+def _unknown(ptr: int, size: int, device: int, stream: int) -> None:
+    log.warning("cupool.torch: free of %#x (%d bytes, device %d, stream %#x), which cupool did not serve; ignored",
+                ptr, size, device, stream)
+
+
+def last_error() -> BaseException | None:
+    """The exception behind this thread's last refused allocation (None if none was refused).
+
+    Kept until the next refusal on this thread, as ``errno`` is: ask after the
+    allocation failed (a NULL from ``alloc``, a ``RuntimeError`` from torch).
+    """
+    error: BaseException | None = getattr(_local, "error", None)
+    return error
+
+
+def use(pool: Pool | None) -> None:
+    """Serve torch's allocations on ``pool``'s device from ``pool``; None: the default pools again, everywhere.
+
+    Blocks already handed out go back to the pool they came from.
+    """
+    if pool is not None:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"cupool.torch.use() takes a cupool.Pool or None, got {type(pool).__name__}")
+        if not pool.device.capabilities.device_memory:
+            raise ValueError(f"cupool.torch.use(): {pool!r} holds pinned host memory, which cannot back CUDA tensors")
+    with _setup_lock:
+        if pool is None:
+            _pools.clear()
+        else:
+            _pools[pool.device.index] = pool
+        if _registered:
+            _registered[0].forget()
+
+
+def serving_pool(device: int) -> Pool:
+    """The pool torch's allocations on ``device`` come from (the default pool is made if need be)."""
+    pool = _pools.get(device)
+    return default_pool(device) if pool is None else pool
+
+
+def live_blocks() -> int:
+    """How many blocks torch holds through the shim now (0 where it is not built)."""
+    return int(_registered[0].live()) if _registered else 0
+
+
+def allocator() -> Any:
+    """``torch.cuda.memory.CUDAPluggableAllocator`` over cupool's shim (imports torch)."""
+    s = shim()
+    from torch.cuda import memory
+
+    return memory.CUDAPluggableAllocator(s.path, s.torch_alloc, s.free)
+
+
+def switch(plugged: Any) -> None:
+    """Make ``plugged`` torch's CUDA allocator; too late (torch's allocator in use) is a ``TorchAllocatorError``."""
+    from torch.cuda import memory
+
+    try:
+        memory.change_current_allocator(plugged)
+    except RuntimeError as e:
+        raise TorchAllocatorError(f"{TOO_LATE} (torch said: {e})") from e

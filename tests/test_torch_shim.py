@@ -1,0 +1,337 @@
+"""cupool.torch: PyTorch's pluggable-allocator functions, called through ctypes on the sim device.
+
+torch itself is not needed: the C functions are what torch calls, and the two
+torch calls cupool makes (``CUDAPluggableAllocator``, ``change_current_allocator``)
+are checked against a small fake ``torch.cuda.memory`` put in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+import cupool
+import cupool.torch as ct
+from cupool.errors import OutOfMemoryError, TorchAllocatorError
+from cupool.hooks import scopes
+
+MiB = 1 << 20
+
+if ct.shim_status()[0] != "built":
+    pytest.skip(f"the torch shim is not built here: {ct.shim_status()[1]}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    s = ct.shim()
+    dll = ctypes.CDLL(s.path)
+    alloc = getattr(dll, s.alloc)
+    alloc.restype = ctypes.c_void_p
+    alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = getattr(dll, s.free)
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return types.SimpleNamespace(alloc=alloc, free=free, path=s.path, torch_alloc=s.torch_alloc)
+
+
+@pytest.fixture
+def pool():
+    p = cupool.Pool("sim", capacity="64MiB")
+    ct.use(p)
+    yield p
+    ct.use(None)
+    assert ct.live_blocks() == 0
+    p.check()
+
+
+def test_shim_names_the_library_and_its_functions():
+    s = ct.shim()
+    assert s.path.endswith(".so") and (s.alloc, s.free) == ("cupool_torch_alloc", "cupool_torch_free")
+    assert s.torch_alloc == "cupool_torch_alloc_or_throw"
+
+
+def test_allocate_write_read_free(lib, pool):
+    ptr = lib.alloc(4096, 0, None)
+    assert ptr and ct.live_blocks() == 1
+    data = np.arange(4096, dtype=np.uint8)
+    pool.device.from_host(ptr, data)
+    assert np.array_equal(pool.device.to_host(ptr, 4096), data)
+    assert pool.stats()["allocated_bytes.all.current"] >= 4096
+    lib.free(ptr, 4096, 0, None)
+    assert pool.stats()["allocated_bytes.all.current"] == 0 and ct.live_blocks() == 0
+
+
+def test_many_threads_allocate_and_free_at_once(lib, pool):
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                n = int(rng.integers(1, 64 * 1024))
+                ptr = lib.alloc(n, 0, None)
+                assert ptr, ct.last_error()
+                pool.device.from_host(ptr, np.full(n, seed, np.uint8))
+                assert (pool.device.to_host(ptr, n) == seed).all()
+                lib.free(ptr, n, 0, None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = pool.stats()
+    assert s["allocated_bytes.all.current"] == 0 and s["allocation.all.allocated"] >= 8 * 200
+
+
+def test_use_switches_pools_while_threads_allocate_and_each_block_goes_home(lib, pool):
+    other = cupool.Pool("sim", capacity="64MiB")
+    stop = threading.Event()
+    errors: list[object] = []
+
+    def work(stream: int) -> None:
+        while not stop.is_set():
+            ptr = lib.alloc(4096, 0, stream)
+            if not ptr:
+                errors.append(ct.last_error())
+                return
+            lib.free(ptr, 4096, 0, stream)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (0, 1, 2, 3)]
+    for t in threads:
+        t.start()
+    held = []
+    for i in range(200):
+        ct.use(other if i % 2 else pool)
+        held.append(lib.alloc(512, 0, i % 3))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.stats()["allocated_bytes.all.current"] > 0 and other.stats()["allocated_bytes.all.current"] > 0
+    for i, ptr in enumerate(held):
+        lib.free(ptr, 512, 0, i % 3)
+    for p in (pool, other):
+        assert p.stats()["allocated_bytes.all.current"] == 0
+        p.check()
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_at_once_on_another(lib, pool):
+    a = lib.alloc(4096, 0, 1)
+    assert pool.snapshot()["segments"][0]["stream"] == 1
+    pool.device.enqueue(1)  # a kernel using the block is in flight on stream 1
+    lib.free(a, 4096, 0, 1)
+    b = lib.alloc(4096, 0, 2)  # stream 2 may not take it yet
+    assert b != a
+    c = lib.alloc(4096, 0, 1)  # stream 1 may, at once
+    assert c == a
+    for ptr, stream in ((b, 2), (c, 1)):
+        lib.free(ptr, 4096, 0, stream)
+
+
+def test_a_refusal_returns_null_and_says_why(lib, pool):
+    assert lib.alloc(128 * MiB, 0, None) is None  # more than the pool's capacity
+    error = ct.last_error()
+    assert isinstance(error, OutOfMemoryError) and error.requested == 128 * MiB
+    assert pool.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_the_last_error_is_this_threads(lib, pool):
+    assert lib.alloc(128 * MiB, 0, None) is None
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(ct.last_error()))
+    t.start()
+    t.join()
+    assert seen == [None] and isinstance(ct.last_error(), OutOfMemoryError)
+
+
+def test_a_free_of_an_unknown_pointer_is_logged_not_fatal(lib, pool, caplog):
+    ptr = lib.alloc(4096, 0, None)
+    with caplog.at_level(logging.WARNING, logger="cupool.torch"):
+        lib.free(0x1234, 16, 0, None)
+        lib.free(ptr + 64, 16, 0, None)  # inside a live block, but not one handed out
+    assert [r.message.count("did not serve") for r in caplog.records] == [1, 1]
+    lib.free(ptr, 4096, 0, None)  # the real one still frees
+    lib.free(ptr, 4096, 0, None)  # a second free: logged, nothing breaks
+    assert pool.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_without_use_torch_is_served_by_the_default_pool(lib):
+    ct.use(None)
+    ptr = lib.alloc(1000, 0, None)
+    assert ptr and ct.memory_stats(0)["allocated_bytes.all.current"] >= 1000
+    assert cupool.default_pool(0).stats()["allocated_bytes.all.current"] >= 1000
+    lib.free(ptr, 1000, 0, None)
+    assert ct.live_blocks() == 0
+
+
+def test_memory_stats_and_summary_are_cupools_books(lib, pool):
+    ptr = lib.alloc(3 * MiB, 0, None)
+    stats = ct.memory_stats(0)
+    assert list(stats) == sorted(stats) and stats["allocated_bytes.all.current"] == pool.stats()["allocated_bytes.all.current"]
+    assert "cupool memory summary" in ct.memory_summary(0)
+    lib.free(ptr, 3 * MiB, 0, None)
+    with pytest.raises(TypeError, match="device"):
+        ct.memory_stats("0")
+
+
+def test_use_refuses_what_is_not_a_device_pool():
+    with pytest.raises(TypeError, match="cupool.Pool"):
+        ct.use("sim")
+    with pytest.raises(ValueError, match="pinned"):
+        ct.use(cupool.PinnedPool())
+
+
+def test_without_the_shim_cupool_says_why(monkeypatch):
+    from cupool.hooks import torch as front
+
+    monkeypatch.setattr(front, "_registered", [])
+    monkeypatch.setattr(front, "compiled_module", lambda name: (None, "not compiled at install: no working C compiler"))
+    with pytest.raises(TorchAllocatorError, match="not built here .*no working C compiler"):
+        ct.shim()
+    assert ct.shim_status() == ("not built", "not compiled at install: no working C compiler")
+    assert ct.live_blocks() == 0
+
+
+def test_cupool_torch_imports_without_torch():
+    code = "import sys; sys.modules['torch'] = None; import cupool.torch; cupool.torch.shim(); print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+# --------------------------------------------------------- torch's side, faked
+class FakeMemory(types.ModuleType):
+    """``torch.cuda.memory`` as far as cupool uses it: torch refuses a swap once its allocator is in use."""
+
+    def __init__(self, initialized: bool) -> None:
+        super().__init__("torch.cuda.memory")
+        self.initialized = initialized
+        self.current = None
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path: str, alloc: str, free: str) -> None:
+            self.args = (path, alloc, free)
+
+    def change_current_allocator(self, allocator) -> None:
+        if self.initialized:
+            raise RuntimeError("Can't swap an already initialized allocator")
+        self.current = allocator
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    def install(initialized: bool) -> FakeMemory:
+        memory = FakeMemory(initialized)
+        cuda = types.ModuleType("torch.cuda")
+        cuda.memory = memory
+        torch = types.ModuleType("torch")
+        torch.cuda = cuda
+        for name, module in (("torch", torch), ("torch.cuda", cuda), ("torch.cuda.memory", memory)):
+            monkeypatch.setitem(sys.modules, name, module)
+        return memory
+
+    yield install
+    if scopes.installed():
+        scopes.uninstall()
+    ct.use(None)
+
+
+def test_allocator_gives_torch_the_throwing_entry_point(fake_torch):
+    fake_torch(False)
+    s = ct.shim()
+    assert ct.allocator().args == (s.path, s.torch_alloc, s.free)
+
+
+def test_install_torch_switches_the_allocator_and_serves_the_given_pool(fake_torch, lib):
+    memory = fake_torch(False)
+    pool = cupool.Pool("sim", capacity="64MiB")
+    assert cupool.install(pool, cupy=False, numba=False, torch=True) is pool
+    assert memory.current is not None and memory.current.args[1] == "cupool_torch_alloc_or_throw"
+    ptr = lib.alloc(4096, 0, None)
+    assert pool.stats()["allocated_bytes.all.current"] >= 4096
+    lib.free(ptr, 4096, 0, None)
+    cupool.uninstall()
+    assert ct.serving_pool(0) is cupool.default_pool(0)  # torch stays on cupool, on the default pool
+
+
+def test_install_too_late_says_so_and_changes_nothing(fake_torch):
+    memory = fake_torch(True)
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with pytest.raises(TorchAllocatorError, match="before the first CUDA tensor") as info:
+        cupool.install(pool, cupy=False, numba=False, torch=True)
+    assert isinstance(info.value, RuntimeError) and "already initialized" in str(info.value)
+    assert memory.current is None and not scopes.installed() and ct.serving_pool(0) is not pool
+
+
+def test_install_too_late_puts_cupys_allocator_back(fake_torch):
+    cupy = pytest.importorskip("cupy")
+    fake_torch(True)
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(TorchAllocatorError):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=True, numba=False, torch=True)
+    assert cupy.cuda.get_allocator() is before and not scopes.installed()
+
+
+def test_cupool_info_says_whether_the_shim_was_built(capsys):
+    from cupool.cli import main
+
+    assert main(["info"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torch shim")]
+    assert line.split()[2:] == f"{ct.shim_status()[0]} ({ct.shim_status()[1]})".split()
+
+
+def test_install_leaves_torch_alone_by_default(fake_torch):
+    memory = fake_torch(False)
+    cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=False, numba=False)
+    assert memory.current is None
+    with pytest.raises(TypeError, match="torch must be True or False"):
+        cupool.install(cupy=False, numba=False, torch=1)
+
+
+# --------------------------------------------------------- the C++ entry point
+_CATCHER = r"""
+#include <cstddef>
+#include <cstring>
+#include <exception>
+typedef void *(*alloc_fn)(size_t, int, void *);
+// What torch's binding does with an exception from alloc: catch std::exception and keep its message.
+extern "C" void *call(alloc_fn f, size_t n, char *what, size_t len) {
+    try {
+        return f(n, 0, nullptr);
+    } catch (const std::exception &e) {
+        std::strncpy(what, e.what(), len - 1);
+        return nullptr;
+    }
+}
+"""
+
+
+def test_the_torch_entry_point_throws_cupools_reason_to_a_cpp_caller(lib, pool, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler to build the C++ caller")
+    (tmp_path / "catcher.cpp").write_text(_CATCHER)
+    so = tmp_path / "catcher.so"
+    subprocess.run(["g++", "-shared", "-fPIC", "-o", str(so), str(tmp_path / "catcher.cpp")], check=True, timeout=120)
+    call = ctypes.CDLL(str(so)).call
+    call.restype = ctypes.c_void_p
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    throwing = ctypes.cast(getattr(ctypes.CDLL(lib.path), lib.torch_alloc), ctypes.c_void_p)
+    what = ctypes.create_string_buffer(1024)
+    ptr = call(throwing, 4096, what, 1024)
+    assert ptr and what.value == b""
+    lib.free(ptr, 4096, 0, None)
+    assert call(throwing, 128 * MiB, what, 1024) is None
+    message = what.value.decode()
+    assert message.startswith("cupool could not allocate 134217728 bytes on device 0 for PyTorch: OutOfMemoryError")
+    assert "out of memory" in message and isinstance(ct.last_error(), OutOfMemoryError)
