@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StateError
@@ -22,20 +21,93 @@ from . import torch as torch_front
 from .cupy import cupy_allocator
 from .routing import check_device_pool, default_pool, set_process_pool, thread_route, using_pools
 
-_NOTHING = object()  # "this library was not hooked" (None is a legitimate previous value)
+class FrontEnd:
+    """A library ``install`` can route to cupool: three numbered hooks, and one line in ``FRONT_ENDS``.
+
+    1. ``prepare(pool) -> token``: import what the switch needs and build what it hands
+       over; anything that can fail does so here, before anything is changed;
+    2. ``swap(token) -> previous``: make cupool the library's allocator; what it had;
+    3. ``restore(previous)``: put ``previous`` back (``uninstall``, or a later front end failing).
+    """
+
+    name = ""
+
+    def prepare(self, pool: Pool | None) -> Any:
+        raise NotImplementedError
+
+    def swap(self, token: Any) -> Any:
+        raise NotImplementedError
+
+    def restore(self, previous: Any) -> None:
+        raise NotImplementedError
 
 
-@dataclass
-class _Installation:
-    """What ``install`` replaced; the installed pool itself is routing's to know."""
+class _CuPy(FrontEnd):
+    name = "cupy"
 
-    cupy_previous: Any
-    numba_previous: Any
-    torch: bool  # torch's allocator was switched (for good: torch cannot switch back)
+    def prepare(self, pool: Pool | None) -> Any:
+        import cupy
+
+        return cupy, cupy_allocator(pool)
+
+    def swap(self, token: Any) -> Any:
+        cupy, alloc = token
+        previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(alloc)
+        return previous
+
+    def restore(self, previous: Any) -> None:
+        import cupy
+
+        cupy.cuda.set_allocator(previous)
+
+
+class _Numba(FrontEnd):
+    name = "numba"
+
+    def prepare(self, pool: Pool | None) -> Any:
+        from numba import cuda
+
+        from .numba import CupoolMemoryManager
+
+        return cuda, CupoolMemoryManager, _numba_driver()
+
+    def swap(self, token: Any) -> Any:
+        cuda, manager, driver = token
+        previous = getattr(driver, "_memory_manager", None)
+        cuda.set_memory_manager(manager)
+        return previous
+
+    def restore(self, previous: Any) -> None:
+        _numba_driver()._memory_manager = previous
+
+
+class _Torch(FrontEnd):
+    """Torch switches once, before its first CUDA tensor, and never back: it is swapped last, and
+    ``restore`` only routes it to the default pools again."""
+
+    name = "torch"
+
+    def prepare(self, pool: Pool | None) -> Any:
+        return torch_front.allocator(), pool
+
+    def swap(self, token: Any) -> Any:
+        plugged, pool = token
+        torch_front.switch(plugged)
+        torch_front.use(pool)
+        return None
+
+    def restore(self, previous: Any) -> None:
+        torch_front.use(None)
+
+
+#: The front ends ``install`` knows, in the order it switches them (one that cannot be undone last).
+FRONT_ENDS: tuple[FrontEnd, ...] = (_CuPy(), _Numba(), _Torch())
 
 
 _install_lock = threading.Lock()  # serialises install/uninstall
-_installed: _Installation | None = None
+# What install swapped, in order: each front end with what it had before (None: not installed).
+_installed: list[tuple[FrontEnd, Any]] | None = None
 
 
 @contextlib.contextmanager
@@ -80,13 +152,15 @@ def _numba_driver() -> Any:
 def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True, torch: bool = False) -> Pool:
     """Make cupool the allocator of the whole process; returns the pool (the default one when ``pool`` is None).
 
-    Numba reads its memory manager when it creates a CUDA context, so install
-    before the first Numba kernel or array (or set ``NUMBA_CUDA_MEMORY_MANAGER=cupool.numba``).
-    ``torch=True`` makes cupool PyTorch's CUDA allocator too, which torch allows
-    only before its first CUDA tensor (``cupool.TorchAllocatorError`` otherwise,
-    with nothing changed); ``uninstall`` cannot undo that part.
+    Each flag names a front end (``FRONT_ENDS``).  Numba reads its memory manager when
+    it creates a CUDA context, so install before the first Numba kernel or array (or
+    set ``NUMBA_CUDA_MEMORY_MANAGER=cupool.numba``).  ``torch=True`` makes cupool
+    PyTorch's CUDA allocator too, which torch allows only before its first CUDA tensor
+    (``cupool.TorchAllocatorError`` otherwise, with nothing changed); ``uninstall``
+    cannot undo that part.
     """
-    for flag, name in ((cupy, "cupy"), (numba, "numba"), (torch, "torch")):
+    wanted = {"cupy": cupy, "numba": numba, "torch": torch}
+    for name, flag in wanted.items():
         if not isinstance(flag, bool):
             raise TypeError(f"install(): {name} must be True or False, got {flag!r}")
     if pool is not None:
@@ -95,48 +169,22 @@ def install(pool: Pool | None = None, cupy: bool = True, numba: bool = True, tor
     with _install_lock:
         if _installed is not None:
             raise StateError("cupool.install(): cupool is already installed; call cupool.uninstall() first")
-        return _install(pool, cupy, numba, torch)
+        return _install(pool, [f for f in FRONT_ENDS if wanted[f.name]])
 
 
-def _install(pool: Pool | None, cupy: bool, numba: bool, torch: bool) -> Pool:
+def _install(pool: Pool | None, fronts: list[FrontEnd]) -> Pool:
     global _installed
     target = pool if pool is not None else default_pool()
-    # Everything that can fail to import does so before anything is changed.
-    if cupy:
-        import cupy as cp
-
-        alloc = cupy_allocator(pool)
-    if numba:
-        from numba import cuda as ncuda
-
-        from .numba import CupoolMemoryManager
-
-        driver = _numba_driver()
-    if torch:
-        plugged = torch_front.allocator()
-    cupy_prev = numba_prev = _NOTHING
-    if cupy:
-        cupy_prev = cp.cuda.get_allocator()
-        cp.cuda.set_allocator(alloc)
-    if numba:
-        try:
-            numba_prev = getattr(driver, "_memory_manager", None)
-            ncuda.set_memory_manager(CupoolMemoryManager)
-        except BaseException:
-            if cupy_prev is not _NOTHING:
-                cp.cuda.set_allocator(cupy_prev)
-            raise
-    if torch:  # last: it cannot be undone, so it comes once everything else is in place
-        try:
-            torch_front.switch(plugged)
-        except BaseException:
-            if cupy_prev is not _NOTHING:
-                cp.cuda.set_allocator(cupy_prev)
-            if numba_prev is not _NOTHING:
-                driver._memory_manager = numba_prev
-            raise
-        torch_front.use(pool)
-    _installed = _Installation(cupy_prev, numba_prev, torch)
+    prepared = [(front, front.prepare(pool)) for front in fronts]  # what can fail, before any change
+    swapped: list[tuple[FrontEnd, Any]] = []
+    try:
+        for front, token in prepared:
+            swapped.append((front, front.swap(token)))
+    except BaseException:
+        for front, previous in reversed(swapped):  # nothing changed, as far as can be undone
+            front.restore(previous)
+        raise
+    _installed = swapped
     set_process_pool(pool)
     return target
 
@@ -150,17 +198,11 @@ def uninstall() -> None:
     global _installed
     _outside_using("uninstall()")
     with _install_lock:
-        inst = _installed
-        if inst is None:
+        swapped = _installed
+        if swapped is None:
             raise StateError("cupool.uninstall(): cupool is not installed")
-        if inst.cupy_previous is not _NOTHING:
-            import cupy as cp
-
-            cp.cuda.set_allocator(inst.cupy_previous)
-        if inst.numba_previous is not _NOTHING:
-            _numba_driver()._memory_manager = inst.numba_previous
-        if inst.torch:
-            torch_front.use(None)
+        for front, previous in reversed(swapped):
+            front.restore(previous)
         set_process_pool(None)
         _installed = None
 
