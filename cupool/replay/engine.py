@@ -120,9 +120,9 @@ def _malloc(E, n, key, exact):
         settle(E, False)
         b = find(E.IX, E.TG, h, size, key)
     if b >= 0 and cfg[C_SPLIT] and h == LARGE and not exact:  # Note [Release before split]
-        S, s = E.S, E.B[SEG, b]
-        if (E.B[SIZE, b] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
-                and -(-size // PAGE) * PAGE < E.B[SIZE, b] and max(0, cfg[C_LIMIT] - st[RES]) < E.B[SIZE, b]):
+        S, s = E.S, E.B[b, SEG]
+        if (E.B[b, SIZE] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
+                and -(-size // PAGE) * PAGE < E.B[b, SIZE] and max(0, cfg[C_LIMIT] - st[RES]) < E.B[b, SIZE]):
             drop_segment(E, s)
             b = -1
             exact = True  # the released room serves just this request
@@ -144,7 +144,7 @@ def _malloc(E, n, key, exact):
         st[OOMS] += 1
         return -1
     take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
-    E.B[STREAM, b] = key
+    E.B[b, STREAM] = key
     st[ALLOC] += size
     if st[ALLOC] > st[PEAK_ALLOC]:
         st[PEAK_ALLOC] = st[ALLOC]
@@ -154,15 +154,15 @@ def _malloc(E, n, key, exact):
 @njit(cache=True)
 def _free(E, b):
     B, S, st, cfg = E.B, E.S, E.st, E.cfg
-    h = S[S_KIND, B[SEG, b]]
-    key = B[STREAM, b]
-    st[ALLOC] -= B[SIZE, b]
+    h = S[S_KIND, B[b, SEG]]
+    key = B[b, STREAM]
+    st[ALLOC] -= B[b, SIZE]
     E.DT[key] = 1
     merged = give(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, key)
     if cfg[C_VMM]:
         freed(E, merged)
     elif cfg[C_THRESHOLD] >= 0:
-        s = B[SEG, merged]
+        s = B[merged, SEG]
         if S[S_USED, s] == 0 and S[S_KEEP, s] == 0 and st[RES] > cfg[C_THRESHOLD]:
             drop_segment(E, s)
 
@@ -251,9 +251,9 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     tg[:, ROOT, :] = -1
     E = Engine(
         st, np.zeros(3, np.float64), cfg,
-        np.zeros((NBF, cap), np.int64), np.zeros(cap, np.int64),  # B, FB
+        np.zeros((cap, NBF), np.int64), np.zeros(cap, np.int64),  # B (a row per block), FB
         np.zeros((NSF, cap), np.int64), np.zeros(cap, np.int64),  # S, FS
-        np.zeros((1, NIX, cap), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
+        np.zeros((cap, NIX), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
         np.zeros((NRF, cap), np.int64), np.zeros(cap, np.int64),  # R, FR
         np.full((2, n_streams + 1), GR_NONE, np.int64), va,  # GR, VA
     )
@@ -271,7 +271,8 @@ def _initial(E, nbytes):
     return new_segment(E, LARGE, nbytes, -1, 1)
 
 
-# The state's arrays, grown along their last axis.  Plain loops, not slice assignment: Numba
+# The state's arrays, grown along their last axis (B and IX along their first: a row per block, so that a
+# block's fields share a cache line).  Plain loops, not slice assignment: Numba
 # compiles a slice assignment's broadcasting and its error messages, seconds of a cold start.
 @njit(cache=True)
 def _grown1(a, n):
@@ -291,12 +292,11 @@ def _grown2(a, n):
 
 
 @njit(cache=True)
-def _grown3(a, n):
-    out = np.zeros((a.shape[0], a.shape[1], n), np.int64)
+def _grown_rows(a, n):
+    out = np.zeros((n, a.shape[1]), np.int64)
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
-            for k in range(a.shape[2]):
-                out[i, j, k] = a[i, j, k]
+            out[i, j] = a[i, j]
     return out
 
 
@@ -307,9 +307,9 @@ def _roomy(E):
     free_blocks = st[NIX0] + st[NIX1]
     B, FB, S, FS, IX, EXT, R, FR, VA = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA
     grew = False
-    if st[NB] + 4 + free_blocks > B.shape[1]:
+    if st[NB] + 4 + free_blocks > B.shape[0]:
         n = 2 * (st[NB] + 4 + free_blocks)
-        B, FB, IX = _grown2(B, n), _grown1(FB, n), _grown3(IX, n)  # tree nodes are block ids
+        B, FB, IX = _grown_rows(B, n), _grown1(FB, n), _grown_rows(IX, n)  # tree nodes are block ids
         grew = True
     if st[NS] + 4 + free_blocks > S.shape[1]:
         n = 2 * (st[NS] + 4 + free_blocks)
@@ -339,7 +339,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
     st, fst = E.st, E.fst
     for i in range(lo, hi):
         free_blocks = st[NIX0] + st[NIX1]
-        if (st[NB] + 4 + free_blocks > E.B.shape[1] or st[NS] + 4 + free_blocks > E.S.shape[1]
+        if (st[NB] + 4 + free_blocks > E.B.shape[0] or st[NS] + 4 + free_blocks > E.S.shape[1]
                 or st[NR] + 4 > E.R.shape[1]):
             E = _roomy(E)
         k = kind[i]

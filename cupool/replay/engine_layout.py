@@ -18,7 +18,7 @@ from collections import namedtuple
 #: GR: each (size class, stream)'s growing region; VA: free address ranges for regions.
 Engine = namedtuple("Engine", "st fst cfg B FB S FS IX TG DT EXT R FR GR VA")
 
-# Block fields (rows of B).
+# Block fields (columns of B, a row per block: the fields a visit reads share a cache line; IX likewise).
 ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
 NBF = 9
 # Segment fields (rows of S): S_TAIL is its last block, S_REGION its region (-1: a plain segment).

@@ -116,7 +116,7 @@ def _forget_segment(E, s):
     S, st = E.S, E.st
     b = S[S_HEAD, s]
     while b >= 0:
-        nxt = E.B[NEXT, b]
+        nxt = E.B[b, NEXT]
         ix_remove(E.B, E.IX, E.st, E.TG, S[S_KIND, s], b)
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
         b = nxt
@@ -196,15 +196,15 @@ def release_holes(E):
         if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
             b = S[S_HEAD, s]
             while b >= 0:
-                if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
-                    lo[m], blk[m] = _round(B[ADDR, b]), b
+                if B[b, FREE] == 1 and (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE > _round(B[b, ADDR]):
+                    lo[m], blk[m] = _round(B[b, ADDR]), b
                     m += 1
-                b = B[NEXT, b]
+                b = B[b, NEXT]
     released = 0
     for i in np.argsort(lo[:m], kind="mergesort"):
         b = blk[i]
-        hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
-        _cut(E, S[S_KIND, B[SEG, b]], b, lo[i], hi)
+        hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+        _cut(E, S[S_KIND, B[b, SEG]], b, lo[i], hi)
         st[DEV_USED] -= hi - lo[i]
         released += hi - lo[i]
     return released
@@ -265,7 +265,7 @@ def vm_new_segment(E, h, nbytes, tag, keep):
     E.R[R_FRONTIER, r] += n
     _reserved(E, n)
     b = _vm_add(E, h, r, E.R[R_BASE, r], n, tag, keep)
-    E.R[R_TAIL, r] = E.B[SEG, b]
+    E.R[R_TAIL, r] = E.B[b, SEG]
     return b
 
 
@@ -277,8 +277,8 @@ def need(E, h, size, key):
     have = 0
     if r >= 0 and R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
-        if B[FREE, last] == 1 and (B[TAG, last] == -1 or B[TAG, last] == key):
-            have = B[SIZE, last]
+        if B[last, FREE] == 1 and (B[last, TAG] == -1 or B[last, TAG] == key):
+            have = B[last, SIZE]
     n = _round(max(size - have, 1))
     if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
         return _round(size)
@@ -308,7 +308,7 @@ def grow(E, h, size, key):
     _reserved(E, n)
     if R[R_TAIL, r] < 0:
         b = _vm_add(E, h, r, at, n, key, 0)
-        R[R_TAIL, r] = E.B[SEG, b]
+        R[R_TAIL, r] = E.B[b, SEG]
         return b
     return _extend(E, h, R[R_TAIL, r], n, key)
 
@@ -319,8 +319,8 @@ def _extend(E, h, s, n, tag):
     B, S = E.B, E.S
     last = S[S_TAIL, s]
     b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
-    B[PREV, b] = last
-    B[NEXT, last] = b
+    B[b, PREV] = last
+    B[last, NEXT] = b
     S[S_TAIL, s] = b
     S[S_SIZE, s] += n
     return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
@@ -348,9 +348,9 @@ def trim(E, s):
     """``Expander.trim``: unmap the free granules at the end of ``s`` (all of it if it is free); the bytes."""
     B, S, st = E.B, E.S, E.st
     last = S[S_TAIL, s]
-    if B[FREE, last] == 0:
+    if B[last, FREE] == 0:
         return 0
-    lo = _round(B[ADDR, last])
+    lo = _round(B[last, ADDR])
     end = S[S_ADDR, s] + S[S_SIZE, s]
     if lo >= end:
         return 0
@@ -360,13 +360,13 @@ def trim(E, s):
     n = end - lo
     h = S[S_KIND, s]
     ix_remove(E.B, E.IX, E.st, E.TG, h, last)  # Heap.trim
-    if n == B[SIZE, last]:
-        prev = B[PREV, last]
+    if n == B[last, SIZE]:
+        prev = B[last, PREV]
         S[S_TAIL, s] = prev
-        B[NEXT, prev] = -1
+        B[prev, NEXT] = -1
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, last)
     else:
-        B[SIZE, last] -= n
+        B[last, SIZE] -= n
         ix_insert(E.B, E.IX, E.st, E.TG, h, last)
     S[S_SIZE, s] -= n
     st[DEV_USED] -= n
@@ -382,7 +382,7 @@ def trim(E, s):
 def freed(E, b):
     """``Expander.freed``, after a free left ``b`` (merged) free: what the rules give back now."""
     S, st = E.S, E.st
-    s = E.B[SEG, b]
+    s = E.B[b, SEG]
     threshold = E.cfg[C_THRESHOLD]
     over = threshold >= 0 and st[RES] > threshold
     if S[S_USED, s] == 0 and (E.R[R_STITCHED, S[S_REGION, s]] == 1 or (over and S[S_KEEP, s] == 0)):
@@ -396,10 +396,10 @@ def freed(E, b):
 def _cut(E, h, b, lo, hi):
     """``Heap.cut`` and ``Expander._cut``: unmap ``[lo, hi)`` from under free block ``b``, splitting its segment."""
     B, S, R, st = E.B, E.S, E.R, E.st
-    s = B[SEG, b]
+    s = B[b, SEG]
     r = S[S_REGION, s]
     ix_remove(E.B, E.IX, E.st, E.TG, h, b)
-    end, after = B[ADDR, b] + B[SIZE, b], B[NEXT, b]
+    end, after = B[b, ADDR] + B[b, SIZE], B[b, NEXT]
     right = -1
     if hi < S[S_ADDR, s] + S[S_SIZE, s]:
         if st[NFS] > 0:
@@ -416,31 +416,31 @@ def _cut(E, h, b, lo, hi):
         S[S_ALIVE, right] = 1
         S[S_REGION, right] = r
         if hi < end:
-            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[TAG, b])
-            B[NEXT, piece] = after
+            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[b, TAG])
+            B[piece, NEXT] = after
             if after >= 0:
-                B[PREV, after] = piece
+                B[after, PREV] = piece
             ix_insert(E.B, E.IX, E.st, E.TG, h, piece)
             after = piece
-        B[PREV, after] = -1
+        B[after, PREV] = -1
         S[S_HEAD, right] = after
         S[S_TAIL, right] = S[S_TAIL, s]
         x = after
         while x >= 0:
-            B[SEG, x] = right
-            if B[FREE, x] == 0:
-                S[S_USED, right] += B[SIZE, x]
-            x = B[NEXT, x]
+            B[x, SEG] = right
+            if B[x, FREE] == 0:
+                S[S_USED, right] += B[x, SIZE]
+            x = B[x, NEXT]
         S[S_USED, s] -= S[S_USED, right]
     left = s
-    if lo > B[ADDR, b]:
-        B[SIZE, b] = lo - B[ADDR, b]
-        B[NEXT, b] = -1
+    if lo > B[b, ADDR]:
+        B[b, SIZE] = lo - B[b, ADDR]
+        B[b, NEXT] = -1
         S[S_TAIL, s] = b
         ix_insert(E.B, E.IX, E.st, E.TG, h, b)
-    elif B[PREV, b] >= 0:
-        B[NEXT, B[PREV, b]] = -1
-        S[S_TAIL, s] = B[PREV, b]
+    elif B[b, PREV] >= 0:
+        B[B[b, PREV], NEXT] = -1
+        S[S_TAIL, s] = B[b, PREV]
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     else:
         S[S_ALIVE, s] = 0
@@ -484,9 +484,9 @@ def stitch(E, h, size, key, room):
             ids = tagged(E, k, t)
             for j in range(ids.shape[0]):
                 b = ids[j]
-                lo = _round(B[ADDR, b])
-                hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
-                s = B[SEG, b]
+                lo = _round(B[b, ADDR])
+                hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+                s = B[b, SEG]
                 if hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
                     ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
                     m += 1
@@ -512,6 +512,6 @@ def stitch(E, h, size, key, room):
     E.R[R_FRONTIER, r] += want
     _reserved(E, want)
     b = _vm_add(E, h, r, E.R[R_BASE, r], want, key, 0)
-    E.R[R_TAIL, r] = B[SEG, b]
+    E.R[R_TAIL, r] = B[b, SEG]
     st[STITCHES] += 1
     return True

@@ -148,7 +148,7 @@ def segments_of(state: dict) -> list[tuple[int, int, int, list[tuple[int, int, b
         blocks = []
         b = int(S[eng.S_HEAD, s])
         while b >= 0:
-            blocks.append((int(B[eng.ADDR, b]) - base, int(B[eng.SIZE, b]), not B[eng.FREE, b]))
-            b = int(B[eng.NEXT, b])
+            blocks.append((int(B[b, eng.ADDR]) - base, int(B[b, eng.SIZE]), not B[b, eng.FREE]))
+            b = int(B[b, eng.NEXT])
         out.append((base, int(S[eng.S_SIZE, s]), int(S[eng.S_KIND, s]), blocks))
     return out
