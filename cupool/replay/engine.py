@@ -77,7 +77,7 @@ _ALLOC, _FREE, _OOM, _ALLOC_MOV, _FREE_MOV, _MOVE_OUT, _MOVE_IN = range(7)
 
 
 # ----------------------------------------------------------- requests
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _grow(E, h, size, key, exact):
     """The segment source's ``grow`` within the limit's room: a free block from new memory, or -1."""
     cfg, st = E.cfg, E.st
@@ -102,12 +102,51 @@ def _grow(E, h, size, key, exact):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _find_or_grow(E, h, size, key, exact):
     b = find(E.IX, E.TG, h, size, key)
     if b < 0:
         b = _grow(E, h, size, key, exact)
     return b
+
+
+@njit(cache=True, _nrt=False)
+def _releases(E, h, b, size, exact):
+    """Note [Release before split]: whether best fit ``b`` is a wholly free plain segment to give back
+    (the limit has no room for another that size) rather than split for ``size`` bytes."""
+    cfg, S, s = E.cfg, E.S, E.B[b, SEG]
+    return (cfg[C_SPLIT] != 0 and h == LARGE and not exact and E.B[b, SIZE] == S[S_SIZE, s]
+            and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0 and -(-size // PAGE) * PAGE < E.B[b, SIZE]
+            and max(0, cfg[C_LIMIT] - E.st[RES]) < E.B[b, SIZE])
+
+
+@njit(cache=True, _nrt=False)
+def _serve(E, h, b, size, key):
+    """Take ``size`` bytes of free block ``b`` for stream ``key``, and count them."""
+    st = E.st
+    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
+    E.B[b, STREAM] = key
+    st[ALLOC] += size
+    if st[ALLOC] > st[PEAK_ALLOC]:
+        st[PEAK_ALLOC] = st[ALLOC]
+    return b
+
+
+@njit(cache=True, _nrt=False)
+def _hit(E, n, key, exact):
+    """``_malloc``'s first step alone: a best fit that release before split leaves be, served; -1 (nothing
+    changed) sends the request through the whole of ``_malloc``.
+
+    Most requests stop here.  It allocates nothing, so it compiles without Numba's reference
+    counting, whose atomic increments on every array of ``E`` cost more than the placement itself
+    (``_malloc`` needs it: the ladder's steps allocate scratch arrays).
+    """
+    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    h = SMALL if size <= SMALL_MAX else LARGE
+    b = find(E.IX, E.TG, h, size, key)
+    if b < 0 or _releases(E, h, b, size, exact):
+        return -1
+    return _serve(E, h, b, size, key)
 
 
 @njit(cache=True)
@@ -119,13 +158,10 @@ def _malloc(E, n, key, exact):
     if b < 0 and st[NORD0 + h] > 1:
         settle(E, False)
         b = find(E.IX, E.TG, h, size, key)
-    if b >= 0 and cfg[C_SPLIT] and h == LARGE and not exact:  # Note [Release before split]
-        S, s = E.S, E.B[b, SEG]
-        if (E.B[b, SIZE] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
-                and -(-size // PAGE) * PAGE < E.B[b, SIZE] and max(0, cfg[C_LIMIT] - st[RES]) < E.B[b, SIZE]):
-            drop_segment(E, s)
-            b = -1
-            exact = True  # the released room serves just this request
+    if b >= 0 and _releases(E, h, b, size, exact):
+        drop_segment(E, E.B[b, SEG])
+        b = -1
+        exact = True  # the released room serves just this request
     if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
@@ -143,15 +179,10 @@ def _malloc(E, n, key, exact):
     if b < 0:
         st[OOMS] += 1
         return -1
-    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
-    E.B[b, STREAM] = key
-    st[ALLOC] += size
-    if st[ALLOC] > st[PEAK_ALLOC]:
-        st[PEAK_ALLOC] = st[ALLOC]
-    return b
+    return _serve(E, h, b, size, key)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _free(E, b):
     B, S, st, cfg = E.B, E.S, E.st, E.cfg
     h = S[S_KIND, B[b, SEG]]
@@ -264,7 +295,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     return {"E": E, "live": Dict.empty(types.int64, types.int64)}
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _initial(E, nbytes):
     if E.cfg[C_VMM]:
         return vm_new_segment(E, LARGE, nbytes, -1, 1)
@@ -354,7 +385,9 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
             elif not is_alloc:
                 st[UNMATCHED] += 1
             if is_alloc:
-                b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                if b < 0:
+                    b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
                 if b >= 0:
                     live[a] = b
         elif k == codes[_MOVE_OUT]:

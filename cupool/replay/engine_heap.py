@@ -17,7 +17,7 @@ from .engine_layout import (
 
 
 # ---------------------------------------------------------------- blocks
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
     if st[NFB] > 0:
         st[NFB] -= 1
@@ -37,7 +37,7 @@ def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def kill_block(B, FB, S, IX, st, TG, b):
     B[b, ALIVE] = 0
     FB[st[NFB]] = b
@@ -70,7 +70,7 @@ def kill_block(B, FB, S, IX, st, TG, b):
 # is indexed, but a copy makes that a non-issue).  Roots are TG[h, ROOT, tag + 1].
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _priority(b):
     """A fixed pseudo-random priority per block id (splitmix64), so replays are deterministic."""
     x = np.uint64(b) + np.uint64(0x9E3779B97F4A7C15)
@@ -80,14 +80,14 @@ def _priority(b):
     return np.int64(x >> np.uint64(2))
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _less(IX, a, size, addr):
     """Whether node ``a`` sorts before key (size, addr)."""
     s = IX[a, IX_SIZE]
     return s < size or (s == size and IX[a, IX_ADDR] < addr)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _split(IX, t, size, addr):
     """Split tree ``t`` into (keys < (size, addr), the rest); iterative, O(depth).
 
@@ -118,7 +118,7 @@ def _split(IX, t, size, addr):
     return lroot, rroot
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _merge(IX, a, b):
     """Join trees ``a`` and ``b`` (every key of ``a`` below every key of ``b``); iterative."""
     root, parent, right = -1, -1, False
@@ -151,7 +151,7 @@ def _merge(IX, a, b):
     return root
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ix_insert(B, IX, st, TG, h, b):
     """Index free block ``b`` of heap ``h`` (hot: it takes just the tables it touches)."""
     size, addr = B[b, SIZE], B[b, ADDR]
@@ -189,7 +189,7 @@ def ix_insert(B, IX, st, TG, h, b):
         st[NORD0 + h] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ix_remove(B, IX, st, TG, h, b):
     t = B[b, TAG] + 1
     parent = IX[b, IX_UP]
@@ -206,7 +206,7 @@ def ix_remove(B, IX, st, TG, h, b):
     TG[h, 0, t] -= 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _first_fit(IX, node, size):
     """The first node of a tree in (size, address) order with at least ``size`` bytes; -1: none."""
     best = -1
@@ -219,7 +219,7 @@ def _first_fit(IX, node, size):
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def find(IX, TG, h, size, key):
     """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
     a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
@@ -254,12 +254,12 @@ def tagged(E, h, t):
 
 
 # ------------------------------------------------- split and coalesce
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _mergeable(a, b):
     return a == b or a == -1 or b == -1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def coalesce(B, FB, S, IX, st, TG, h, b):
     nxt = B[b, NEXT]
     if nxt >= 0 and B[nxt, FREE] == 1 and _mergeable(B[nxt, TAG], B[b, TAG]):
@@ -274,7 +274,7 @@ def coalesce(B, FB, S, IX, st, TG, h, b):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _absorb(B, FB, S, IX, st, TG, left, right):
     """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
     if B[left, TAG] == -1:
@@ -288,7 +288,7 @@ def _absorb(B, FB, S, IX, st, TG, left, right):
     kill_block(B, FB, S, IX, st, TG, right)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def take(B, FB, S, IX, st, TG, h, b, size):
     ix_remove(B, IX, st, TG, h, b)
     rest = B[b, SIZE] - size
@@ -308,7 +308,7 @@ def take(B, FB, S, IX, st, TG, h, b, size):
     S[S_USED, B[b, SEG]] += size
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def give(B, FB, S, IX, st, TG, h, b, tag):
     S[S_USED, B[b, SEG]] -= B[b, SIZE]
     B[b, FREE] = 1

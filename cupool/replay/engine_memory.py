@@ -30,7 +30,7 @@ from .engine_layout import (
 
 
 # ------------------------------------------------------- address ranges
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ext_take(T, st, count, size):
     """First fit in address order over the free ranges in ``T`` (``st[count]`` of them); -1: none fits."""
     for i in range(st[count]):
@@ -48,7 +48,7 @@ def ext_take(T, st, count, size):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ext_give(T, st, count, ptr, size):
     """Give ``[ptr, ptr + size)`` back to the free ranges in ``T``, merging with its neighbours."""
     n = st[count]
@@ -77,13 +77,13 @@ def ext_give(T, st, count, ptr, size):
         st[count] = n + 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _round(n):
     return -(-n // PAGE) * PAGE
 
 
 # -------------------------------------------------------------- segments
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def add_segment(E, h, addr, nbytes, tag, keep, region):
     """A heap segment of one free block (``Heap.add_segment``), counted; returns its head block."""
     S, st = E.S, E.st
@@ -110,7 +110,7 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _forget_segment(E, s):
     """Take a wholly free segment's blocks out of the heap, and the segment out of the books."""
     S, st = E.S, E.st
@@ -126,7 +126,7 @@ def _forget_segment(E, s):
     st[NFS] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _reserved(E, n):
     st = E.st
     st[RES] += n
@@ -135,7 +135,7 @@ def _reserved(E, n):
         st[PEAK_RES] = st[RES]
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def new_segment(E, h, nbytes, tag, keep):
     """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses."""
     nbytes = _round(nbytes)
@@ -151,7 +151,7 @@ def new_segment(E, h, nbytes, tag, keep):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def drop_segment(E, s):
     """Give a wholly free segment back (``Arena.drop_segment``), plain or expandable."""
     if E.S[S_REGION, s] >= 0:
@@ -166,7 +166,7 @@ def drop_segment(E, s):
     st[RES] -= size
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def release_free_segments(E, vmm):
     """``Arena.release_free_segments``: every wholly free segment but the preallocated one, then free tails."""
     S = E.S
@@ -211,7 +211,7 @@ def release_holes(E):
 
 
 # ------------------------------------------------------------- regions
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _new_region(E, nbytes, growable, stitched):
     R, st = E.R, E.st
     base = ext_take(E.VA, st, NVA, nbytes)
@@ -232,7 +232,7 @@ def _new_region(E, nbytes, growable, stitched):
     return r
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _forget_region(E, r):
     R, st = E.R, E.st
     R[R_ALIVE, r] = 0
@@ -246,14 +246,14 @@ def _forget_region(E, r):
     st[NFR] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _vm_add(E, h, r, addr, n, tag, keep):
     b = add_segment(E, h, addr, n, tag, keep, r)
     E.R[R_NSEG, r] += 1
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def vm_new_segment(E, h, nbytes, tag, keep):
     """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
     n = _round(nbytes)
@@ -269,7 +269,7 @@ def vm_new_segment(E, h, nbytes, tag, keep):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def need(E, h, size, key):
     """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
     R, S, B = E.R, E.S, E.B
@@ -285,7 +285,7 @@ def need(E, h, size, key):
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def grow(E, h, size, key):
     """``Expander.grow``: map granules at the end of stream ``key``'s region; a free block, or -1 (device full)."""
     R, st = E.R, E.st
@@ -313,7 +313,7 @@ def grow(E, h, size, key):
     return _extend(E, h, R[R_TAIL, r], n, key)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _extend(E, h, s, n, tag):
     """``Heap.extend``: ``n`` free bytes under ``tag`` at the end of segment ``s``; the (merged) last block."""
     B, S = E.B, E.S
@@ -326,7 +326,7 @@ def _extend(E, h, s, n, tag):
     return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def vm_drop(E, s):
     """``Expander.drop``: unmap a wholly free segment and give its granules back."""
     S, R, st = E.S, E.R, E.st
@@ -343,7 +343,7 @@ def vm_drop(E, s):
         _forget_region(E, r)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def trim(E, s):
     """``Expander.trim``: unmap the free granules at the end of ``s`` (all of it if it is free); the bytes."""
     B, S, st = E.B, E.S, E.st
@@ -378,7 +378,7 @@ def trim(E, s):
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def freed(E, b):
     """``Expander.freed``, after a free left ``b`` (merged) free: what the rules give back now."""
     S, st = E.S, E.st
@@ -392,7 +392,7 @@ def freed(E, b):
 
 
 # ------------------------------------------------------------- stitching
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _cut(E, h, b, lo, hi):
     """``Heap.cut`` and ``Expander._cut``: unmap ``[lo, hi)`` from under free block ``b``, splitting its segment."""
     B, S, R, st = E.B, E.S, E.R, E.st
