@@ -355,6 +355,32 @@ def _roomy(E):
     return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA)
 
 
+@njit(cache=True, _nrt=False)
+def _cramped(E):
+    """Whether ``E`` may lack room for one event's new blocks, segments and regions (see ``_roomy``)."""
+    st = E.st
+    free_blocks = st[NIX0] + st[NIX1]
+    return (st[NB] + 4 + free_blocks > E.B.shape[0] or st[NS] + 4 + free_blocks > E.S.shape[1]
+            or st[NR] + 4 > E.R.shape[1])
+
+
+@njit(cache=True, _nrt=False)
+def _sample(st, fst, peak0):
+    """Fragmentation after an event, while something is allocated (``peak0``: the peak reserved before it)."""
+    frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
+    if st[PEAK_RES] > peak0:  # a new peak: its fragmentation is its first sample's
+        st[PEAK_SAMPLED] = 0
+        fst[F_PEAK] = 0.0
+    if st[ALLOC]:
+        fst[F_SUM] += frag
+        if frag > fst[F_MAX]:
+            fst[F_MAX] = frag
+        st[SAMPLES] += 1
+        if st[PEAK_SAMPLED] == 0 and st[RES] == st[PEAK_RES]:
+            fst[F_PEAK] = frag
+            st[PEAK_SAMPLED] = 1
+
+
 @njit(cache=True)
 def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_alloc):
     """Replay events [lo, hi) on ``E``; returns ``E``, rebuilt if its arrays had to grow.
@@ -367,11 +393,9 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
     they are as long as the trace (pass empty arrays otherwise).
     """
     timeline = tl_res.shape[0] >= hi
-    st, fst = E.st, E.fst
+    st = E.st
     for i in range(lo, hi):
-        free_blocks = st[NIX0] + st[NIX1]
-        if (st[NB] + 4 + free_blocks > E.B.shape[0] or st[NS] + 4 + free_blocks > E.S.shape[1]
-                or st[NR] + 4 > E.R.shape[1]):
+        if _cramped(E):
             E = _roomy(E)
         k = kind[i]
         peak0 = st[PEAK_RES]
@@ -424,18 +448,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_al
                 tl_res[i] = st[RES]
                 tl_alloc[i] = st[ALLOC]
             continue
-        frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
-        if st[PEAK_RES] > peak0:  # a new peak: its fragmentation is its first sample's
-            st[PEAK_SAMPLED] = 0
-            fst[F_PEAK] = 0.0
-        if st[ALLOC]:
-            fst[F_SUM] += frag
-            if frag > fst[F_MAX]:
-                fst[F_MAX] = frag
-            st[SAMPLES] += 1
-            if st[PEAK_SAMPLED] == 0 and st[RES] == st[PEAK_RES]:
-                fst[F_PEAK] = frag
-                st[PEAK_SAMPLED] = 1
+        _sample(st, E.fst, peak0)
         if timeline:
             tl_res[i] = st[RES]
             tl_alloc[i] = st[ALLOC]
