@@ -62,10 +62,11 @@ from ..kernels.caching import njit  # numba.njit; cache=True caches outside the 
 from .calls import EMPTY_CACHE
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
-    ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
-    DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, PEAK_SAMPLED, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
-    NORD0, NR, NRF, NS, NSEG, NSF, NVA, OOMS, PEAK_ALLOC, PEAK_RES, PEAK_SEG, RES, ROOT, S_ADDR, S_ALIVE, S_HEAD,
-    S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine, arena_size,
+    ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
+    DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES, F_MAX,
+    F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_CFG, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
+    PEAK_SAMPLED, PEAK_SEG, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
+    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, TAGS_SEEN, UNMATCHED, arena_size,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
@@ -155,7 +156,7 @@ def _malloc(E, n, key, exact):
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = SMALL if size <= SMALL_MAX else LARGE
     b = find(E.IX, E.TG, h, size, key)
-    if b < 0 and st[NORD0 + h] > 1:
+    if b < 0 and st[TAGS_SEEN + h] > 1:
         settle(E, False)
         b = find(E.IX, E.TG, h, size, key)
     if b >= 0 and _releases(E, h, b, size, exact):
@@ -273,10 +274,10 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     cfg[C_SPLIT] = release_before_split
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
-    st[NEXT_N] = 1
+    st[FREE_EXTENTS] = 1
     va = np.zeros((2, cap + 2), np.int64)
     va[1, 0] = cfg[C_ARENA]
-    st[NVA] = 1
+    st[FREE_VA_RANGES] = 1
     # Per heap and tag + 1: free block count, seen, first-seen order (by position), tree root.
     tg = np.zeros((2, 4, n_streams + 1), np.int64)
     tg[:, ROOT, :] = -1
@@ -335,18 +336,18 @@ def _grown_rows(a, n):
 def _roomy(E):
     """``E`` with room for one event's new blocks, segments and regions (a stitch cuts up to one per free block)."""
     st = E.st
-    free_blocks = st[NIX0] + st[NIX1]
+    free_blocks = st[FREE_INDEXED] + st[FREE_INDEXED_LARGE]
     B, FB, S, FS, IX, EXT, R, FR, VA = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA
     grew = False
-    if st[NB] + 4 + free_blocks > B.shape[0]:
-        n = 2 * (st[NB] + 4 + free_blocks)
+    if st[BLOCK_IDS] + 4 + free_blocks > B.shape[0]:
+        n = 2 * (st[BLOCK_IDS] + 4 + free_blocks)
         B, FB, IX = _grown_rows(B, n), _grown1(FB, n), _grown_rows(IX, n)  # tree nodes are block ids
         grew = True
-    if st[NS] + 4 + free_blocks > S.shape[1]:
-        n = 2 * (st[NS] + 4 + free_blocks)
+    if st[SEGMENT_IDS] + 4 + free_blocks > S.shape[1]:
+        n = 2 * (st[SEGMENT_IDS] + 4 + free_blocks)
         S, FS, EXT = _grown2(S, n), _grown1(FS, n), _grown2(EXT, n + 2)
         grew = True
-    if st[NR] + 4 > R.shape[1]:
+    if st[REGION_IDS] + 4 > R.shape[1]:
         n = 2 * R.shape[1]
         R, FR, VA = _grown2(R, n), _grown1(FR, n), _grown2(VA, n + 2)
         grew = True
@@ -359,9 +360,9 @@ def _roomy(E):
 def _cramped(E):
     """Whether ``E`` may lack room for one event's new blocks, segments and regions (see ``_roomy``)."""
     st = E.st
-    free_blocks = st[NIX0] + st[NIX1]
-    return (st[NB] + 4 + free_blocks > E.B.shape[0] or st[NS] + 4 + free_blocks > E.S.shape[1]
-            or st[NR] + 4 > E.R.shape[1])
+    free_blocks = st[FREE_INDEXED] + st[FREE_INDEXED_LARGE]
+    return (st[BLOCK_IDS] + 4 + free_blocks > E.B.shape[0] or st[SEGMENT_IDS] + 4 + free_blocks > E.S.shape[1]
+            or st[REGION_IDS] + 4 > E.R.shape[1])
 
 
 @njit(cache=True, _nrt=False)

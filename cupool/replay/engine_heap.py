@@ -11,20 +11,20 @@ import numpy as np
 
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_layout import (
-    ADDR, ALIVE, FREE, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP, NB, NEXT, NFB, NIX0, NORD0, PREV,
-    ROOT, S_TAIL, S_USED, SEG, SIZE, STREAM, TAG,
+    ADDR, ALIVE, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP,
+    NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, TAG, TAGS_SEEN,
 )
 
 
 # ---------------------------------------------------------------- blocks
 @njit(cache=True, _nrt=False)
 def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
-    if st[NFB] > 0:
-        st[NFB] -= 1
-        b = FB[st[NFB]]
+    if st[FREE_BLOCK_IDS] > 0:
+        st[FREE_BLOCK_IDS] -= 1
+        b = FB[st[FREE_BLOCK_IDS]]
     else:
-        b = st[NB]
-        st[NB] += 1
+        b = st[BLOCK_IDS]
+        st[BLOCK_IDS] += 1
     B[b, ADDR] = addr
     B[b, SIZE] = size
     B[b, PREV] = -1
@@ -40,8 +40,8 @@ def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
 @njit(cache=True, _nrt=False)
 def kill_block(B, FB, S, IX, st, TG, b):
     B[b, ALIVE] = 0
-    FB[st[NFB]] = b
-    st[NFB] += 1
+    FB[st[FREE_BLOCK_IDS]] = b
+    st[FREE_BLOCK_IDS] += 1
 
 
 # ------------------------------------------------------- the free index
@@ -181,12 +181,12 @@ def ix_insert(B, IX, st, TG, h, b):
         IX[parent, IX_RIGHT] = b
     else:
         IX[parent, IX_LEFT] = b
-    st[NIX0 + h] += 1
+    st[FREE_INDEXED + h] += 1
     TG[h, 0, t] += 1
     if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
         TG[h, 1, t] = 1
-        TG[h, 2, st[NORD0 + h]] = t - 1
-        st[NORD0 + h] += 1
+        TG[h, 2, st[TAGS_SEEN + h]] = t - 1
+        st[TAGS_SEEN + h] += 1
 
 
 @njit(cache=True, _nrt=False)
@@ -202,7 +202,7 @@ def ix_remove(B, IX, st, TG, h, b):
         IX[parent, IX_LEFT] = sub
     if sub >= 0:
         IX[sub, IX_UP] = parent
-    st[NIX0 + h] -= 1
+    st[FREE_INDEXED + h] -= 1
     TG[h, 0, t] -= 1
 
 
@@ -323,9 +323,9 @@ def settle(E, wait):
     B, st, TG, DT = E.B, E.st, E.TG, E.DT
     moved = 0
     for h in range(2):
-        tags = np.empty(st[NORD0 + h], np.int64)
+        tags = np.empty(st[TAGS_SEEN + h], np.int64)
         nt = 0
-        for k in range(st[NORD0 + h]):
+        for k in range(st[TAGS_SEEN + h]):
             t = TG[h, 2, k]
             if TG[h, 0, t + 1] > 0:
                 tags[nt] = t

@@ -29,10 +29,13 @@ NSF = 9
 # segment goes back as soon as it is free.
 R_BASE, R_SIZE, R_FRONTIER, R_TAIL, R_NSEG, R_GROW, R_STITCHED, R_ALIVE = range(8)
 NRF = 8
-# Scalars (entries of st).
-(NB, NFB, NS, NFS, NEXT_N, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG, PEAK_SEG, DEV_ALLOCS, OOMS,
- UNMATCHED, NIX0, NIX1, DEV_USED, NORD0, NORD1, DEV_FREES, SAMPLES, MOVING, NR, NFR, NVA, STITCHES,
- PEAK_SAMPLED) = range(27)
+# Scalars (entries of st).  Tables with a free list keep two counts: X_IDS, the ids handed out so far
+# (the next fresh one), and FREE_X_IDS, the released ids waiting in FB/FS/FR for reuse.  FREE_EXTENTS
+# and FREE_VA_RANGES: how many free ranges EXT and VA hold.  FREE_INDEXED + h: free blocks in heap
+# h's index; TAGS_SEEN + h: the tags heap h's index has seen (the length of its first-seen order).
+(BLOCK_IDS, FREE_BLOCK_IDS, SEGMENT_IDS, FREE_SEGMENT_IDS, FREE_EXTENTS, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG,
+ PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, TAGS_SEEN, TAGS_SEEN_LARGE,
+ DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED) = range(27)
 N_ST = 27  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
 # PEAK_SAMPLED: whether F_PEAK has a sample taken at the present peak reserved (see engine.run).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.

@@ -22,10 +22,10 @@ from ..core.sizes import PAGE
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
-    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, GR_NONE, NEXT, NEXT_N, NFR, NFS,
-    NIX0, NIX1, NR, NS, NSEG, NVA, PEAK_RES, PEAK_SEG, PREV, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE,
-    R_STITCHED, R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
-    TAG,
+    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
+    FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
+    PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
+    SEGMENT_IDS, SIZE, STITCHES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAG,
 )
 
 
@@ -87,12 +87,12 @@ def _round(n):
 def add_segment(E, h, addr, nbytes, tag, keep, region):
     """A heap segment of one free block (``Heap.add_segment``), counted; returns its head block."""
     S, st = E.S, E.st
-    if st[NFS] > 0:
-        st[NFS] -= 1
-        s = E.FS[st[NFS]]
+    if st[FREE_SEGMENT_IDS] > 0:
+        st[FREE_SEGMENT_IDS] -= 1
+        s = E.FS[st[FREE_SEGMENT_IDS]]
     else:
-        s = st[NS]
-        st[NS] += 1
+        s = st[SEGMENT_IDS]
+        st[SEGMENT_IDS] += 1
     b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, addr, nbytes, s, tag)
     S[S_ADDR, s] = addr
     S[S_SIZE, s] = nbytes
@@ -122,8 +122,8 @@ def _forget_segment(E, s):
         b = nxt
     st[NSEG] -= 1
     S[S_ALIVE, s] = 0
-    E.FS[st[NFS]] = s
-    st[NFS] += 1
+    E.FS[st[FREE_SEGMENT_IDS]] = s
+    st[FREE_SEGMENT_IDS] += 1
 
 
 @njit(cache=True, _nrt=False)
@@ -142,7 +142,7 @@ def new_segment(E, h, nbytes, tag, keep):
     st = E.st
     if st[DEV_USED] + nbytes > E.cfg[C_CAPACITY]:
         return -1
-    addr = ext_take(E.EXT, st, NEXT_N, nbytes)
+    addr = ext_take(E.EXT, st, FREE_EXTENTS, nbytes)
     if addr < 0:
         return -1
     st[DEV_USED] += nbytes
@@ -160,7 +160,7 @@ def drop_segment(E, s):
     S, st = E.S, E.st
     size = S[S_SIZE, s]
     _forget_segment(E, s)
-    ext_give(E.EXT, st, NEXT_N, S[S_ADDR, s], size)
+    ext_give(E.EXT, st, FREE_EXTENTS, S[S_ADDR, s], size)
     st[DEV_USED] -= size
     st[DEV_FREES] += 1
     st[RES] -= size
@@ -172,13 +172,13 @@ def release_free_segments(E, vmm):
     S = E.S
     released = 0
     for h in range(2):
-        for s in range(E.st[NS]):
+        for s in range(E.st[SEGMENT_IDS]):
             if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_USED, s] == 0 and S[S_KEEP, s] == 0:
                 released += S[S_SIZE, s]
                 drop_segment(E, s)
     if vmm:
         for h in range(2):
-            for s in range(E.st[NS]):
+            for s in range(E.st[SEGMENT_IDS]):
                 if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_KEEP, s] == 0:
                     released += trim(E, s)
     return released
@@ -189,10 +189,10 @@ def release_holes(E):
     """``Expander.trim_all(holes=True)`` after the tails: unmap the granules under free blocks between
     live ones (``empty_cache``), in address order; the bytes."""
     B, S, st = E.B, E.S, E.st
-    lo = np.empty(st[NIX0] + st[NIX1], np.int64)  # at most one hole per free block
+    lo = np.empty(st[FREE_INDEXED] + st[FREE_INDEXED_LARGE], np.int64)  # at most one hole per free block
     blk = np.empty_like(lo)
     m = 0
-    for s in range(st[NS]):
+    for s in range(st[SEGMENT_IDS]):
         if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
             b = S[S_HEAD, s]
             while b >= 0:
@@ -214,13 +214,13 @@ def release_holes(E):
 @njit(cache=True, _nrt=False)
 def _new_region(E, nbytes, growable, stitched):
     R, st = E.R, E.st
-    base = ext_take(E.VA, st, NVA, nbytes)
-    if st[NFR] > 0:
-        st[NFR] -= 1
-        r = E.FR[st[NFR]]
+    base = ext_take(E.VA, st, FREE_VA_RANGES, nbytes)
+    if st[FREE_REGION_IDS] > 0:
+        st[FREE_REGION_IDS] -= 1
+        r = E.FR[st[FREE_REGION_IDS]]
     else:
-        r = st[NR]
-        st[NR] += 1
+        r = st[REGION_IDS]
+        st[REGION_IDS] += 1
     R[R_BASE, r] = base
     R[R_SIZE, r] = nbytes
     R[R_FRONTIER, r] = base
@@ -241,9 +241,9 @@ def _forget_region(E, r):
             for k in range(E.GR.shape[1]):
                 if E.GR[h, k] == r:
                     E.GR[h, k] = GR_NONE
-    ext_give(E.VA, st, NVA, R[R_BASE, r], R[R_SIZE, r])
-    E.FR[st[NFR]] = r
-    st[NFR] += 1
+    ext_give(E.VA, st, FREE_VA_RANGES, R[R_BASE, r], R[R_SIZE, r])
+    E.FR[st[FREE_REGION_IDS]] = r
+    st[FREE_REGION_IDS] += 1
 
 
 @njit(cache=True, _nrt=False)
@@ -402,12 +402,12 @@ def _cut(E, h, b, lo, hi):
     end, after = B[b, ADDR] + B[b, SIZE], B[b, NEXT]
     right = -1
     if hi < S[S_ADDR, s] + S[S_SIZE, s]:
-        if st[NFS] > 0:
-            st[NFS] -= 1
-            right = E.FS[st[NFS]]
+        if st[FREE_SEGMENT_IDS] > 0:
+            st[FREE_SEGMENT_IDS] -= 1
+            right = E.FS[st[FREE_SEGMENT_IDS]]
         else:
-            right = st[NS]
-            st[NS] += 1
+            right = st[SEGMENT_IDS]
+            st[SEGMENT_IDS] += 1
         S[S_ADDR, right] = hi
         S[S_SIZE, right] = S[S_ADDR, s] + S[S_SIZE, s] - hi
         S[S_USED, right] = 0
@@ -444,8 +444,8 @@ def _cut(E, h, b, lo, hi):
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     else:
         S[S_ALIVE, s] = 0
-        E.FS[st[NFS]] = s
-        st[NFS] += 1
+        E.FS[st[FREE_SEGMENT_IDS]] = s
+        st[FREE_SEGMENT_IDS] += 1
         left = -1
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     S[S_SIZE, s] = lo - S[S_ADDR, s]

@@ -141,7 +141,7 @@ def segments_of(state: dict) -> list[tuple[int, int, int, list[tuple[int, int, b
     """The engine's live segments: (address, size, heap, [(offset, size, allocated) of its blocks])."""
     B, S, st = state["E"].B, state["E"].S, state["E"].st
     out = []
-    for s in range(int(st[eng.NS])):
+    for s in range(int(st[eng.SEGMENT_IDS])):
         if not S[eng.S_ALIVE, s]:
             continue
         base = int(S[eng.S_ADDR, s])
