@@ -52,14 +52,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from numba import types
 from numba.core import event
 from numba.core.registry import CPUDispatcher
-from numba.typed import Dict
 
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
+from . import engine_live as live
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
@@ -210,8 +209,8 @@ class _CompileNotice(event.Listener):
     cache had no entry, so a load from the cache (well under a second) stays
     quiet and a compile (~14 s) is announced before the wait, not after it.
     Only the engine's functions count (this module's and its ``engine_*``
-    parts'): ``Dict.empty`` compiles Numba's own typed-dict helpers in every
-    process (~0.3 s, never cached), which is no news to the user.  On a
+    parts'): Numba's own helpers that some process compiles (typed
+    containers, never cached) are no news to the user.  On a
     terminal, a bar then counts the engine's functions as they are compiled
     (the wait is tens of seconds on two busy cores).
     """
@@ -263,7 +262,8 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
               expandable: bool = False, stitching: bool = False, release_before_split: bool = True) -> dict:
     """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release).
 
-    The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address (``"live"``).
+    The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address
+    (``"live"``, a table of ``engine_live``).
     """
     cap = 1024
     st = np.zeros(N_ST, np.int64)
@@ -293,7 +293,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
         made = _initial(E, initial)
         if made < 0:
             raise ValueError(f"initial_size {initial} does not fit the sim device")
-    return {"E": E, "live": Dict.empty(types.int64, types.int64)}
+    return {"E": E, "live": live.new_table()}
 
 
 @njit(cache=True, _nrt=False)
@@ -382,82 +382,122 @@ def _sample(st, fst, peak0):
             st[PEAK_SAMPLED] = 1
 
 
+@njit(cache=True, _nrt=False)
+def _after(st, tl_res, tl_alloc, i, timeline):
+    if timeline:
+        tl_res[i] = st[RES]
+        tl_alloc[i] = st[ALLOC]
+
+
+@njit(cache=True, _nrt=False)
+def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc):
+    """The events of [lo, hi) that need no allocation of the engine's own, until one does.
+
+    Returns ``2 * i`` where event ``i`` is left whole for ``run`` (the state must grow first, or
+    it is an ``oom`` or a program's call), ``2 * i + 1`` where event ``i``'s free side is done and
+    its request missed the best fit (``run`` serves it through the whole of ``_malloc``), and
+    ``2 * hi`` at the end.  Without reference counting (see ``_hit``), this loop does most of a
+    replay's work without an atomic operation.
+    """
+    timeline = tl_res.shape[0] >= hi
+    st = E.st
+    for i in range(lo, hi):
+        if _cramped(E) or not live.roomy(keys, books):
+            return 2 * i
+        k = kind[i]
+        peak0 = st[PEAK_RES]
+        if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
+            a = addr[i]
+            is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
+            j = live.find(keys, values, a)
+            if j >= 0:
+                _free(E, live.remove(values, books, j))
+            elif not is_alloc:
+                st[UNMATCHED] += 1
+            if is_alloc:
+                b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                if b < 0:
+                    return 2 * i + 1
+                live.put(keys, values, books, a, b)
+            _sample(st, E.fst, peak0)
+        elif k == codes[_MOVE_OUT]:
+            # The recorded run moved this block; here it stays put, under its new name.
+            st[MOVING] = 0
+            j = live.find(keys, values, addr[i])
+            if j >= 0:
+                st[MOVING] = live.remove(values, books, j) + 1
+        elif k == codes[_MOVE_IN]:
+            if st[MOVING]:
+                live.put(keys, values, books, addr[i], st[MOVING] - 1)
+                st[MOVING] = 0
+        elif k == codes[_OOM] or empties[i]:
+            return 2 * i
+        _after(st, tl_res, tl_alloc, i, timeline)
+    return 2 * hi
+
+
 @njit(cache=True)
-def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_alloc):
-    """Replay events [lo, hi) on ``E``; returns ``E``, rebuilt if its arrays had to grow.
+def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc):
+    """Replay events [lo, hi) on ``E`` and the live table ``keys, values, books`` (``engine_live``);
+    returns ``E``, ``keys`` and ``values``, rebuilt if their arrays had to grow.
 
     ``codes`` holds the trace's code of each kind in ``CODES`` (-1: absent).
     Where ``empties`` is set the recorded program emptied its cache (or compacted),
     and so does the replay, as ``Pool.empty_cache`` does: wait for all streams,
     then give back every wholly free segment but the preallocated one (and free tails).
     ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
-    they are as long as the trace (pass empty arrays otherwise).
+    they are as long as the trace (pass empty arrays otherwise).  ``_fast`` does the common
+    events; this loop the rest: growing the state, requests that miss, recorded OOMs and the program's calls.
     """
     timeline = tl_res.shape[0] >= hi
     st = E.st
-    for i in range(lo, hi):
+    i = lo
+    while i < hi:
+        at = _fast(kind, addr, size, stream, empties, i, hi, codes, E, keys, values, books, tl_res, tl_alloc)
+        i = at // 2
+        if i >= hi:
+            break
+        k = kind[i]
+        if at % 2:  # the free side is done; the request missed (its peak0: a free raises no peak)
+            peak0 = st[PEAK_RES]
+            b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+            if b >= 0:
+                live.put(keys, values, books, addr[i], b)
+            _sample(st, E.fst, peak0)
+            _after(st, tl_res, tl_alloc, i, timeline)
+            i += 1
+            continue
         if _cramped(E):
             E = _roomy(E)
-        k = kind[i]
-        peak0 = st[PEAK_RES]
+        if not live.roomy(keys, books):
+            keys, values = live.rehashed(keys, values, books)
         if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
-            a = addr[i]
-            is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
-            if a in live:
-                b = live[a]
-                del live[a]
-                _free(E, b)
-            elif not is_alloc:
-                st[UNMATCHED] += 1
-            if is_alloc:
-                b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
-                if b < 0:
-                    b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
-                if b >= 0:
-                    live[a] = b
-        elif k == codes[_MOVE_OUT]:
-            # The recorded run moved this block; here it stays put, under its new name.
-            st[MOVING] = 0
-            if addr[i] in live:
-                st[MOVING] = live[addr[i]] + 1
-                del live[addr[i]]
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
+            continue  # it only needed room: _fast takes it
+        if k == codes[_MOVE_OUT] or k == codes[_MOVE_IN]:
             continue
-        elif k == codes[_MOVE_IN]:
-            if st[MOVING]:
-                live[addr[i]] = st[MOVING] - 1
-                st[MOVING] = 0
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
-            continue
-        elif k == codes[_OOM]:
+        if k == codes[_OOM]:
             # The recorded run asked and was refused: ask too (the ladder's side effects
             # shape what follows), and give back at once what a roomier pool hands out.
+            peak0 = st[PEAK_RES]
             b = _malloc(E, size[i], stream[i], False)
             if b >= 0:
                 _free(E, b)
-        else:
-            if empties[i]:
-                settle(E, True)
-                release_free_segments(E, E.cfg[C_VMM])
-                if empties[i] == EMPTY_CACHE and E.cfg[C_VMM]:  # empty_cache() gives holes back too
-                    release_holes(E)
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
-            continue
-        _sample(st, E.fst, peak0)
-        if timeline:
-            tl_res[i] = st[RES]
-            tl_alloc[i] = st[ALLOC]
-    return E
+            _sample(st, E.fst, peak0)
+        elif empties[i]:
+            settle(E, True)
+            release_free_segments(E, E.cfg[C_VMM])
+            if empties[i] == EMPTY_CACHE and E.cfg[C_VMM]:  # empty_cache() gives holes back too
+                release_holes(E)
+        _after(st, tl_res, tl_alloc, i, timeline)
+        i += 1
+    return E, keys, values
 
 
 def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
               empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
               tl_alloc: np.ndarray) -> None:
     """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
-    state["E"] = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], state["live"], tl_res, tl_alloc)
+    keys, values, books = state["live"]
+    state["E"], keys, values = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], keys, values, books,
+                                   tl_res, tl_alloc)
+    state["live"] = keys, values, books
