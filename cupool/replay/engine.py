@@ -64,7 +64,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
     DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES, F_MAX,
     F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_CFG, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
-    PEAK_SAMPLED, PEAK_SEG, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
+    PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
     S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, TAGS_SEEN, UNMATCHED, arena_size,
 )
 from .engine_memory import (
@@ -149,8 +149,15 @@ def _hit(E, n, key, exact):
     return _serve(E, h, b, size, key)
 
 
-@njit(cache=True)
+#: What ``_malloc`` returns when only stitching is left to try (with ``exact`` False or True).
+STITCH, STITCH_EXACT = -2, -3
+
+
+@njit(cache=True, _nrt=False)
 def _malloc(E, n, key, exact):
+    """A request through the whole chain: the block, -1 (out of memory, counted), or ``STITCH`` /
+    ``STITCH_EXACT`` when the ladder's last step, stitching, is left: it allocates scratch arrays,
+    so ``_stitching`` (with reference counting) takes the request from there."""
     st, cfg = E.st, E.cfg
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = SMALL if size <= SMALL_MAX else LARGE
@@ -174,12 +181,25 @@ def _malloc(E, n, key, exact):
     if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:
         b = _find_or_grow(E, h, size, key, exact)
     if b < 0 and cfg[C_STITCH] and h == LARGE:
-        if stitch(E, h, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
-            b = _find_or_grow(E, h, size, key, exact)
+        return STITCH_EXACT if exact else STITCH
     if b < 0:
         st[OOMS] += 1
         return -1
     return _serve(E, h, b, size, key)
+
+
+@njit(cache=True)
+def _stitching(E, n, key, exact):
+    """The ladder's last step for a request ``_malloc`` left to it: stitch, then serve or count an OOM."""
+    st, cfg = E.st, E.cfg
+    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    b = -1
+    if stitch(E, LARGE, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
+        b = _find_or_grow(E, LARGE, size, key, exact)
+    if b < 0:
+        st[OOMS] += 1
+        return -1
+    return _serve(E, LARGE, b, size, key)
 
 
 @njit(cache=True, _nrt=False)
@@ -288,6 +308,7 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
         np.zeros((cap, NIX), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
         np.zeros((NRF, cap), np.int64), np.zeros(cap, np.int64),  # R, FR
         np.full((2, n_streams + 1), GR_NONE, np.int64), va,  # GR, VA
+        np.zeros((2, cap), np.int64),  # W
     )
     if initial:
         made = _initial(E, initial)
@@ -337,11 +358,12 @@ def _roomy(E):
     """``E`` with room for one event's new blocks, segments and regions (a stitch cuts up to one per free block)."""
     st = E.st
     free_blocks = st[FREE_INDEXED] + st[FREE_INDEXED_LARGE]
-    B, FB, S, FS, IX, EXT, R, FR, VA = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA
+    B, FB, S, FS, IX, EXT, R, FR, VA, W = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA, E.W
     grew = False
     if st[BLOCK_IDS] + 4 + free_blocks > B.shape[0]:
         n = 2 * (st[BLOCK_IDS] + 4 + free_blocks)
         B, FB, IX = _grown_rows(B, n), _grown1(FB, n), _grown_rows(IX, n)  # tree nodes are block ids
+        W = np.zeros((2, n + 1), np.int64)  # scratch: nothing to keep
         grew = True
     if st[SEGMENT_IDS] + 4 + free_blocks > S.shape[1]:
         n = 2 * (st[SEGMENT_IDS] + 4 + free_blocks)
@@ -353,7 +375,7 @@ def _roomy(E):
         grew = True
     if not grew:
         return E
-    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA)
+    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA, W)
 
 
 @njit(cache=True, _nrt=False)
@@ -394,10 +416,10 @@ def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, boo
     """The events of [lo, hi) that need no allocation of the engine's own, until one does.
 
     Returns ``2 * i`` where event ``i`` is left whole for ``run`` (the state must grow first, or
-    it is an ``oom`` or a program's call), ``2 * i + 1`` where event ``i``'s free side is done and
-    its request missed the best fit (``run`` serves it through the whole of ``_malloc``), and
-    ``2 * hi`` at the end.  Without reference counting (see ``_hit``), this loop does most of a
-    replay's work without an atomic operation.
+    it is an ``oom`` or a program's call), ``2 * i + 1`` where event ``i``'s request is left to
+    stitching (``st[PENDING]``: what ``_malloc`` returned), and ``2 * hi`` at the end.  Without
+    reference counting (see ``_hit``), this loop does most of a replay's work without an atomic
+    operation.
     """
     timeline = tl_res.shape[0] >= hi
     st = E.st
@@ -417,8 +439,12 @@ def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, boo
             if is_alloc:
                 b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
                 if b < 0:
+                    b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                if b <= STITCH:
+                    st[PENDING] = b
                     return 2 * i + 1
-                live.put(keys, values, books, a, b)
+                if b >= 0:
+                    live.put(keys, values, books, a, b)
             _sample(st, E.fst, peak0)
         elif k == codes[_MOVE_OUT]:
             # The recorded run moved this block; here it stays put, under its new name.
@@ -458,9 +484,9 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
         if i >= hi:
             break
         k = kind[i]
-        if at % 2:  # the free side is done; the request missed (its peak0: a free raises no peak)
+        if at % 2:  # all but stitching is done (peak0: nothing so far raised the peak; stitching may)
             peak0 = st[PEAK_RES]
-            b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+            b = _stitching(E, size[i], stream[i], st[PENDING] == STITCH_EXACT)
             if b >= 0:
                 live.put(keys, values, books, addr[i], b)
             _sample(st, E.fst, peak0)
@@ -480,6 +506,8 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
             # shape what follows), and give back at once what a roomier pool hands out.
             peak0 = st[PEAK_RES]
             b = _malloc(E, size[i], stream[i], False)
+            if b <= STITCH:
+                b = _stitching(E, size[i], stream[i], b == STITCH_EXACT)
             if b >= 0:
                 _free(E, b)
             _sample(st, E.fst, peak0)

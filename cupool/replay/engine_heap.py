@@ -231,13 +231,11 @@ def find(IX, TG, h, size, key):
     return u
 
 
-@njit(cache=True)
-def tagged(E, h, t):
-    """The blocks of tag ``t``'s tree in (size, address) order (an iterative in-order walk)."""
+@njit(cache=True, _nrt=False)
+def tagged_into(E, h, t, out, stack):
+    """The blocks of tag ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
+    walk; ``stack`` is scratch, both at least one longer than the tree); how many."""
     IX, TG = E.IX, E.TG
-    n = TG[h, 0, t + 1]
-    out = np.empty(n, np.int64)
-    stack = np.empty(n + 1, np.int64)
     sp, m = 0, 0
     node = TG[h, ROOT, t + 1]
     while node >= 0 or sp > 0:
@@ -250,6 +248,15 @@ def tagged(E, h, t):
         out[m] = node
         m += 1
         node = IX[node, IX_RIGHT]
+    return m
+
+
+@njit(cache=True)
+def tagged(E, h, t):
+    """``tagged_into`` in arrays of its own."""
+    n = E.TG[h, 0, t + 1]
+    out = np.empty(n, np.int64)
+    tagged_into(E, h, t, out, np.empty(n + 1, np.int64))
     return out
 
 
@@ -317,29 +324,28 @@ def give(B, FB, S, IX, st, TG, h, b, tag):
 
 
 # --------------------------------------------------------------- streams
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def settle(E, wait):
-    """Pool._settle_streams on a sim device with no work in flight: events complete at once."""
-    B, st, TG, DT = E.B, E.st, E.TG, E.DT
+    """Pool._settle_streams on a sim device with no work in flight: events complete at once.
+
+    Each tag's blocks are listed first (into the scratch rows ``E.W``, so that this allocates
+    nothing), since retagging coalesces and so changes the tree being walked.  Whether a tag has
+    free blocks is read as its turn comes: retagging one tag never empties another's tree (a
+    merged block keeps the stricter tag, so a tag's count loses one block and gains the merge).
+    """
+    B, st, TG, DT, W = E.B, E.st, E.TG, E.DT, E.W
     moved = 0
     for h in range(2):
-        tags = np.empty(st[TAGS_SEEN + h], np.int64)
-        nt = 0
         for k in range(st[TAGS_SEEN + h]):
             t = TG[h, 2, k]
-            if TG[h, 0, t + 1] > 0:
-                tags[nt] = t
-                nt += 1
-        for k in range(nt):
-            t = tags[k]
-            if t == -1:
+            if t == -1 or TG[h, 0, t + 1] == 0:
                 continue
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 0
-            ids = tagged(E, h, t)  # the order the heap visits them in
-            for j in range(ids.shape[0]):
-                b = ids[j]
+            m = tagged_into(E, h, t, W[0], W[1])  # the order the heap visits them in
+            for j in range(m):
+                b = W[0, j]
                 if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, TAG] == t:
                     moved += B[b, SIZE]
                     ix_remove(E.B, E.IX, E.st, E.TG, h, b)

@@ -15,8 +15,9 @@ from collections import namedtuple
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
 #: free segment ids; IX, TG: the free index (``engine_heap``); DT: streams with frees since the last
 #: settle; EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
-#: GR: each (size class, stream)'s growing region; VA: free address ranges for regions.
-Engine = namedtuple("Engine", "st fst cfg B FB S FS IX TG DT EXT R FR GR VA")
+#: GR: each (size class, stream)'s growing region; VA: free address ranges for regions; W: two scratch
+#: rows as long as B (a list of blocks and a walk's stack), so that a settle allocates nothing.
+Engine = namedtuple("Engine", "st fst cfg B FB S FS IX TG DT EXT R FR GR VA W")
 
 # Block fields (columns of B, a row per block: the fields a visit reads share a cache line; IX likewise).
 ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
@@ -35,9 +36,11 @@ NRF = 8
 # h's index; TAGS_SEEN + h: the tags heap h's index has seen (the length of its first-seen order).
 (BLOCK_IDS, FREE_BLOCK_IDS, SEGMENT_IDS, FREE_SEGMENT_IDS, FREE_EXTENTS, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG,
  PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, TAGS_SEEN, TAGS_SEEN_LARGE,
- DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED) = range(27)
-N_ST = 27  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+ DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED,
+ PENDING) = range(28)
+N_ST = 28  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
 # PEAK_SAMPLED: whether F_PEAK has a sample taken at the present peak reserved (see engine.run).
+# PENDING: what engine._malloc returned for a request it left to stitching (see engine._fast).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
 # Configuration (entries of cfg): C_VMM expandable segments, C_STITCH stitching, C_VSPAN a growing
