@@ -6,6 +6,14 @@ function's signature does not change when it needs one more table; the heap's
 hot functions, called several times per event, take just the six tables they
 touch (a call passes every field of every array it is given).  The tables grow
 only between events (``engine.run``), which rebuilds the tuple.
+
+Every function that allocates nothing compiles without Numba's reference
+counting (``_nrt=False``): with it, each call that took ``E`` counted
+references to each of its arrays atomically, which cost more than the rules
+themselves (docs/benchmarks.md, "Replay engine speed").  Allocation happens in
+a few functions only: growing the tables (``engine._roomy``), the live table's
+rehash (``engine_live``), and stitching's and ``release_holes``' lists; a
+function that calls one of them needs counting too.
 """
 
 from __future__ import annotations
