@@ -116,6 +116,10 @@ def test_a_plain_pytorch_snapshot_replays_on_plain_segments_and_report_agrees(tm
     row = json.loads(capsys.readouterr().out)
     assert row["settings"]["expandable_segments"] is False and row["settings"]["stitch"] is False
     assert row["peak_reserved"] == 140 * MiB
+    # The report command says the same, and names the settings.
+    assert main(["report", str(path), "-o", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "peak reserved 140 MiB" in out and "expandable_segments=False, stitch=False" in out
     # Expandable segments, given, stitch as the pool's default has it.
     r = replay(trace, {"expandable_segments": True})
     assert (r.config["stitch"], r.peak_reserved) == (True, 90 * MiB)

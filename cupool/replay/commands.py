@@ -265,6 +265,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved")
     print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
           f"{summary['ooms']} OOMs")
+    print(f"settings {_show_config(summary['config'], summary['capacity'], capacity_shown=False)}")
     return 0
 
 
