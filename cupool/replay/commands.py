@@ -51,7 +51,7 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
-                        "and the recorded settings; 'recorded' for the recorded settings alone); every "
+                        "and the recorded settings; 'recorded' for those alone); every "
                         "configuration is checked before the first replay, and rows print as each replay finishes")
     p.add_argument("--device", type=snapshot_device, default=None, metavar="DEVICE",
                    help="which device of a multi-device PyTorch snapshot, named as 'cupool info' names one "
