@@ -44,7 +44,9 @@ from pathlib import Path
 PAGE = 2 << 20
 PATTERNS = ("*.pickle", "*.h5", "*.csv")
 SETTINGS = {
-    "defaults": {},  # whatever Pool's defaults are
+    # Pool's defaults, whatever they are ({} would be the trace's recorded settings: a PyTorch snapshot's own
+    # kind of segments, a cupool trace's own settings).
+    "defaults": {"expandable_segments": None, "stitch": None},
     "plain": {"expandable_segments": False},
     "plain, release_threshold=0": {"expandable_segments": False, "release_threshold": 0},
     "plain, release_before_split=False": {"expandable_segments": False, "release_before_split": False},

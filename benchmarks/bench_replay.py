@@ -1,20 +1,28 @@
-"""Replay throughput: the compiled engine against the real Pool, on the same synthetic trace.
+"""Replay throughput: the compiled engine in every configuration, against the real Pool; and its cold compile.
 
     python benchmarks/bench_replay.py [--events 2000000] [--repeat 5] [--live 2000] [--streams 2]
     python benchmarks/bench_replay.py --traces ../shared/traces [--repeat 21]
+    python benchmarks/bench_replay.py --cold
 
 The trace mixes small (< 1 MiB) and large (1-64 MiB) requests.  It allocates
 until ``--live`` blocks are live, then allocations and frees are equally likely
 while the live count stays between half of ``--live`` and ``--live`` (the mean
 is printed).  Throughput falls slowly as the live count grows: the compiled
 engine keeps its free index in per-stream treaps, O(log free blocks) per insert,
-removal or best-fit search, and more live blocks mean more cache misses.  Prints
-medians and the same-run ratio numba / pool.
+removal or best-fit search, and more live blocks mean more cache misses.  Each
+row of ``SETTINGS`` is replayed on the numba engine and named for what it runs
+(``{}`` would be whatever the trace recorded, and for a synthetic trace the
+pool's defaults, expandable segments with stitching); the pool engine runs the
+defaults on a prefix, for the same-run ratio numba / pool.
 
 With ``--traces FOLDER`` it replays each trace there (PyTorch snapshots, cupool
-traces, RMM logs) instead, on its sized device, with plain segments, expandable
-segments, and expandable segments with stitching, on both engines, and prints
-the median events per second of each (events replayed, seeds left out).
+traces, RMM logs) instead, on its sized device, in every configuration of
+``SETTINGS``, on both engines, and prints the median events per second of each
+(events replayed, seeds left out).
+
+With ``--cold`` it times the engine's first compile in a fresh process with an
+empty Numba cache (``NUMBA_CACHE_DIR`` in a temporary folder), then the same
+process's load from the cache that run filled.
 """
 
 from __future__ import annotations
@@ -57,10 +65,13 @@ def synthetic(n: int, seed: int = 0, live_target: int = 2000, streams: int = 2) 
     return trace, live_sum / max(n, 1)
 
 
+#: Each configuration, named for what it runs.
 SETTINGS = {
-    "plain": {},
-    "expandable": {"expandable_segments": True},
-    "expandable+stitch": {"expandable_segments": True, "stitch": True},
+    "plain": {"expandable_segments": False},
+    "plain, release_threshold=0": {"expandable_segments": False, "release_threshold": 0},
+    "expandable": {"expandable_segments": True, "stitch": False},
+    "expandable+stitch (the defaults)": {"expandable_segments": True, "stitch": True},
+    "expandable+stitch, release_threshold=0": {"expandable_segments": True, "stitch": True, "release_threshold": 0},
 }
 
 
@@ -88,6 +99,7 @@ def real_traces(folder: Path, repeat: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", type=Path, default=None, help="replay the traces in this folder instead")
+    ap.add_argument("--cold", action="store_true", help="time the engine's cold compile and its cache load instead")
     ap.add_argument("--events", type=int, default=2_000_000)
     ap.add_argument("--pool-events", type=int, default=100_000, help="events for the (slow) Pool engine")
     ap.add_argument("--repeat", type=int, default=5)
@@ -96,26 +108,54 @@ def main() -> None:
     ap.add_argument("--capacity", default="64GiB",
                     help="sim device size; about 8 MiB per live allocation avoids OOMs (default 64GiB)")
     args = ap.parse_args()
+    if args.cold:
+        cold()
+        return
     if args.traces is not None:
         replay(synthetic(1000)[0], stop=1000)  # load the compiled engine once
         real_traces(args.traces, args.repeat)
         return
-    cfg = {"capacity": args.capacity}
+    base = {"capacity": args.capacity}
     trace, mean_live = synthetic(args.events, live_target=args.live, streams=args.streams)
     print(f"trace: {args.events} events, {args.streams} stream(s), mean {mean_live:.0f} live allocations")
-    replay(trace, cfg, stop=1000)  # load the compiled engine once
-    fast = [replay(trace, cfg, progress=False) for _ in range(args.repeat)]
-    rate = statistics.median(r.events_per_second for r in fast)
-    print(f"numba engine: {args.events} events, median {statistics.median(r.seconds for r in fast):.3f} s "
-          f"= {rate / 1e6:.2f} M events/s (peak reserved {fast[0].peak_reserved >> 20} MiB, {fast[0].ooms} OOMs)")
+    replay(trace, base, stop=1000)  # load the compiled engine once
+    rate = 0.0
+    for label, setting in SETTINGS.items():
+        cfg = {**base, **setting}
+        fast = [replay(trace, cfg, progress=False) for _ in range(args.repeat)]
+        rate = statistics.median(r.events_per_second for r in fast)
+        print(f"numba engine [{label}]: {args.events} events, median of {args.repeat} "
+              f"{statistics.median(r.seconds for r in fast):.3f} s = {rate / 1e6:.2f} M events/s "
+              f"(peak reserved {fast[0].peak_reserved >> 20} MiB, {fast[0].ooms} OOMs)", flush=True)
+    cfg = {**base, **SETTINGS["expandable+stitch (the defaults)"]}
+    rate = statistics.median(replay(trace, cfg, progress=False).events_per_second for _ in range(args.repeat))
     small = replay(trace, cfg, stop=args.pool_events)
     exact = [replay(trace, cfg, engine="pool", stop=args.pool_events) for _ in range(max(1, args.repeat // 2))]
     prate = statistics.median(r.events_per_second for r in exact)
     same = all(getattr(small, k) == getattr(exact[0], k) for k in ("peak_reserved", "peak_allocated", "peak_segments"))
-    print(f"pool engine:  {args.pool_events} events, {prate / 1e6:.3f} M events/s "
+    print(f"pool engine [expandable+stitch (the defaults)]: {args.pool_events} events, {prate / 1e6:.3f} M events/s "
           f"({1e6 / prate:.2f} us/event); same peaks as numba on this prefix: {same}")
     print(f"ratio numba / pool: {rate / prate:.0f}x")
 
+
+def cold() -> None:
+    """The engine's compile in a fresh process on an empty cache, and its load from that cache."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import time; t = time.perf_counter(); from benchmarks.bench_replay import synthetic; "
+            "from cupool.replay import replay; replay(synthetic(1000)[0], {'capacity': '64GiB'}); "
+            "print(time.perf_counter() - t)")
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for what in ("cold compile (empty cache)", "load from the cache"):
+            out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, capture_output=True,
+                                 text=True).stdout
+            print(f"{what}: {float(out.split()[-1]):.1f} s (import, synthetic trace and a 1000-event replay)",
+                  flush=True)
 
 if __name__ == "__main__":
     t0 = time.perf_counter()

@@ -152,7 +152,11 @@ def test_compare_shows_seeded_blocks_and_unmatched_frees_and_whole_labels(tmp_pa
     header = next(line for line in out if line.startswith("configuration"))
     assert "seeded" in header and "unmatched" in header
     row = next(line for line in out if line.startswith(label + " "))
-    assert row.split()[-3:-1] == ["3", "0"]
+    ran_with = header.index("ran with")
+    assert row[:ran_with].split()[-3:-1] == ["3", "0"]
+    # Each row names the settings it ran with, those left to the pool resolved (issue 25).
+    assert row[ran_with:].startswith("initial_size=0 B, max_size=900MiB, release_threshold=0 B, "
+                                     "release_before_split=True, expandable_segments=False, stitch=False")
     assert "peak allocated 15 MiB" in next(line for line in out if line.startswith("recorded: "))
 
 
@@ -267,10 +271,11 @@ def test_the_programs_own_empty_cache_is_followed_on_the_defaults(tmp_path, betw
     segment whole, and only then does the 50 MiB block map its own."""
     _phases(tmp_path / "phases.pickle", between)
     trace = load_trace(tmp_path / "phases.pickle")
-    fast, exact = (replay(trace, {"capacity": "1GiB"}, engine=e) for e in ("numba", "pool"))
+    defaults = {"capacity": "1GiB", "expandable_segments": None}  # not the recorded (plain) segments
+    fast, exact = (replay(trace, defaults, engine=e) for e in ("numba", "pool"))
     for r in (fast, exact):
         assert (r.peak_reserved, r.segment_frees, r.peak_allocated, r.ooms) == (90 * MiB, segment_frees, 90 * MiB, 0)
-    timeline = replay(trace, {"capacity": "1GiB"}, timeline=True).timeline
+    timeline = replay(trace, defaults, timeline=True).timeline
     assert timeline is not None and int(timeline["reserved"][-1]) == final
 
 
@@ -300,9 +305,16 @@ def test_real_snapshot_with_history_replays_at_its_recorded_peak():
     sized = replay(trace, {"expandable_segments": False})
     assert recorded_peak_reserved(trace) == 1_897_922_560
     assert (sized.capacity, sized.ooms, sized.peak_reserved) == (2_373_976_064, 0, 1_897_922_560)
+    # The recorded settings are the recorded allocator's: plain segments (the snapshot says
+    # expandable_segments False), so the replay reproduces its reserved peak.  Before (issue 25): cupool's
+    # defaults, 1.69 GiB, while ``cupool report`` on the same file said 1.77 GiB.
+    recorded = replay(trace)
+    assert (recorded.config["expandable_segments"], recorded.config["stitch"]) == (False, False)
+    assert recorded.peak_reserved == sized.peak_reserved
     # Pool's defaults (expandable segments, stitched) on the same device: issue 19's target, no more reserved
     # than the recorded allocator's, and both engines agree on it.
-    fast, exact = (replay(trace, engine=e) for e in ("numba", "pool"))
+    fast, exact = (replay(trace, {"expandable_segments": None}, engine=e) for e in ("numba", "pool"))
+    assert fast.config["stitch"] is True  # stitch follows expandable_segments, not the recorded False
     assert fast.peak_reserved == exact.peak_reserved and fast.ooms == exact.ooms == 0
     assert fast.capacity == 2_373_976_064 and r.peak_allocated <= fast.peak_reserved < 1_897_922_560
 
@@ -316,6 +328,8 @@ def test_real_snapshot_without_history_is_a_still_picture():
     sized = replay(trace)  # its 176 segments hold 11,844,714,496 bytes: 11 GiB, past the 4 GiB default
     assert recorded_peak_reserved(trace) == 11_844_714_496
     assert (sized.capacity, sized.ooms, sized.peak_allocated) == (14_805_893_120, 0, 11_840_159_744)
+    # The recorded settings are its allocator's plain segments: its 176, not 2 expandable ones (issue 25).
+    assert (sized.peak_segments, sized.peak_reserved) == (176, 11_844_714_496)
 
 
 def test_a_device_smaller_than_the_seeded_segments_replays_on_both_engines(tmp_path):

@@ -189,7 +189,9 @@ def test_cli_replay_and_compare(tmp_path, capsys):
     assert rows.pop().startswith("max/mean frag: after each alloc/free while anything is allocated")
     assert [r.split()[0] for r in rows] == ["recorded", "max_size=80MiB", "release_threshold=0"]
     assert rows[0].split()[3:5] == peak.split()
-    assert int(rows[1].split()[-2]) > 0  # 80 MiB is too small for these layers: OOMs counted
+    ran_with = lines[2].index("ran with")  # each row ends with the settings it ran with
+    assert int(rows[1][:ran_with].split()[-2]) > 0  # 80 MiB is too small for these layers: unmatched frees
+    assert "max_size=80MiB" in rows[1][ran_with:] and "expandable_segments=True, stitch=True" in rows[1][ran_with:]
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):

@@ -49,9 +49,11 @@ def test_both_engines_start_a_mid_run_window_from_the_recorded_cache(tmp_path):
     kept = replay(trace, {"capacity": "1GiB"})
     assert kept.peak_reserved == 100 * MiB  # the recorded cache: A and C, and the window fits in them
     # release_threshold=0 would never have kept C: it goes back at the start, and the window's
-    # 50 MiB block then needs a segment of its own.  (A is rebuilt by the pool's own rules under a
-    # threshold: its old 20 MiB block gets a segment of its size; see cupool.replay.seed.)
+    # 50 MiB block then needs a segment of its own.  On the recorded (plain) segments A stays whole
+    # (40 MiB); on expandable ones its free tail goes back too, and its old 20 MiB block is left.
     eager = replay(trace, {"capacity": "1GiB", "release_threshold": 0})
+    assert eager.peak_reserved == (40 + 50) * MiB and eager.segment_frees >= 1
+    eager = replay(trace, {"capacity": "1GiB", "release_threshold": 0, "expandable_segments": True})
     assert eager.peak_reserved == (20 + 50) * MiB and eager.segment_frees >= 1
 
 
@@ -113,10 +115,25 @@ def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
               _event("free_completed", A, 12 * MiB, 3)]
     path = tmp_path / "vmm.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
-    assert main(["replay", str(path)]) == 0
+    assert main(["replay", str(path), "--config", "expandable_segments=false"]) == 0
     assert "warning: the recording ran on expandable segments; this replay uses plain segments" in \
         capsys.readouterr().out
     assert not replay(load_trace(path), {"expandable_segments": True}, engine="pool").warnings
+
+
+def test_the_plain_segments_warning_reads_the_settings_the_pool_resolved(tmp_path, capsys):
+    """Before: expandable_segments=None (the default: on wherever the device has virtual memory) was read
+    as plain, and the replay warned that it used plain segments while it ran on expandable ones."""
+    events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
+              _event("free_completed", A, 12 * MiB, 3)]
+    path = tmp_path / "vmm.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    for engine in ("numba", "pool"):
+        r = replay(load_trace(path), {"expandable_segments": None}, engine=engine)
+        assert r.config["expandable_segments"] is True and not r.warnings
+    assert main(["replay", str(path), "--config", "expandable_segments=none"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and "expandable_segments=True, stitch=True" in out
 
 
 def _two_devices(path: Path) -> None:

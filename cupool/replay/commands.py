@@ -13,63 +13,69 @@ from pathlib import Path
 from typing import Any
 
 from .._units import format_bytes
-from ..device import parse_device
+from .._words import count
+from ..device import split_device
+from ..errors import DeviceNameError
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
-from .config import POOL_ENGINE_KEYS, recorded_peak_reserved_of
+from .config import POOL_ENGINE_KEYS, check_settings, recorded_peak_reserved_of
 from .driver import (
     CONFIG_KEYS,
     ENGINES,
     FRAGMENTATION_NOTE,
     ReplayResult,
-    check_config,
     default_engine,
     layout,
     parse_config,
-    recorded_config,
     replay,
     trace_capacity,
 )
 from .report import plot_report
+from .seed import has_history, seed_count, seeded_blocks
+
+
+REPLAY_DESCRIPTION = (
+    "Replay a trace's allocations and frees on a fresh pool over the sim device (no GPU needed), and report peak "
+    "reserved and allocated memory, fragmentation, OOMs and segments.  By default a trace replays under the "
+    "recorded allocator's settings: a cupool trace's own, a PyTorch snapshot's kind of segments (plain, or "
+    "expandable without stitching).  --config changes settings over those; --compare replays once per "
+    "configuration and prints one row each.  Every result names the settings it ran with.")
+REPORT_DESCRIPTION = (
+    "Replay a trace as 'cupool replay' does (the same settings give the same figures) and plot memory over "
+    "time, fragmentation over time and a segment map at the peak reserved moment, into one image.")
 
 
 def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``replay`` and ``report`` through ``add_parser`` (a subparsers object's ``add_parser``)."""
     p = add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation",
-                   description="Replay a trace (a cupool recording, a PyTorch memory snapshot or an RMM log) on a "
-                               "fresh pool on the sim device, under its recorded settings or others, and print peak "
-                               "reserved and allocated memory, fragmentation, OOMs and segments.  --compare replays "
-                               "several configurations and prints one row each.  No GPU is needed.")
+                   description=REPLAY_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
-                   help="replay once per configuration (each K=V,... with the keys --config takes; 'recorded' "
-                        "for the recorded settings); rows print as each replay finishes")
-    p.add_argument("--device", default="auto",
-                   help="which recorded device of a multi-device PyTorch snapshot to replay, named as info and demo "
-                        "name devices: cuda:N (sim:N reads the same); auto (default): the one with the most events. "
-                        "The replay runs on the sim device whatever it names")
+                   help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
+                        "and the recorded settings; 'recorded' for those alone); every "
+                        "configuration is checked before the first replay, and rows print as each replay finishes")
+    p.add_argument("--device", type=snapshot_device, default=None, metavar="DEVICE",
+                   help="which device of a multi-device PyTorch snapshot, named as 'cupool info' names one "
+                        "(cuda:1, or sim:1) or by its index (1); default: the one with the most events")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
                         "and spilling); default: pool for traces with movable buffers, else numba")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on for long traces on a terminal)")
+                   help="progress bar on stderr (default: on for long traces on a terminal)")
     p.add_argument("--json", action="store_true",
                    help="print each configuration's results as one JSON object per line, and nothing else")
     p.set_defaults(func=_cmd_replay)
     p = add_parser("report", help="plot memory, fragmentation and a segment map of a trace",
-                   description="Replay a trace on the sim device, as replay does, and draw one figure: reserved and "
-                               "allocated memory over time with the recorded events and the replay's own OOMs "
-                               "marked, fragmentation over time, and a map of the segments at peak reserved.  A trace "
-                               "with movable buffers is replayed on the pool engine, any other on the numba engine.")
+                   description=REPORT_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default="report.png",
-                   help="image to write (default report.png), '-' for standard output; a device or FIFO is "
-                        "written into")
+                   help="image to write (default report.png; a folder gets report.png in it, a name without an "
+                        "extension gets .png), '-' for standard output; a device or FIFO is written into")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones: {', '.join(CONFIG_KEYS)}; a trace with movable "
-                        "buffers also takes the other keyword arguments of cupool.Pool")
+                        f"buffers also takes {', '.join(k for k in POOL_ENGINE_KEYS if k not in CONFIG_KEYS)}")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
 
@@ -77,6 +83,25 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 #: What ``--config`` takes, exactly (``check_config`` refuses anything else).
 _KEYS = (f"the numba engine takes {', '.join(CONFIG_KEYS)}; the pool engine takes "
          f"{', '.join(POOL_ENGINE_KEYS)}")
+
+
+def snapshot_device(text: str) -> int:
+    """``--device``: a PyTorch snapshot's device, named as ``info`` and ``demo`` name one, or by its index.
+
+    ``cuda:1`` and ``sim:1`` (the sim device numbers its devices like GPUs) both
+    mean the snapshot's device 1, ``cuda`` its device 0; a bare ``1`` is still
+    taken, as before devices had names here.
+    """
+    bare = text.strip()
+    if bare.isascii() and bare.isdigit():
+        return int(bare)
+    try:
+        kind, index = split_device(text)  # the syntax every device name follows
+    except DeviceNameError:
+        kind, index = "", None
+    if kind not in ("cuda", "sim"):
+        raise argparse.ArgumentTypeError(f"expected a device such as cuda:1 (or its index, 1), got {text!r}")
+    return 0 if index is None else index
 
 
 def _add_capacity(p: argparse.ArgumentParser) -> None:
@@ -96,13 +121,17 @@ def _base_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace, device=_recorded_device(args.device))
+    trace = load_trace(args.trace, device=args.device)
     base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
     engine = args.engine or default_engine(trace, *configs)  # one engine for every configuration compared
-    for c in configs:  # reject a bad key before spending time on any replay
-        check_config({**recorded_config(trace, engine), **c}, engine)
+    for c in configs:  # refuse a bad key or value before spending time on any replay
+        check_settings(trace, c, engine)
+    if engine == "numba":  # the compile notice goes out before the output, not between its lines
+        from .numba_engine import prepare
+
+        prepare(trace)
     recorded_peak = recorded_peak_allocated(trace)
     recorded_reserved = recorded_peak_reserved_of(trace)
     results = (replay(trace, c, engine=engine, progress=args.progress) for c in configs)  # one at a time
@@ -118,8 +147,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         r = next(results)
         _warn(r)
         if not r.history:
-            print(f"no history to replay: this snapshot records no events, only the {r.seeded_blocks} "
-                  "blocks alive when it was taken; what follows is that still picture, allocated on a fresh pool")
+            print(_still_note(r.seeded_blocks))
         print(f"configuration      {_show_config(r.config, r.capacity)}")
         recorded = "" if recorded_reserved is None else f" (recorded: {format_bytes(recorded_reserved)})"
         rate = r.events_per_second
@@ -152,8 +180,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if recorded_reserved is not None or recorded_peak is not None:
         print(f"recorded: peak reserved {format_bytes(recorded_reserved) if recorded_reserved else 'unknown'}, "
               f"peak allocated {format_bytes(recorded_peak) if recorded_peak is not None else 'unknown'}")
+    if not has_history(trace):
+        print(_still_note(seeded_blocks(trace, seed_count(trace, len(trace)))))
     print(f"{'configuration':<{width}} {'capacity':>10} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} "
-          f"{'mean frag':>9} {'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}", flush=True)
+          f"{'mean frag':>9} {'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}  ran with",
+          flush=True)
     warned: set[str] = set()
     for name, r in zip(names, results):
         for w in r.warnings:
@@ -163,20 +194,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"{name:<{width}} {format_bytes(r.capacity):>10} {format_bytes(r.peak_reserved):>13} "
               f"{format_bytes(r.peak_allocated):>11} {r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} "
               f"{r.fragmentation_at_peak:>9.3f} {r.ooms:>5} {r.seeded_blocks:>7} {r.unmatched_frees:>9} "
-              f"{r.seconds:>7.3f}s", flush=True)
+              f"{r.seconds:>7.3f}s  {_show_config(r.config, r.capacity, capacity_shown=False)}", flush=True)
     print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; seeded: blocks alive "
           f"before the recording started; unmatched: frees of blocks the replay never held ({engine} engine)")
     return 0
 
 
-def _recorded_device(name: str) -> int | None:
-    """``--device`` as the index of a snapshot's device (None: "auto", the busiest), read by ``parse_device``."""
-    if name.strip().lower() == "auto":
-        return None
-    try:
-        return parse_device(name, None, note_fallback=False, present=False)[1]
-    except ValueError as e:
-        raise ValueError(f"--device {name}: {e}") from None
+def _still_note(blocks: int) -> str:
+    return (f"no history to replay: this snapshot records no events, only the {blocks} blocks alive when it was "
+            "taken; what follows is that still picture, allocated on a fresh pool")
 
 
 def _warn(r: ReplayResult) -> None:
@@ -217,10 +243,13 @@ def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
     }
 
 
-def _show_config(cfg: dict[str, Any], capacity: int) -> str:
-    """The settings a replay ran with; the capacity as the sim device has it (rounded to its 2 MiB page)."""
+def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = True) -> str:
+    """The settings a replay ran with; the capacity as the sim device has it (rounded to its 2 MiB page),
+    or left out where a column already shows it."""
     sizes = ("capacity", "initial_size", "max_size", "release_threshold")
-    shown = {**cfg, "capacity": capacity} if "capacity" in cfg else cfg
+    shown = {**cfg, "capacity": capacity} if "capacity" in cfg else dict(cfg)
+    if not capacity_shown:
+        shown.pop("capacity", None)
     return ", ".join(f"{k}={format_bytes(v) if k in sizes and isinstance(v, int) else v}"
                      for k, v in shown.items()) or "defaults"
 
@@ -243,7 +272,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
     print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
-          f"{summary['ooms']} OOMs", file=said)
+          f"{count(summary['ooms'], 'OOM')}", file=said)
+    print(f"settings {_show_config(summary['config'], summary['capacity'], capacity_shown=False)}", file=said)
     return 0
 
 

@@ -76,9 +76,18 @@ def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
 
 
 def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
-    """The recording pool's settings, as replay arguments (empty for foreign traces)."""
+    """The recording allocator's settings, as replay arguments.
+
+    A cupool trace's are the recording pool's, defaults resolved (``Pool.config``
+    records what was in force).  A PyTorch snapshot's allocator ran on plain
+    segments unless it says it used expandable ones (``recorded_on_vmm``), and
+    PyTorch never stitches: replaying it on cupool's defaults instead would
+    compare another allocator with the recording.  An RMM log says nothing.
+    """
     rec = trace.config
     cfg = {k: rec[k] for k in CONFIG_KEYS if rec.get(k) is not None}
+    if trace.format == "torch":
+        cfg["expandable_segments"], cfg["stitch"] = recorded_on_vmm(trace), False
     if "capacity" not in cfg and rec.get("limit"):
         # Recorded on a GPU: the sim device gets the pool's limit as its size.  The
         # limit already applies max_size and memory_fraction; applying them again
@@ -97,6 +106,46 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
             # memory: a trace file must never choose where a replay writes.
             cfg["spill"] = "host"
     return cfg
+
+
+def replay_settings(trace: Trace, config: dict[str, Any] | None, engine: str) -> dict[str, Any]:
+    """``config`` over the recorded settings (``recorded_config``): what a replay is built with.
+
+    A setting derived from another (``stitch`` from ``expandable_segments``:
+    None follows it) is taken from the recording only
+    while what it derives from is the recorded value.  Given
+    ``expandable_segments=false`` over a recording on the defaults, the recorded
+    ``stitch=True`` no longer applies (it would be refused: stitching needs
+    expandable segments); given ``expandable_segments=true`` over a plain
+    recording, stitching follows the pool's default as it would in a fresh pool.
+    """
+    given = config or {}
+    cfg = recorded_config(trace, engine)
+    if ("expandable_segments" in given and "stitch" not in given
+            and given["expandable_segments"] != cfg.get("expandable_segments")):
+        cfg.pop("stitch", None)
+    return {**cfg, **given}
+
+
+def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
+    """The settings a replay ran with: ``cfg`` with the pool's own resolution of what it left to defaults.
+
+    Whether the segments were expandable and stitched, and the release rules, are
+    the pool's to decide (None: where the device has virtual memory); a result says
+    what they came to, so that every row names the settings it really ran with.
+    """
+    resolved = {**cfg, "expandable_segments": pool.config["expandable_segments"], "stitch": pool.config["stitch"],
+                "release_threshold": pool.release_threshold, "release_before_split": pool.release_before_split}
+    order = [k for k in CONFIG_KEYS if k in resolved] + [k for k in resolved if k not in CONFIG_KEYS]
+    return {k: resolved[k] for k in order}
+
+
+def plain_replay_warning(trace: Trace, settings: dict[str, Any]) -> str | None:
+    """A warning when a recording on expandable segments is replayed on plain ones (``settings``: resolved)."""
+    if recorded_on_vmm(trace) and not settings.get("expandable_segments"):
+        return ("the recording ran on expandable segments; this replay uses plain segments "
+                "(--config expandable_segments=true replays like with like)")
+    return None
 
 
 def trace_capacity(trace: Trace) -> tuple[int | str, str] | None:
@@ -153,6 +202,14 @@ def check_config(config: dict[str, Any], engine: str) -> None:
             raise ValueError(f"configuration key {key!r} is only modelled by the pool engine: use --engine pool")
         raise ValueError(f"unknown configuration key {key!r} (the numba engine takes {', '.join(CONFIG_KEYS)}; "
                          f"the pool engine takes {', '.join(POOL_ENGINE_KEYS)})")
+
+
+def check_settings(trace: Trace, config: dict[str, Any] | None, engine: str) -> None:
+    """Refuse what a replay of ``trace`` with ``config`` on ``engine`` would refuse, without replaying:
+    an unknown key, a key the engine does not model, or a value the pool refuses (made and closed at once)."""
+    cfg = replay_settings(trace, config, engine)
+    check_config(cfg, engine)
+    sim_pool(cfg, trace, config).close()
 
 
 def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None = None) -> Pool:

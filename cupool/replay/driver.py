@@ -70,8 +70,9 @@ from .config import (
     check_config,
     default_engine,
     parse_config,
+    plain_replay_warning,
     recorded_config,
-    recorded_on_vmm,
+    replay_settings,
     trace_capacity,
     uses_movables,
 )
@@ -81,7 +82,7 @@ from .result import FRAGMENTATION_NOTE, ReplayResult
 __all__ = [
     "CONFIG_KEYS", "ENGINES", "FRAGMENTATION_NOTE", "MOVABLE_KINDS", "POOL_ENGINE_KEYS", "POOL_KEYS", "VMM_KEYS",
     "ReplayResult", "accepted_keys", "check_config", "default_engine", "layout", "parse_config", "recorded_config",
-    "replay", "trace_capacity", "uses_movables",
+    "replay", "replay_settings", "trace_capacity", "uses_movables",
 ]
 
 #: Traces this long show a progress bar by default (on a terminal).
@@ -108,7 +109,7 @@ def replay(
     """
     trace = _as_trace(trace, "replay")
     engine = default_engine(trace, config) if engine is None else engine
-    cfg = {**recorded_config(trace, engine), **(config or {})}
+    cfg = replay_settings(trace, config, engine)
     check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     if progress is None:
@@ -119,10 +120,9 @@ def replay(
         from .numba_engine import replay_numba  # imports numba: only when it is used
 
         result = replay_numba(trace, cfg, n, timeline, progress, config)[0]
-    if recorded_on_vmm(trace) and not cfg.get("expandable_segments"):
-        result.warnings.append(
-            "the recording ran on expandable segments; this replay uses plain segments "
-            "(--config expandable_segments=true replays like with like)")
+    warning = plain_replay_warning(trace, result.config)  # the settings the pool resolved, not the given ones
+    if warning:
+        result.warnings.append(warning)
     return result
 
 
@@ -136,7 +136,7 @@ def layout(
     """
     trace = _as_trace(trace, "layout")
     engine = default_engine(trace, config) if engine is None else engine
-    cfg = {**recorded_config(trace, engine), **(config or {})}
+    cfg = replay_settings(trace, config, engine)
     check_config(cfg, engine)
     n = len(trace) if stop is None else max(0, min(stop, len(trace)))
     out = []

@@ -32,7 +32,7 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
   after releasing, for large requests;
 * release before split (``release_before_split``, Note [Release before split]
-  in ``cupool.pressure.policy``): a large raw request whose best fit is a wholly
+  in ``cupool.pressure.growth``): a large raw request whose best fit is a wholly
   free plain segment, not preallocated, larger than the request's pages, gives
   that segment back and grows by just those pages instead, when the limit has
   no room for another segment that size.
@@ -52,30 +52,30 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from numba import types
 from numba.core import event
 from numba.core.registry import CPUDispatcher
-from numba.typed import Dict
 
 from ..core import rules
 from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
 from ..device.vmm import address_arena
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
+from . import engine_live as live
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
-    ADDR, ALLOC, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN, DEV_ALLOCS,
-    DEV_FREES, F_MAX, F_PEAK, F_SUM, FREE, GR_NONE, MOVING, N_CFG, N_ST, NB, PEAK_SAMPLED, NBF, NEXT, NEXT_N, NIX, NIX0, NIX1,
-    NORD0, NR, NRF, NS, NSEG, NSF, NVA, OOMS, PEAK_ALLOC, PEAK_RES, PEAK_SEG, RES, ROOT, S_ADDR, S_ALIVE, S_HEAD,
-    S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, SAMPLES, SEG, SIZE, STITCHES, STREAM, UNMATCHED, Engine,
+    ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
+    DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES, F_MAX,
+    F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_CFG, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
+    PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
+    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, TAGS_SEEN, UNMATCHED,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
 
 # The rule book's rules (``cupool.core.rules``), compiled: the pool calls the same functions.
-_gives_back_before_split = njit(cache=True)(rules.gives_back_before_split)
-_release_cuts_holes = njit(cache=True)(rules.release_cuts_holes)
+_gives_back_before_split = njit(cache=True, _nrt=False)(rules.gives_back_before_split)
+_release_cuts_holes = njit(cache=True, _nrt=False)(rules.release_cuts_holes)
 
 #: Event kinds ``run`` acts on, in the order of its ``codes`` argument.
 CODES = ("alloc", "free", "oom", "alloc_movable", "free_movable", "move_out", "move_in")
@@ -83,7 +83,7 @@ _ALLOC, _FREE, _OOM, _ALLOC_MOV, _FREE_MOV, _MOVE_OUT, _MOVE_IN = range(7)
 
 
 # ----------------------------------------------------------- requests
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _grow(E, h, size, key, exact):
     """The segment source's ``grow`` within the limit's room: a free block from new memory, or -1."""
     cfg, st = E.cfg, E.st
@@ -108,7 +108,7 @@ def _grow(E, h, size, key, exact):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _find_or_grow(E, h, size, key, exact):
     b = find(E.IX, E.TG, h, size, key)
     if b < 0:
@@ -116,22 +116,65 @@ def _find_or_grow(E, h, size, key, exact):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
+def _releases(E, h, b, size, exact):
+    """Note [Release before split]: whether best fit ``b`` is a wholly free plain segment to give back
+    rather than split for ``size`` bytes, as ``cupool.core.rules.gives_back_before_split`` says."""
+    cfg, S, s = E.cfg, E.S, E.B[b, SEG]
+    return (cfg[C_SPLIT] != 0 and h == LARGE and not exact and E.B[b, SIZE] == S[S_SIZE, s]
+            and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
+            and _gives_back_before_split(-(-size // PAGE) * PAGE, E.B[b, SIZE], cfg[C_LIMIT], E.st[RES]))
+
+
+@njit(cache=True, _nrt=False)
+def _serve(E, h, b, size, key):
+    """Take ``size`` bytes of free block ``b`` for stream ``key``, and count them."""
+    st = E.st
+    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
+    E.B[b, STREAM] = key
+    st[ALLOC] += size
+    if st[ALLOC] > st[PEAK_ALLOC]:
+        st[PEAK_ALLOC] = st[ALLOC]
+    return b
+
+
+@njit(cache=True, _nrt=False)
+def _hit(E, n, key, exact):
+    """``_malloc``'s first step alone: a best fit that release before split leaves be, served; -1 (nothing
+    changed) sends the request through the whole of ``_malloc``.
+
+    Most requests stop here.  It allocates nothing, so it compiles without Numba's reference
+    counting, whose atomic increments on every array of ``E`` cost more than the placement itself
+    (``_malloc`` needs it: the ladder's steps allocate scratch arrays).
+    """
+    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    h = SMALL if size <= SMALL_MAX else LARGE
+    b = find(E.IX, E.TG, h, size, key)
+    if b < 0 or _releases(E, h, b, size, exact):
+        return -1
+    return _serve(E, h, b, size, key)
+
+
+#: What ``_malloc`` returns when only stitching is left to try (with ``exact`` False or True).
+STITCH, STITCH_EXACT = -2, -3
+
+
+@njit(cache=True, _nrt=False)
 def _malloc(E, n, key, exact):
+    """A request through the whole chain: the block, -1 (out of memory, counted), or ``STITCH`` /
+    ``STITCH_EXACT`` when the ladder's last step, stitching, is left: it allocates scratch arrays,
+    so ``_stitching`` (with reference counting) takes the request from there."""
     st, cfg = E.st, E.cfg
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = SMALL if size <= SMALL_MAX else LARGE
     b = find(E.IX, E.TG, h, size, key)
-    if b < 0 and st[NORD0 + h] > 1:
+    if b < 0 and st[TAGS_SEEN + h] > 1:
         settle(E, False)
         b = find(E.IX, E.TG, h, size, key)
-    if b >= 0 and cfg[C_SPLIT] and h == LARGE and not exact:  # Note [Release before split]
-        S, s = E.S, E.B[SEG, b]
-        if (E.B[SIZE, b] == S[S_SIZE, s] and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
-                and _gives_back_before_split(-(-size // PAGE) * PAGE, E.B[SIZE, b], cfg[C_LIMIT], st[RES])):
-            drop_segment(E, s)
-            b = -1
-            exact = True  # the released room serves just this request
+    if b >= 0 and _releases(E, h, b, size, exact):
+        drop_segment(E, E.B[b, SEG])
+        b = -1
+        exact = True  # the released room serves just this request
     if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
@@ -148,31 +191,39 @@ def _malloc(E, n, key, exact):
         if released > 0:
             b = _find_or_grow(E, h, size, key, exact)
     if b < 0 and cfg[C_STITCH] and h == LARGE:
-        if stitch(E, h, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
-            b = _find_or_grow(E, h, size, key, exact)
+        return STITCH_EXACT if exact else STITCH
     if b < 0:
         st[OOMS] += 1
         return -1
-    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
-    E.B[STREAM, b] = key
-    st[ALLOC] += size
-    if st[ALLOC] > st[PEAK_ALLOC]:
-        st[PEAK_ALLOC] = st[ALLOC]
-    return b
+    return _serve(E, h, b, size, key)
 
 
 @njit(cache=True)
+def _stitching(E, n, key, exact):
+    """The ladder's last step for a request ``_malloc`` left to it: stitch, then serve or count an OOM."""
+    st, cfg = E.st, E.cfg
+    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    b = -1
+    if stitch(E, LARGE, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
+        b = _find_or_grow(E, LARGE, size, key, exact)
+    if b < 0:
+        st[OOMS] += 1
+        return -1
+    return _serve(E, LARGE, b, size, key)
+
+
+@njit(cache=True, _nrt=False)
 def _free(E, b):
     B, S, st, cfg = E.B, E.S, E.st, E.cfg
-    h = S[S_KIND, B[SEG, b]]
-    key = B[STREAM, b]
-    st[ALLOC] -= B[SIZE, b]
+    h = S[S_KIND, B[b, SEG]]
+    key = B[b, STREAM]
+    st[ALLOC] -= B[b, SIZE]
     E.DT[key] = 1
     merged = give(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, key)
     if cfg[C_VMM]:
         freed(E, merged)
     elif cfg[C_THRESHOLD] >= 0:
-        s = B[SEG, merged]
+        s = B[merged, SEG]
         if S[S_USED, s] == 0 and S[S_KEEP, s] == 0 and st[RES] > cfg[C_THRESHOLD]:
             drop_segment(E, s)
 
@@ -188,8 +239,8 @@ class _CompileNotice(event.Listener):
     cache had no entry, so a load from the cache (well under a second) stays
     quiet and a compile (~14 s) is announced before the wait, not after it.
     Only the engine's functions count (this module's and its ``engine_*``
-    parts'): ``Dict.empty`` compiles Numba's own typed-dict helpers in every
-    process (~0.3 s, never cached), which is no news to the user.  On a
+    parts'): Numba's own helpers that some process compiles (typed
+    containers, never cached) are no news to the user.  On a
     terminal, a bar then counts the engine's functions as they are compiled
     (the wait is tens of seconds on two busy cores).
     """
@@ -241,7 +292,8 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
               expandable: bool = False, stitching: bool = False, release_before_split: bool = True) -> dict:
     """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release).
 
-    The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address (``"live"``).
+    The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address
+    (``"live"``, a table of ``engine_live``).
     """
     cap = 1024
     st = np.zeros(N_ST, np.int64)
@@ -252,36 +304,38 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
     cfg[C_SPLIT] = release_before_split
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
-    st[NEXT_N] = 1
+    st[FREE_EXTENTS] = 1
     va = np.zeros((2, cap + 2), np.int64)
     va[1, 0] = cfg[C_ARENA]
-    st[NVA] = 1
+    st[FREE_VA_RANGES] = 1
     # Per heap and tag + 1: free block count, seen, first-seen order (by position), tree root.
     tg = np.zeros((2, 4, n_streams + 1), np.int64)
     tg[:, ROOT, :] = -1
     E = Engine(
         st, np.zeros(3, np.float64), cfg,
-        np.zeros((NBF, cap), np.int64), np.zeros(cap, np.int64),  # B, FB
+        np.zeros((cap, NBF), np.int64), np.zeros(cap, np.int64),  # B (a row per block), FB
         np.zeros((NSF, cap), np.int64), np.zeros(cap, np.int64),  # S, FS
-        np.zeros((1, NIX, cap), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
+        np.zeros((cap, NIX), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
         np.zeros((NRF, cap), np.int64), np.zeros(cap, np.int64),  # R, FR
         np.full((2, n_streams + 1), GR_NONE, np.int64), va,  # GR, VA
+        np.zeros((2, cap), np.int64),  # W
     )
     if initial:
         made = _initial(E, initial)
         if made < 0:
             raise ValueError(f"initial_size {initial} does not fit the sim device")
-    return {"E": E, "live": Dict.empty(types.int64, types.int64)}
+    return {"E": E, "live": live.new_table()}
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _initial(E, nbytes):
     if E.cfg[C_VMM]:
         return vm_new_segment(E, LARGE, nbytes, -1, 1)
     return new_segment(E, LARGE, nbytes, -1, 1)
 
 
-# The state's arrays, grown along their last axis.  Plain loops, not slice assignment: Numba
+# The state's arrays, grown along their last axis (B and IX along their first: a row per block, so that a
+# block's fields share a cache line).  Plain loops, not slice assignment: Numba
 # compiles a slice assignment's broadcasting and its error messages, seconds of a cold start.
 @njit(cache=True)
 def _grown1(a, n):
@@ -301,12 +355,11 @@ def _grown2(a, n):
 
 
 @njit(cache=True)
-def _grown3(a, n):
-    out = np.zeros((a.shape[0], a.shape[1], n), np.int64)
+def _grown_rows(a, n):
+    out = np.zeros((n, a.shape[1]), np.int64)
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
-            for k in range(a.shape[2]):
-                out[i, j, k] = a[i, j, k]
+            out[i, j] = a[i, j]
     return out
 
 
@@ -314,116 +367,179 @@ def _grown3(a, n):
 def _roomy(E):
     """``E`` with room for one event's new blocks, segments and regions (a stitch cuts up to one per free block)."""
     st = E.st
-    free_blocks = st[NIX0] + st[NIX1]
-    B, FB, S, FS, IX, EXT, R, FR, VA = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA
+    free_blocks = st[FREE_INDEXED] + st[FREE_INDEXED_LARGE]
+    B, FB, S, FS, IX, EXT, R, FR, VA, W = E.B, E.FB, E.S, E.FS, E.IX, E.EXT, E.R, E.FR, E.VA, E.W
     grew = False
-    if st[NB] + 4 + free_blocks > B.shape[1]:
-        n = 2 * (st[NB] + 4 + free_blocks)
-        B, FB, IX = _grown2(B, n), _grown1(FB, n), _grown3(IX, n)  # tree nodes are block ids
+    if st[BLOCK_IDS] + 4 + free_blocks > B.shape[0]:
+        n = 2 * (st[BLOCK_IDS] + 4 + free_blocks)
+        B, FB, IX = _grown_rows(B, n), _grown1(FB, n), _grown_rows(IX, n)  # tree nodes are block ids
+        W = np.zeros((2, n + 1), np.int64)  # scratch: nothing to keep
         grew = True
-    if st[NS] + 4 + free_blocks > S.shape[1]:
-        n = 2 * (st[NS] + 4 + free_blocks)
+    if st[SEGMENT_IDS] + 4 + free_blocks > S.shape[1]:
+        n = 2 * (st[SEGMENT_IDS] + 4 + free_blocks)
         S, FS, EXT = _grown2(S, n), _grown1(FS, n), _grown2(EXT, n + 2)
         grew = True
-    if st[NR] + 4 > R.shape[1]:
+    if st[REGION_IDS] + 4 > R.shape[1]:
         n = 2 * R.shape[1]
         R, FR, VA = _grown2(R, n), _grown1(FR, n), _grown2(VA, n + 2)
         grew = True
     if not grew:
         return E
-    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA)
+    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA, W)
+
+
+@njit(cache=True, _nrt=False)
+def _cramped(E):
+    """Whether ``E`` may lack room for one event's new blocks, segments and regions (see ``_roomy``)."""
+    st = E.st
+    free_blocks = st[FREE_INDEXED] + st[FREE_INDEXED_LARGE]
+    return (st[BLOCK_IDS] + 4 + free_blocks > E.B.shape[0] or st[SEGMENT_IDS] + 4 + free_blocks > E.S.shape[1]
+            or st[REGION_IDS] + 4 > E.R.shape[1])
+
+
+@njit(cache=True, _nrt=False)
+def _sample(st, fst, peak0):
+    """Fragmentation after an event, while something is allocated (``peak0``: the peak reserved before it)."""
+    frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
+    if st[PEAK_RES] > peak0:  # a new peak: its fragmentation is its first sample's
+        st[PEAK_SAMPLED] = 0
+        fst[F_PEAK] = 0.0
+    if st[ALLOC]:
+        fst[F_SUM] += frag
+        if frag > fst[F_MAX]:
+            fst[F_MAX] = frag
+        st[SAMPLES] += 1
+        if st[PEAK_SAMPLED] == 0 and st[RES] == st[PEAK_RES]:
+            fst[F_PEAK] = frag
+            st[PEAK_SAMPLED] = 1
+
+
+@njit(cache=True, _nrt=False)
+def _after(st, tl_res, tl_alloc, tl_oom, i, timeline, ooms0):
+    """The timeline after event ``i``: reserved and allocated bytes, and the replay's own OOMs in it."""
+    if timeline:
+        tl_res[i] = st[RES]
+        tl_alloc[i] = st[ALLOC]
+        tl_oom[i] = st[OOMS] - ooms0
+
+
+@njit(cache=True, _nrt=False)
+def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
+    """The events of [lo, hi) that need no allocation of the engine's own, until one does.
+
+    Returns ``2 * i`` where event ``i`` is left whole for ``run`` (the state must grow first, or
+    it is an ``oom`` or a program's call), ``2 * i + 1`` where event ``i``'s request is left to
+    stitching (``st[PENDING]``: what ``_malloc`` returned), and ``2 * hi`` at the end.  Without
+    reference counting (see ``_hit``), this loop does most of a replay's work without an atomic
+    operation.
+    """
+    timeline = tl_res.shape[0] >= hi
+    st = E.st
+    for i in range(lo, hi):
+        if _cramped(E) or not live.roomy(keys, books):
+            return 2 * i
+        k = kind[i]
+        peak0, ooms0 = st[PEAK_RES], st[OOMS]
+        if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
+            a = addr[i]
+            is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
+            j = live.find(keys, values, a)
+            if j >= 0:
+                _free(E, live.remove(values, books, j))
+            elif not is_alloc:
+                st[UNMATCHED] += 1
+            if is_alloc:
+                b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                if b < 0:
+                    b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                if b <= STITCH:
+                    st[PENDING] = b
+                    return 2 * i + 1
+                if b >= 0:
+                    live.put(keys, values, books, a, b)
+            _sample(st, E.fst, peak0)
+        elif k == codes[_MOVE_OUT]:
+            # The recorded run moved this block; here it stays put, under its new name.
+            st[MOVING] = 0
+            j = live.find(keys, values, addr[i])
+            if j >= 0:
+                st[MOVING] = live.remove(values, books, j) + 1
+        elif k == codes[_MOVE_IN]:
+            if st[MOVING]:
+                live.put(keys, values, books, addr[i], st[MOVING] - 1)
+                st[MOVING] = 0
+        elif k == codes[_OOM] or empties[i]:
+            return 2 * i
+        _after(st, tl_res, tl_alloc, tl_oom, i, timeline, ooms0)
+    return 2 * hi
 
 
 @njit(cache=True)
-def run(kind, addr, size, stream, empties, lo, hi, codes, E, live, tl_res, tl_alloc, tl_oom):
-    """Replay events [lo, hi) on ``E``; returns ``E``, rebuilt if its arrays had to grow.
+def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
+    """Replay events [lo, hi) on ``E`` and the live table ``keys, values, books`` (``engine_live``);
+    returns ``E``, ``keys`` and ``values``, rebuilt if their arrays had to grow.
 
     ``codes`` holds the trace's code of each kind in ``CODES`` (-1: absent).
     Where ``empties`` is set the recorded program emptied its cache (or compacted),
     and so does the replay, as ``Pool.empty_cache`` does: wait for all streams,
     then give back every wholly free segment but the preallocated one (and free tails).
     ``tl_res``/``tl_alloc`` receive reserved/allocated bytes after each event when
-    they are as long as the trace (pass empty arrays otherwise), and ``tl_oom`` the
-    replay's own OOMs in each event (only allocation events can run out).
+    they are as long as the trace (pass empty arrays otherwise), and ``tl_oom`` the replay's
+    own OOMs in each event (only allocation events can run out).  ``_fast`` does the common
+    events; this loop the rest: growing the state, requests that miss, recorded OOMs and the program's calls.
     """
     timeline = tl_res.shape[0] >= hi
-    st, fst = E.st, E.fst
-    for i in range(lo, hi):
-        free_blocks = st[NIX0] + st[NIX1]
-        if (st[NB] + 4 + free_blocks > E.B.shape[1] or st[NS] + 4 + free_blocks > E.S.shape[1]
-                or st[NR] + 4 > E.R.shape[1]):
-            E = _roomy(E)
+    st = E.st
+    i = lo
+    while i < hi:
+        at = _fast(kind, addr, size, stream, empties, i, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom)
+        i = at // 2
+        if i >= hi:
+            break
         k = kind[i]
-        peak0, ooms0 = st[PEAK_RES], st[OOMS]
+        ooms0 = st[OOMS]
+        if at % 2:  # all but stitching is done (peak0: nothing so far raised the peak; stitching may)
+            peak0 = st[PEAK_RES]
+            b = _stitching(E, size[i], stream[i], st[PENDING] == STITCH_EXACT)
+            if b >= 0:
+                live.put(keys, values, books, addr[i], b)
+            _sample(st, E.fst, peak0)
+            _after(st, tl_res, tl_alloc, tl_oom, i, timeline, ooms0)
+            i += 1
+            continue
+        if _cramped(E):
+            E = _roomy(E)
+        if not live.roomy(keys, books):
+            keys, values = live.rehashed(keys, values, books)
         if k == codes[_ALLOC] or k == codes[_FREE] or k == codes[_ALLOC_MOV] or k == codes[_FREE_MOV]:
-            a = addr[i]
-            is_alloc = k == codes[_ALLOC] or k == codes[_ALLOC_MOV]
-            if a in live:
-                b = live[a]
-                del live[a]
-                _free(E, b)
-            elif not is_alloc:
-                st[UNMATCHED] += 1
-            if is_alloc:
-                b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
-                if b >= 0:
-                    live[a] = b
-        elif k == codes[_MOVE_OUT]:
-            # The recorded run moved this block; here it stays put, under its new name.
-            st[MOVING] = 0
-            if addr[i] in live:
-                st[MOVING] = live[addr[i]] + 1
-                del live[addr[i]]
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
+            continue  # it only needed room: _fast takes it
+        if k == codes[_MOVE_OUT] or k == codes[_MOVE_IN]:
             continue
-        elif k == codes[_MOVE_IN]:
-            if st[MOVING]:
-                live[addr[i]] = st[MOVING] - 1
-                st[MOVING] = 0
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
-            continue
-        elif k == codes[_OOM]:
+        if k == codes[_OOM]:
             # The recorded run asked and was refused: ask too (the ladder's side effects
             # shape what follows), and give back at once what a roomier pool hands out.
+            peak0 = st[PEAK_RES]
             b = _malloc(E, size[i], stream[i], False)
+            if b <= STITCH:
+                b = _stitching(E, size[i], stream[i], b == STITCH_EXACT)
             if b >= 0:
                 _free(E, b)
-        else:
-            if empties[i]:
-                settle(E, True)
-                release_free_segments(E, E.cfg[C_VMM])
-                if empties[i] == EMPTY_CACHE and E.cfg[C_VMM]:  # empty_cache() gives holes back too
-                    release_holes(E)
-            if timeline:
-                tl_res[i] = st[RES]
-                tl_alloc[i] = st[ALLOC]
-            continue
-        frag = (st[RES] - st[ALLOC]) / st[RES] if st[RES] else 0.0
-        if st[PEAK_RES] > peak0:  # a new peak: its fragmentation is its first sample's
-            st[PEAK_SAMPLED] = 0
-            fst[F_PEAK] = 0.0
-        if st[ALLOC]:
-            fst[F_SUM] += frag
-            if frag > fst[F_MAX]:
-                fst[F_MAX] = frag
-            st[SAMPLES] += 1
-            if st[PEAK_SAMPLED] == 0 and st[RES] == st[PEAK_RES]:
-                fst[F_PEAK] = frag
-                st[PEAK_SAMPLED] = 1
-        if timeline:
-            tl_res[i] = st[RES]
-            tl_alloc[i] = st[ALLOC]
-            tl_oom[i] = st[OOMS] - ooms0
-    return E
+            _sample(st, E.fst, peak0)
+        elif empties[i]:
+            settle(E, True)
+            release_free_segments(E, E.cfg[C_VMM])
+            if empties[i] == EMPTY_CACHE and E.cfg[C_VMM]:  # empty_cache() gives holes back too
+                release_holes(E)
+        _after(st, tl_res, tl_alloc, tl_oom, i, timeline, ooms0)
+        i += 1
+    return E, keys, values
 
 
 def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
               empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
               tl_alloc: np.ndarray, tl_oom: np.ndarray) -> None:
     """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
-    state["E"] = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], state["live"], tl_res, tl_alloc,
-                     tl_oom)
+    keys, values, books = state["live"]
+    state["E"], keys, values = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], keys, values, books,
+                                   tl_res, tl_alloc)
+    state["live"] = keys, values, books

@@ -11,37 +11,37 @@ import numpy as np
 
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_layout import (
-    ADDR, ALIVE, FREE, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP, NB, NEXT, NFB, NIX0, NORD0, PREV,
-    ROOT, S_TAIL, S_USED, SEG, SIZE, STREAM, TAG,
+    ADDR, ALIVE, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP,
+    NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, TAG, TAGS_SEEN,
 )
 
 
 # ---------------------------------------------------------------- blocks
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
-    if st[NFB] > 0:
-        st[NFB] -= 1
-        b = FB[st[NFB]]
+    if st[FREE_BLOCK_IDS] > 0:
+        st[FREE_BLOCK_IDS] -= 1
+        b = FB[st[FREE_BLOCK_IDS]]
     else:
-        b = st[NB]
-        st[NB] += 1
-    B[ADDR, b] = addr
-    B[SIZE, b] = size
-    B[PREV, b] = -1
-    B[NEXT, b] = -1
-    B[SEG, b] = seg
-    B[FREE, b] = 1
-    B[TAG, b] = tag
-    B[ALIVE, b] = 1
-    B[STREAM, b] = 0
+        b = st[BLOCK_IDS]
+        st[BLOCK_IDS] += 1
+    B[b, ADDR] = addr
+    B[b, SIZE] = size
+    B[b, PREV] = -1
+    B[b, NEXT] = -1
+    B[b, SEG] = seg
+    B[b, FREE] = 1
+    B[b, TAG] = tag
+    B[b, ALIVE] = 1
+    B[b, STREAM] = 0
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def kill_block(B, FB, S, IX, st, TG, b):
-    B[ALIVE, b] = 0
-    FB[st[NFB]] = b
-    st[NFB] += 1
+    B[b, ALIVE] = 0
+    FB[st[FREE_BLOCK_IDS]] = b
+    st[FREE_BLOCK_IDS] += 1
 
 
 # ------------------------------------------------------- the free index
@@ -55,7 +55,8 @@ def kill_block(B, FB, S, IX, st, TG, b):
 #   of the two answers) instead of stepping over other streams' blocks;
 # * a settle retags all free blocks of one stream: that is an in-order walk of
 #   that stream's tree, O(its size), instead of a pass over the whole index;
-# * nodes are block ids, so the tree lives in IX[0, row, b] and grows with B
+# * nodes are block ids, so the tree lives in IX[b, field] (a node's fields side by side, one cache line
+#   per node visited) and grows with B
 #   (``run`` keeps IX at least as long as B; ``replay`` grows both to the same
 #   length before seeding).  A sorted array, the earlier design, shifted
 #   O(free blocks) entries per insert or removal, which dominated replays with
@@ -69,7 +70,7 @@ def kill_block(B, FB, S, IX, st, TG, b):
 # is indexed, but a copy makes that a non-issue).  Roots are TG[h, ROOT, tag + 1].
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _priority(b):
     """A fixed pseudo-random priority per block id (splitmix64), so replays are deterministic."""
     x = np.uint64(b) + np.uint64(0x9E3779B97F4A7C15)
@@ -79,14 +80,14 @@ def _priority(b):
     return np.int64(x >> np.uint64(2))
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _less(IX, a, size, addr):
     """Whether node ``a`` sorts before key (size, addr)."""
-    s = IX[0, IX_SIZE, a]
-    return s < size or (s == size and IX[0, IX_ADDR, a] < addr)
+    s = IX[a, IX_SIZE]
+    return s < size or (s == size and IX[a, IX_ADDR] < addr)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _split(IX, t, size, addr):
     """Split tree ``t`` into (keys < (size, addr), the rest); iterative, O(depth).
 
@@ -98,174 +99,181 @@ def _split(IX, t, size, addr):
             if lt < 0:
                 lroot = t
             else:
-                IX[0, IX_RIGHT, lt] = t
-            IX[0, IX_UP, t] = lt
+                IX[lt, IX_RIGHT] = t
+            IX[t, IX_UP] = lt
             lt = t
-            t = IX[0, IX_RIGHT, t]
+            t = IX[t, IX_RIGHT]
         else:
             if rt < 0:
                 rroot = t
             else:
-                IX[0, IX_LEFT, rt] = t
-            IX[0, IX_UP, t] = rt
+                IX[rt, IX_LEFT] = t
+            IX[t, IX_UP] = rt
             rt = t
-            t = IX[0, IX_LEFT, t]
+            t = IX[t, IX_LEFT]
     if lt >= 0:
-        IX[0, IX_RIGHT, lt] = -1
+        IX[lt, IX_RIGHT] = -1
     if rt >= 0:
-        IX[0, IX_LEFT, rt] = -1
+        IX[rt, IX_LEFT] = -1
     return lroot, rroot
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _merge(IX, a, b):
     """Join trees ``a`` and ``b`` (every key of ``a`` below every key of ``b``); iterative."""
     root, parent, right = -1, -1, False
     while a >= 0 and b >= 0:
-        if IX[0, IX_PRI, a] > IX[0, IX_PRI, b]:
+        if IX[a, IX_PRI] > IX[b, IX_PRI]:
             x = a
-            a = IX[0, IX_RIGHT, a]
+            a = IX[a, IX_RIGHT]
             nxt_right = True
         else:
             x = b
-            b = IX[0, IX_LEFT, b]
+            b = IX[b, IX_LEFT]
             nxt_right = False
         if parent < 0:
             root = x
         elif right:
-            IX[0, IX_RIGHT, parent] = x
+            IX[parent, IX_RIGHT] = x
         else:
-            IX[0, IX_LEFT, parent] = x
-        IX[0, IX_UP, x] = parent
+            IX[parent, IX_LEFT] = x
+        IX[x, IX_UP] = parent
         parent, right = x, nxt_right
     x = a if a >= 0 else b
     if parent < 0:
         root = x
     elif right:
-        IX[0, IX_RIGHT, parent] = x
+        IX[parent, IX_RIGHT] = x
     else:
-        IX[0, IX_LEFT, parent] = x
+        IX[parent, IX_LEFT] = x
     if x >= 0:
-        IX[0, IX_UP, x] = parent
+        IX[x, IX_UP] = parent
     return root
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ix_insert(B, IX, st, TG, h, b):
     """Index free block ``b`` of heap ``h`` (hot: it takes just the tables it touches)."""
-    size, addr = B[SIZE, b], B[ADDR, b]
-    t = B[TAG, b] + 1
+    size, addr = B[b, SIZE], B[b, ADDR]
+    t = B[b, TAG] + 1
     pri = _priority(b)
-    IX[0, IX_SIZE, b] = size
-    IX[0, IX_ADDR, b] = addr
-    IX[0, IX_PRI, b] = pri
+    IX[b, IX_SIZE] = size
+    IX[b, IX_ADDR] = addr
+    IX[b, IX_PRI] = pri
     # Descend while the nodes outrank b, then b takes that subtree, split at its key.
     parent, right = -1, False
     node = TG[h, ROOT, t]
-    while node >= 0 and IX[0, IX_PRI, node] > pri:
+    while node >= 0 and IX[node, IX_PRI] > pri:
         parent = node
         right = _less(IX, node, size, addr)
-        node = IX[0, IX_RIGHT, node] if right else IX[0, IX_LEFT, node]
+        node = IX[node, IX_RIGHT] if right else IX[node, IX_LEFT]
     lo, hi = _split(IX, node, size, addr)
-    IX[0, IX_LEFT, b] = lo
-    IX[0, IX_RIGHT, b] = hi
-    IX[0, IX_UP, b] = parent
+    IX[b, IX_LEFT] = lo
+    IX[b, IX_RIGHT] = hi
+    IX[b, IX_UP] = parent
     if lo >= 0:
-        IX[0, IX_UP, lo] = b
+        IX[lo, IX_UP] = b
     if hi >= 0:
-        IX[0, IX_UP, hi] = b
+        IX[hi, IX_UP] = b
     if parent < 0:
         TG[h, ROOT, t] = b
     elif right:
-        IX[0, IX_RIGHT, parent] = b
+        IX[parent, IX_RIGHT] = b
     else:
-        IX[0, IX_LEFT, parent] = b
-    st[NIX0 + h] += 1
+        IX[parent, IX_LEFT] = b
+    st[FREE_INDEXED + h] += 1
     TG[h, 0, t] += 1
     if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
         TG[h, 1, t] = 1
-        TG[h, 2, st[NORD0 + h]] = t - 1
-        st[NORD0 + h] += 1
+        TG[h, 2, st[TAGS_SEEN + h]] = t - 1
+        st[TAGS_SEEN + h] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ix_remove(B, IX, st, TG, h, b):
-    t = B[TAG, b] + 1
-    parent = IX[0, IX_UP, b]
-    sub = _merge(IX, IX[0, IX_LEFT, b], IX[0, IX_RIGHT, b])
+    t = B[b, TAG] + 1
+    parent = IX[b, IX_UP]
+    sub = _merge(IX, IX[b, IX_LEFT], IX[b, IX_RIGHT])
     if parent < 0:
         TG[h, ROOT, t] = sub
-    elif IX[0, IX_RIGHT, parent] == b:
-        IX[0, IX_RIGHT, parent] = sub
+    elif IX[parent, IX_RIGHT] == b:
+        IX[parent, IX_RIGHT] = sub
     else:
-        IX[0, IX_LEFT, parent] = sub
+        IX[parent, IX_LEFT] = sub
     if sub >= 0:
-        IX[0, IX_UP, sub] = parent
-    st[NIX0 + h] -= 1
+        IX[sub, IX_UP] = parent
+    st[FREE_INDEXED + h] -= 1
     TG[h, 0, t] -= 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _first_fit(IX, node, size):
     """The first node of a tree in (size, address) order with at least ``size`` bytes; -1: none."""
     best = -1
     while node >= 0:
-        if IX[0, IX_SIZE, node] >= size:
+        if IX[node, IX_SIZE] >= size:
             best = node
-            node = IX[0, IX_LEFT, node]
+            node = IX[node, IX_LEFT]
         else:
-            node = IX[0, IX_RIGHT, node]
+            node = IX[node, IX_RIGHT]
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def find(IX, TG, h, size, key):
     """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
     a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
     u = _first_fit(IX, TG[h, ROOT, 0], size)
     if a < 0:
         return u
-    if u < 0 or _less(IX, a, IX[0, IX_SIZE, u], IX[0, IX_ADDR, u]):
+    if u < 0 or _less(IX, a, IX[u, IX_SIZE], IX[u, IX_ADDR]):
         return a
     return u
 
 
-@njit(cache=True)
-def tagged(E, h, t):
-    """The blocks of tag ``t``'s tree in (size, address) order (an iterative in-order walk)."""
+@njit(cache=True, _nrt=False)
+def tagged_into(E, h, t, out, stack):
+    """The blocks of tag ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
+    walk; ``stack`` is scratch, both at least one longer than the tree); how many."""
     IX, TG = E.IX, E.TG
-    n = TG[h, 0, t + 1]
-    out = np.empty(n, np.int64)
-    stack = np.empty(n + 1, np.int64)
     sp, m = 0, 0
     node = TG[h, ROOT, t + 1]
     while node >= 0 or sp > 0:
         while node >= 0:
             stack[sp] = node
             sp += 1
-            node = IX[0, IX_LEFT, node]
+            node = IX[node, IX_LEFT]
         sp -= 1
         node = stack[sp]
         out[m] = node
         m += 1
-        node = IX[0, IX_RIGHT, node]
+        node = IX[node, IX_RIGHT]
+    return m
+
+
+@njit(cache=True)
+def tagged(E, h, t):
+    """``tagged_into`` in arrays of its own."""
+    n = E.TG[h, 0, t + 1]
+    out = np.empty(n, np.int64)
+    tagged_into(E, h, t, out, np.empty(n + 1, np.int64))
     return out
 
 
 # ------------------------------------------------- split and coalesce
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _mergeable(a, b):
     return a == b or a == -1 or b == -1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def coalesce(B, FB, S, IX, st, TG, h, b):
-    nxt = B[NEXT, b]
-    if nxt >= 0 and B[FREE, nxt] == 1 and _mergeable(B[TAG, nxt], B[TAG, b]):
+    nxt = B[b, NEXT]
+    if nxt >= 0 and B[nxt, FREE] == 1 and _mergeable(B[nxt, TAG], B[b, TAG]):
         ix_remove(B, IX, st, TG, h, nxt)
         _absorb(B, FB, S, IX, st, TG, b, nxt)
-    prv = B[PREV, b]
-    if prv >= 0 and B[FREE, prv] == 1 and _mergeable(B[TAG, prv], B[TAG, b]):
+    prv = B[b, PREV]
+    if prv >= 0 and B[prv, FREE] == 1 and _mergeable(B[prv, TAG], B[b, TAG]):
         ix_remove(B, IX, st, TG, h, prv)
         _absorb(B, FB, S, IX, st, TG, prv, b)
         b = prv
@@ -273,75 +281,74 @@ def coalesce(B, FB, S, IX, st, TG, h, b):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _absorb(B, FB, S, IX, st, TG, left, right):
     """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
-    if B[TAG, left] == -1:
-        B[TAG, left] = B[TAG, right]
-    B[SIZE, left] += B[SIZE, right]
-    B[NEXT, left] = B[NEXT, right]
-    if B[NEXT, right] >= 0:
-        B[PREV, B[NEXT, right]] = left
+    if B[left, TAG] == -1:
+        B[left, TAG] = B[right, TAG]
+    B[left, SIZE] += B[right, SIZE]
+    B[left, NEXT] = B[right, NEXT]
+    if B[right, NEXT] >= 0:
+        B[B[right, NEXT], PREV] = left
     else:
-        S[S_TAIL, B[SEG, left]] = left
+        S[S_TAIL, B[left, SEG]] = left
     kill_block(B, FB, S, IX, st, TG, right)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def take(B, FB, S, IX, st, TG, h, b, size):
     ix_remove(B, IX, st, TG, h, b)
-    rest = B[SIZE, b] - size
+    rest = B[b, SIZE] - size
     if rest:
-        tail = new_block(B, FB, S, IX, st, TG, B[ADDR, b] + size, rest, B[SEG, b], B[TAG, b])
-        B[PREV, tail] = b
-        B[NEXT, tail] = B[NEXT, b]
-        if B[NEXT, b] >= 0:
-            B[PREV, B[NEXT, b]] = tail
+        tail = new_block(B, FB, S, IX, st, TG, B[b, ADDR] + size, rest, B[b, SEG], B[b, TAG])
+        B[tail, PREV] = b
+        B[tail, NEXT] = B[b, NEXT]
+        if B[b, NEXT] >= 0:
+            B[B[b, NEXT], PREV] = tail
         else:
-            S[S_TAIL, B[SEG, b]] = tail
-        B[NEXT, b] = tail
-        B[SIZE, b] = size
+            S[S_TAIL, B[b, SEG]] = tail
+        B[b, NEXT] = tail
+        B[b, SIZE] = size
         ix_insert(B, IX, st, TG, h, tail)
-    B[FREE, b] = 0
-    B[TAG, b] = -1
-    S[S_USED, B[SEG, b]] += size
+    B[b, FREE] = 0
+    B[b, TAG] = -1
+    S[S_USED, B[b, SEG]] += size
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def give(B, FB, S, IX, st, TG, h, b, tag):
-    S[S_USED, B[SEG, b]] -= B[SIZE, b]
-    B[FREE, b] = 1
-    B[TAG, b] = tag
+    S[S_USED, B[b, SEG]] -= B[b, SIZE]
+    B[b, FREE] = 1
+    B[b, TAG] = tag
     return coalesce(B, FB, S, IX, st, TG, h, b)
 
 
 # --------------------------------------------------------------- streams
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def settle(E, wait):
-    """Pool._settle_streams on a sim device with no work in flight: events complete at once."""
-    B, st, TG, DT = E.B, E.st, E.TG, E.DT
+    """Pool._settle_streams on a sim device with no work in flight: events complete at once.
+
+    Each tag's blocks are listed first (into the scratch rows ``E.W``, so that this allocates
+    nothing), since retagging coalesces and so changes the tree being walked.  Whether a tag has
+    free blocks is read as its turn comes: retagging one tag never empties another's tree (a
+    merged block keeps the stricter tag, so a tag's count loses one block and gains the merge).
+    """
+    B, st, TG, DT, W = E.B, E.st, E.TG, E.DT, E.W
     moved = 0
     for h in range(2):
-        tags = np.empty(st[NORD0 + h], np.int64)
-        nt = 0
-        for k in range(st[NORD0 + h]):
+        for k in range(st[TAGS_SEEN + h]):
             t = TG[h, 2, k]
-            if TG[h, 0, t + 1] > 0:
-                tags[nt] = t
-                nt += 1
-        for k in range(nt):
-            t = tags[k]
-            if t == -1:
+            if t == -1 or TG[h, 0, t + 1] == 0:
                 continue
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 0
-            ids = tagged(E, h, t)  # the order the heap visits them in
-            for j in range(ids.shape[0]):
-                b = ids[j]
-                if B[ALIVE, b] == 1 and B[FREE, b] == 1 and B[TAG, b] == t:
-                    moved += B[SIZE, b]
+            m = tagged_into(E, h, t, W[0], W[1])  # the order the heap visits them in
+            for j in range(m):
+                b = W[0, j]
+                if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, TAG] == t:
+                    moved += B[b, SIZE]
                     ix_remove(E.B, E.IX, E.st, E.TG, h, b)
-                    B[TAG, b] = -1
+                    B[b, TAG] = -1
                     coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
     return moved

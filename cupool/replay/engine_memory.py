@@ -24,10 +24,10 @@ from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
-    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, GR_NONE, NEXT, NEXT_N, NFR, NFS,
-    NIX0, NIX1, NR, NS, NSEG, NVA, PEAK_RES, PEAK_SEG, PREV, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE,
-    R_STITCHED, R_TAIL, RES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, SEG, SIZE, STITCHES,
-    TAG,
+    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
+    FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
+    PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
+    SEGMENT_IDS, SIZE, STITCHES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAG,
 )
 
 
@@ -36,7 +36,7 @@ _GAP = RANGE_GAP * GRANULE
 
 
 # ------------------------------------------------------- address ranges
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ext_take(T, st, count, size):
     """First fit in address order over the free ranges in ``T`` (``st[count]`` of them); -1: none fits."""
     for i in range(st[count]):
@@ -54,7 +54,7 @@ def ext_take(T, st, count, size):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def ext_give(T, st, count, ptr, size):
     """Give ``[ptr, ptr + size)`` back to the free ranges in ``T``, merging with its neighbours."""
     n = st[count]
@@ -83,22 +83,22 @@ def ext_give(T, st, count, ptr, size):
         st[count] = n + 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _round(n):
     return -(-n // PAGE) * PAGE
 
 
 # -------------------------------------------------------------- segments
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def add_segment(E, h, addr, nbytes, tag, keep, region):
     """A heap segment of one free block (``Heap.add_segment``), counted; returns its head block."""
     S, st = E.S, E.st
-    if st[NFS] > 0:
-        st[NFS] -= 1
-        s = E.FS[st[NFS]]
+    if st[FREE_SEGMENT_IDS] > 0:
+        st[FREE_SEGMENT_IDS] -= 1
+        s = E.FS[st[FREE_SEGMENT_IDS]]
     else:
-        s = st[NS]
-        st[NS] += 1
+        s = st[SEGMENT_IDS]
+        st[SEGMENT_IDS] += 1
     b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, addr, nbytes, s, tag)
     S[S_ADDR, s] = addr
     S[S_SIZE, s] = nbytes
@@ -116,23 +116,23 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _forget_segment(E, s):
     """Take a wholly free segment's blocks out of the heap, and the segment out of the books."""
     S, st = E.S, E.st
     b = S[S_HEAD, s]
     while b >= 0:
-        nxt = E.B[NEXT, b]
+        nxt = E.B[b, NEXT]
         ix_remove(E.B, E.IX, E.st, E.TG, S[S_KIND, s], b)
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
         b = nxt
     st[NSEG] -= 1
     S[S_ALIVE, s] = 0
-    E.FS[st[NFS]] = s
-    st[NFS] += 1
+    E.FS[st[FREE_SEGMENT_IDS]] = s
+    st[FREE_SEGMENT_IDS] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _reserved(E, n):
     st = E.st
     st[RES] += n
@@ -141,14 +141,14 @@ def _reserved(E, n):
         st[PEAK_RES] = st[RES]
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def new_segment(E, h, nbytes, tag, keep):
     """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses."""
     nbytes = _round(nbytes)
     st = E.st
     if st[DEV_USED] + nbytes > E.cfg[C_CAPACITY]:
         return -1
-    addr = ext_take(E.EXT, st, NEXT_N, nbytes)
+    addr = ext_take(E.EXT, st, FREE_EXTENTS, nbytes)
     if addr < 0:
         return -1
     st[DEV_USED] += nbytes
@@ -157,7 +157,7 @@ def new_segment(E, h, nbytes, tag, keep):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def drop_segment(E, s):
     """Give a wholly free segment back (``Arena.drop_segment``), plain or expandable."""
     if E.S[S_REGION, s] >= 0:
@@ -166,25 +166,25 @@ def drop_segment(E, s):
     S, st = E.S, E.st
     size = S[S_SIZE, s]
     _forget_segment(E, s)
-    ext_give(E.EXT, st, NEXT_N, S[S_ADDR, s], size)
+    ext_give(E.EXT, st, FREE_EXTENTS, S[S_ADDR, s], size)
     st[DEV_USED] -= size
     st[DEV_FREES] += 1
     st[RES] -= size
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def release_free_segments(E, vmm):
     """``Arena.release_free_segments``: every wholly free segment but the preallocated one, then free tails."""
     S = E.S
     released = 0
     for h in range(2):
-        for s in range(E.st[NS]):
+        for s in range(E.st[SEGMENT_IDS]):
             if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_USED, s] == 0 and S[S_KEEP, s] == 0:
                 released += S[S_SIZE, s]
                 drop_segment(E, s)
     if vmm:
         for h in range(2):
-            for s in range(E.st[NS]):
+            for s in range(E.st[SEGMENT_IDS]):
                 if S[S_ALIVE, s] == 1 and S[S_KIND, s] == h and S[S_KEEP, s] == 0:
                     released += trim(E, s)
     return released
@@ -195,38 +195,38 @@ def release_holes(E):
     """``Expander.trim_all(holes=True)`` after the tails: unmap the granules under free blocks between
     live ones (``empty_cache``), in address order; the bytes."""
     B, S, st = E.B, E.S, E.st
-    lo = np.empty(st[NIX0] + st[NIX1], np.int64)  # at most one hole per free block
+    lo = np.empty(st[FREE_INDEXED] + st[FREE_INDEXED_LARGE], np.int64)  # at most one hole per free block
     blk = np.empty_like(lo)
     m = 0
-    for s in range(st[NS]):
+    for s in range(st[SEGMENT_IDS]):
         if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
             b = S[S_HEAD, s]
             while b >= 0:
-                if B[FREE, b] == 1 and (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE > _round(B[ADDR, b]):
-                    lo[m], blk[m] = _round(B[ADDR, b]), b
+                if B[b, FREE] == 1 and (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE > _round(B[b, ADDR]):
+                    lo[m], blk[m] = _round(B[b, ADDR]), b
                     m += 1
-                b = B[NEXT, b]
+                b = B[b, NEXT]
     released = 0
     for i in np.argsort(lo[:m], kind="mergesort"):
         b = blk[i]
-        hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
-        _cut(E, S[S_KIND, B[SEG, b]], b, lo[i], hi)
+        hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+        _cut(E, S[S_KIND, B[b, SEG]], b, lo[i], hi)
         st[DEV_USED] -= hi - lo[i]
         released += hi - lo[i]
     return released
 
 
 # ------------------------------------------------------------- regions
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _new_region(E, nbytes, growable, stitched):
     R, st = E.R, E.st
-    base = ext_take(E.VA, st, NVA, nbytes + _GAP)
-    if st[NFR] > 0:
-        st[NFR] -= 1
-        r = E.FR[st[NFR]]
+    base = ext_take(E.VA, st, FREE_VA_RANGES, nbytes + _GAP)
+    if st[FREE_REGION_IDS] > 0:
+        st[FREE_REGION_IDS] -= 1
+        r = E.FR[st[FREE_REGION_IDS]]
     else:
-        r = st[NR]
-        st[NR] += 1
+        r = st[REGION_IDS]
+        st[REGION_IDS] += 1
     R[R_BASE, r] = base
     R[R_SIZE, r] = nbytes
     R[R_FRONTIER, r] = base
@@ -238,7 +238,7 @@ def _new_region(E, nbytes, growable, stitched):
     return r
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _forget_region(E, r):
     R, st = E.R, E.st
     R[R_ALIVE, r] = 0
@@ -247,19 +247,19 @@ def _forget_region(E, r):
             for k in range(E.GR.shape[1]):
                 if E.GR[h, k] == r:
                     E.GR[h, k] = GR_NONE
-    ext_give(E.VA, st, NVA, R[R_BASE, r], R[R_SIZE, r] + _GAP)
-    E.FR[st[NFR]] = r
-    st[NFR] += 1
+    ext_give(E.VA, st, FREE_VA_RANGES, R[R_BASE, r], R[R_SIZE, r] + _GAP)
+    E.FR[st[FREE_REGION_IDS]] = r
+    st[FREE_REGION_IDS] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _vm_add(E, h, r, addr, n, tag, keep):
     b = add_segment(E, h, addr, n, tag, keep, r)
     E.R[R_NSEG, r] += 1
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def vm_new_segment(E, h, nbytes, tag, keep):
     """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
     n = _round(nbytes)
@@ -271,11 +271,11 @@ def vm_new_segment(E, h, nbytes, tag, keep):
     E.R[R_FRONTIER, r] += n
     _reserved(E, n)
     b = _vm_add(E, h, r, E.R[R_BASE, r], n, tag, keep)
-    E.R[R_TAIL, r] = E.B[SEG, b]
+    E.R[R_TAIL, r] = E.B[b, SEG]
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def need(E, h, size, key):
     """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
     R, S, B = E.R, E.S, E.B
@@ -283,15 +283,15 @@ def need(E, h, size, key):
     have = 0
     if r >= 0 and R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
-        if B[FREE, last] == 1 and (B[TAG, last] == -1 or B[TAG, last] == key):
-            have = B[SIZE, last]
+        if B[last, FREE] == 1 and (B[last, TAG] == -1 or B[last, TAG] == key):
+            have = B[last, SIZE]
     n = _round(max(size - have, 1))
     if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
         return _round(size)
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def grow(E, h, size, key):
     """``Expander.grow``: map granules at the end of stream ``key``'s region; a free block, or -1 (device full)."""
     R, st = E.R, E.st
@@ -314,25 +314,25 @@ def grow(E, h, size, key):
     _reserved(E, n)
     if R[R_TAIL, r] < 0:
         b = _vm_add(E, h, r, at, n, key, 0)
-        R[R_TAIL, r] = E.B[SEG, b]
+        R[R_TAIL, r] = E.B[b, SEG]
         return b
     return _extend(E, h, R[R_TAIL, r], n, key)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _extend(E, h, s, n, tag):
     """``Heap.extend``: ``n`` free bytes under ``tag`` at the end of segment ``s``; the (merged) last block."""
     B, S = E.B, E.S
     last = S[S_TAIL, s]
     b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
-    B[PREV, b] = last
-    B[NEXT, last] = b
+    B[b, PREV] = last
+    B[last, NEXT] = b
     S[S_TAIL, s] = b
     S[S_SIZE, s] += n
     return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def vm_drop(E, s):
     """``Expander.drop``: unmap a wholly free segment and give its granules back."""
     S, R, st = E.S, E.R, E.st
@@ -349,14 +349,14 @@ def vm_drop(E, s):
         _forget_region(E, r)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def trim(E, s):
     """``Expander.trim``: unmap the free granules at the end of ``s`` (all of it if it is free); the bytes."""
     B, S, st = E.B, E.S, E.st
     last = S[S_TAIL, s]
-    if B[FREE, last] == 0:
+    if B[last, FREE] == 0:
         return 0
-    lo = _round(B[ADDR, last])
+    lo = _round(B[last, ADDR])
     end = S[S_ADDR, s] + S[S_SIZE, s]
     if lo >= end:
         return 0
@@ -366,13 +366,13 @@ def trim(E, s):
     n = end - lo
     h = S[S_KIND, s]
     ix_remove(E.B, E.IX, E.st, E.TG, h, last)  # Heap.trim
-    if n == B[SIZE, last]:
-        prev = B[PREV, last]
+    if n == B[last, SIZE]:
+        prev = B[last, PREV]
         S[S_TAIL, s] = prev
-        B[NEXT, prev] = -1
+        B[prev, NEXT] = -1
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, last)
     else:
-        B[SIZE, last] -= n
+        B[last, SIZE] -= n
         ix_insert(E.B, E.IX, E.st, E.TG, h, last)
     S[S_SIZE, s] -= n
     st[DEV_USED] -= n
@@ -384,11 +384,11 @@ def trim(E, s):
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def freed(E, b):
     """``Expander.freed``, after a free left ``b`` (merged) free: what the rules give back now."""
     S, st = E.S, E.st
-    s = E.B[SEG, b]
+    s = E.B[b, SEG]
     threshold = E.cfg[C_THRESHOLD]
     over = threshold >= 0 and st[RES] > threshold
     if S[S_USED, s] == 0 and (E.R[R_STITCHED, S[S_REGION, s]] == 1 or (over and S[S_KEEP, s] == 0)):
@@ -398,22 +398,22 @@ def freed(E, b):
 
 
 # ------------------------------------------------------------- stitching
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _cut(E, h, b, lo, hi):
     """``Heap.cut`` and ``Expander._cut``: unmap ``[lo, hi)`` from under free block ``b``, splitting its segment."""
     B, S, R, st = E.B, E.S, E.R, E.st
-    s = B[SEG, b]
+    s = B[b, SEG]
     r = S[S_REGION, s]
     ix_remove(E.B, E.IX, E.st, E.TG, h, b)
-    end, after = B[ADDR, b] + B[SIZE, b], B[NEXT, b]
+    end, after = B[b, ADDR] + B[b, SIZE], B[b, NEXT]
     right = -1
     if hi < S[S_ADDR, s] + S[S_SIZE, s]:
-        if st[NFS] > 0:
-            st[NFS] -= 1
-            right = E.FS[st[NFS]]
+        if st[FREE_SEGMENT_IDS] > 0:
+            st[FREE_SEGMENT_IDS] -= 1
+            right = E.FS[st[FREE_SEGMENT_IDS]]
         else:
-            right = st[NS]
-            st[NS] += 1
+            right = st[SEGMENT_IDS]
+            st[SEGMENT_IDS] += 1
         S[S_ADDR, right] = hi
         S[S_SIZE, right] = S[S_ADDR, s] + S[S_SIZE, s] - hi
         S[S_USED, right] = 0
@@ -422,36 +422,36 @@ def _cut(E, h, b, lo, hi):
         S[S_ALIVE, right] = 1
         S[S_REGION, right] = r
         if hi < end:
-            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[TAG, b])
-            B[NEXT, piece] = after
+            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[b, TAG])
+            B[piece, NEXT] = after
             if after >= 0:
-                B[PREV, after] = piece
+                B[after, PREV] = piece
             ix_insert(E.B, E.IX, E.st, E.TG, h, piece)
             after = piece
-        B[PREV, after] = -1
+        B[after, PREV] = -1
         S[S_HEAD, right] = after
         S[S_TAIL, right] = S[S_TAIL, s]
         x = after
         while x >= 0:
-            B[SEG, x] = right
-            if B[FREE, x] == 0:
-                S[S_USED, right] += B[SIZE, x]
-            x = B[NEXT, x]
+            B[x, SEG] = right
+            if B[x, FREE] == 0:
+                S[S_USED, right] += B[x, SIZE]
+            x = B[x, NEXT]
         S[S_USED, s] -= S[S_USED, right]
     left = s
-    if lo > B[ADDR, b]:
-        B[SIZE, b] = lo - B[ADDR, b]
-        B[NEXT, b] = -1
+    if lo > B[b, ADDR]:
+        B[b, SIZE] = lo - B[b, ADDR]
+        B[b, NEXT] = -1
         S[S_TAIL, s] = b
         ix_insert(E.B, E.IX, E.st, E.TG, h, b)
-    elif B[PREV, b] >= 0:
-        B[NEXT, B[PREV, b]] = -1
-        S[S_TAIL, s] = B[PREV, b]
+    elif B[b, PREV] >= 0:
+        B[B[b, PREV], NEXT] = -1
+        S[S_TAIL, s] = B[b, PREV]
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     else:
         S[S_ALIVE, s] = 0
-        E.FS[st[NFS]] = s
-        st[NFS] += 1
+        E.FS[st[FREE_SEGMENT_IDS]] = s
+        st[FREE_SEGMENT_IDS] += 1
         left = -1
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
     S[S_SIZE, s] = lo - S[S_ADDR, s]
@@ -490,9 +490,9 @@ def stitch(E, h, size, key, room):
             ids = tagged(E, k, t)
             for j in range(ids.shape[0]):
                 b = ids[j]
-                lo = _round(B[ADDR, b])
-                hi = (B[ADDR, b] + B[SIZE, b]) // PAGE * PAGE
-                s = B[SEG, b]
+                lo = _round(B[b, ADDR])
+                hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+                s = B[b, SEG]
                 if hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
                     ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
                     m += 1
@@ -518,6 +518,6 @@ def stitch(E, h, size, key, room):
     E.R[R_FRONTIER, r] += want
     _reserved(E, want)
     b = _vm_add(E, h, r, E.R[R_BASE, r], want, key, 0)
-    E.R[R_TAIL, r] = B[SEG, b]
+    E.R[R_TAIL, r] = B[b, SEG]
     st[STITCHES] += 1
     return True

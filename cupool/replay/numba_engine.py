@@ -11,7 +11,7 @@ from ..core.sizes import PAGE
 from ..trace import Trace
 from . import engine as eng
 from .calls import program_calls
-from .config import pool_capacity, sim_pool, uses_movables
+from .config import pool_capacity, ran_with, sim_pool, uses_movables
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, FREE, FREE_MOVABLE, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -35,6 +35,7 @@ def replay_numba(
     limit, threshold, initial = probe.limit, probe.release_threshold, probe.config["initial_size"]
     vmm, stitching = bool(probe.config["expandable_segments"]), bool(probe.config["stitch"])
     split = probe.release_before_split
+    settings = ran_with(cfg, probe)
     del probe
     seeded = seed_count(trace, n)
     tl_res = np.zeros(n if timeline else 0, np.int64)
@@ -78,7 +79,7 @@ def replay_numba(
             "recording's; the pool engine (--engine pool) reproduces them"
         )
     result = ReplayResult(
-        config=cfg, engine="numba", events=n, replayed=n - seeded,
+        config=settings, engine="numba", events=n, replayed=n - seeded,
         peak_reserved=int(st[eng.PEAK_RES]), peak_allocated=int(st[eng.PEAK_ALLOC]),
         max_fragmentation=float(fst[eng.F_MAX]),
         mean_fragmentation=float(fst[eng.F_SUM] / samples) if samples else 0.0,
@@ -90,6 +91,22 @@ def replay_numba(
         timeline={"reserved": tl_res, "allocated": tl_alloc, "ooms": tl_oom} if timeline else None,
     )
     return result, state
+
+
+def prepare(trace: Trace) -> None:
+    """Compile (or load from the cache) the engine for ``trace``'s arrays, announcing a compile on stderr.
+
+    A command calls it before it prints anything, so that the notice (and the
+    wait) comes first instead of between a table's header and its first row.
+    The signatures are the ones a replay of ``trace`` uses, its seed's included
+    (same array types), so the replay then compiles nothing.
+    """
+    none = np.zeros(0, np.int64)
+    codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
+    with eng.compile_notice():
+        state = eng.new_state(1, 4 * PAGE, 4 * PAGE, None, PAGE)  # initial_size: its function too
+        eng.run_range(state, trace.kind, trace.addr, trace.size, trace.stream, np.zeros(len(trace), np.int8),
+                      0, 0, codes, none, none, none)
 
 
 def _seed(state: dict, ops: np.ndarray) -> None:
@@ -126,14 +143,14 @@ def segments_of(state: dict) -> list[tuple[int, int, int, list[tuple[int, int, b
     """The engine's live segments: (address, size, heap, [(offset, size, allocated) of its blocks])."""
     B, S, st = state["E"].B, state["E"].S, state["E"].st
     out = []
-    for s in range(int(st[eng.NS])):
+    for s in range(int(st[eng.SEGMENT_IDS])):
         if not S[eng.S_ALIVE, s]:
             continue
         base = int(S[eng.S_ADDR, s])
         blocks = []
         b = int(S[eng.S_HEAD, s])
         while b >= 0:
-            blocks.append((int(B[eng.ADDR, b]) - base, int(B[eng.SIZE, b]), not B[eng.FREE, b]))
-            b = int(B[eng.NEXT, b])
+            blocks.append((int(B[b, eng.ADDR]) - base, int(B[b, eng.SIZE]), not B[b, eng.FREE]))
+            b = int(B[b, eng.NEXT])
         out.append((base, int(S[eng.S_SIZE, s]), int(S[eng.S_KIND, s]), blocks))
     return out

@@ -12,7 +12,7 @@ from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
 from .calls import COMPACT, EMPTY_CACHE, program_calls
-from .config import pool_capacity, sim_pool
+from .config import pool_capacity, ran_with, sim_pool
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -190,7 +190,7 @@ def replay_pool(
     s = pool.stats()
     warnings: list[str] = []
     result = ReplayResult(
-        config=cfg, engine="pool", events=n, replayed=n - seeded,
+        config=ran_with(cfg, pool), engine="pool", events=n, replayed=n - seeded,
         peak_reserved=int(s["reserved_bytes.all.peak"]), peak_allocated=int(s["allocated_bytes.all.peak"]),
         max_fragmentation=frag_max, mean_fragmentation=frag_sum / samples if samples else 0.0,
         fragmentation_at_peak=frag_peak,

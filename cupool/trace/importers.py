@@ -129,7 +129,9 @@ def load_torch_snapshot(path: str | Path, device: int | None = None) -> Trace:
     settings = snap.get("allocator_settings")
     expandable = any(isinstance(e, dict) and e.get("action") in ("segment_map", "segment_unmap")
                      for e in (traces[device] if device < len(traces) else []))
-    expandable = expandable or (isinstance(settings, dict) and bool(settings.get("expandable_segments")))
+    expandable = expandable or (isinstance(settings, dict) and settings.get("expandable_segments") is True)
+    # A still snapshot has no map events; its segments say whether they were expandable (PyTorch >= 2.1).
+    expandable = expandable or any(s.get("is_expandable") is True for s in segments if s.get("device", 0) == device)
     config["snapshot"] = {"history": history, "seeded_blocks": sum(ev[0] == "alloc" for ev in seed),
                           "device": device, "expandable_segments": expandable,
                           "peak_allocated": _peak_allocated(seed_events + events, len(seed_events)),
