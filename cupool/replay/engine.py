@@ -155,15 +155,19 @@ def _hit(E, n, key, exact):
     return _serve(E, h, b, size, key)
 
 
-#: What ``_malloc`` returns when only stitching is left to try (with ``exact`` False or True).
-STITCH, STITCH_EXACT = -2, -3
+#: What ``_malloc`` returns when the ladder's last rung is left to ``_last_rung``, which allocates
+#: scratch arrays: stitching, or releasing with holes cut (``release_cuts_holes``); the two never
+#: both apply.  Each with ``exact`` False or True; any of them is ``<= LAST_RUNG``.
+STITCH, STITCH_EXACT, HOLES, HOLES_EXACT = -2, -3, -4, -5
+LAST_RUNG = STITCH
 
 
 @njit(cache=True, _nrt=False)
 def _malloc(E, n, key, exact):
-    """A request through the whole chain: the block, -1 (out of memory, counted), or ``STITCH`` /
-    ``STITCH_EXACT`` when the ladder's last step, stitching, is left: it allocates scratch arrays,
-    so ``_stitching`` (with reference counting) takes the request from there."""
+    """A request through the whole chain: the block, -1 (out of memory, counted), or one of the
+    ``LAST_RUNG`` codes when the ladder's last step is left: stitching, or a release that cuts
+    holes.  They allocate scratch arrays, so ``_last_rung`` (with reference counting) takes the
+    request from there."""
     st, cfg = E.st, E.cfg
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
     h = SMALL if size <= SMALL_MAX else LARGE
@@ -184,12 +188,10 @@ def _malloc(E, n, key, exact):
     # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
     if b < 0 and settle(E, True) > 0:
         b = _find_or_grow(E, h, size, key, exact)
-    if b < 0:  # release: wholly free segments and free tails, and holes where stitching will not gather them
-        released = release_free_segments(E, cfg[C_VMM])
-        if cfg[C_VMM] and _release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
-            released += release_holes(E)
-        if released > 0:
-            b = _find_or_grow(E, h, size, key, exact)
+    if b < 0 and cfg[C_VMM] and _release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
+        return HOLES_EXACT if exact else HOLES  # release, holes cut too: the last rung (no stitching then)
+    if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:  # release: wholly free segments and free tails
+        b = _find_or_grow(E, h, size, key, exact)
     if b < 0 and cfg[C_STITCH] and h == LARGE:
         return STITCH_EXACT if exact else STITCH
     if b < 0:
@@ -199,17 +201,24 @@ def _malloc(E, n, key, exact):
 
 
 @njit(cache=True)
-def _stitching(E, n, key, exact):
-    """The ladder's last step for a request ``_malloc`` left to it: stitch, then serve or count an OOM."""
+def _last_rung(E, n, key, pending):
+    """The ladder's last step for a request ``_malloc`` left to it (``pending``: its code): stitch, or
+    release with holes cut (as ``Scheduler._release`` does where stitching will not gather them);
+    then serve, or count an OOM."""
     st, cfg = E.st, E.cfg
     size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
+    h = SMALL if size <= SMALL_MAX else LARGE
+    exact = pending == STITCH_EXACT or pending == HOLES_EXACT
     b = -1
-    if stitch(E, LARGE, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
+    if pending <= HOLES:
+        if release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
+            b = _find_or_grow(E, h, size, key, exact)
+    elif stitch(E, LARGE, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
         b = _find_or_grow(E, LARGE, size, key, exact)
     if b < 0:
         st[OOMS] += 1
         return -1
-    return _serve(E, LARGE, b, size, key)
+    return _serve(E, h, b, size, key)
 
 
 @njit(cache=True, _nrt=False)
@@ -452,7 +461,7 @@ def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, boo
                 b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
                 if b < 0:
                     b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
-                if b <= STITCH:
+                if b <= LAST_RUNG:
                     st[PENDING] = b
                     return 2 * i + 1
                 if b >= 0:
@@ -500,7 +509,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
         ooms0 = st[OOMS]
         if at % 2:  # all but stitching is done (peak0: nothing so far raised the peak; stitching may)
             peak0 = st[PEAK_RES]
-            b = _stitching(E, size[i], stream[i], st[PENDING] == STITCH_EXACT)
+            b = _last_rung(E, size[i], stream[i], st[PENDING])
             if b >= 0:
                 live.put(keys, values, books, addr[i], b)
             _sample(st, E.fst, peak0)
@@ -520,8 +529,8 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
             # shape what follows), and give back at once what a roomier pool hands out.
             peak0 = st[PEAK_RES]
             b = _malloc(E, size[i], stream[i], False)
-            if b <= STITCH:
-                b = _stitching(E, size[i], stream[i], b == STITCH_EXACT)
+            if b <= LAST_RUNG:
+                b = _last_rung(E, size[i], stream[i], b)
             if b >= 0:
                 _free(E, b)
             _sample(st, E.fst, peak0)
@@ -541,5 +550,5 @@ def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray,
     """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
     keys, values, books = state["live"]
     state["E"], keys, values = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], keys, values, books,
-                                   tl_res, tl_alloc)
+                                   tl_res, tl_alloc, tl_oom)
     state["live"] = keys, values, books
