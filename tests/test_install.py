@@ -95,15 +95,17 @@ from cupool.kernels import move
 import cupool.replay.engine as engine
 import cupool.replay.engine_heap as engine_heap
 import cupool.replay.engine_memory as engine_memory
+import cupool.replay.engine_live as engine_live
 
 z = np.zeros(2, np.int64)
 for dt in (np.uint8, np.uint64):  # the sim device's moves, as the demo's compactions run them
     buf = np.arange(64, dtype=dt)
     move.move_cpu(buf, z + 8, z, z + 4)
     assert list(buf[:4]) == [8, 9, 10, 11]
-compiled = {id(f): f for m in (move, engine, engine_heap, engine_memory) for f in vars(m).values()
+compiled = {id(f): f for m in (move, engine, engine_heap, engine_memory, engine_live)
+            for f in vars(m).values()
             if isinstance(f, CPUDispatcher)}.values()
-for f in compiled:  # the replay engine's functions are only located here, not compiled (that takes 14 s)
+for f in compiled:  # the replay engine's functions are only located here, not compiled (that takes ~55 s)
     assert hasattr(f._cache, "cache_path"), f"{f.__name__} is not cached"
     path = Path(f._cache.cache_path).resolve()
     assert not path.is_relative_to(target), f"{f.__name__} caches inside the installed package: {path}"
