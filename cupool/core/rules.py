@@ -8,8 +8,8 @@ changed here changes in the pool and in its replay together, and
 
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
-| ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.take``, asking ``PoolPolicy.gives_back`` | ``engine._malloc`` |
-| ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc`` |
+| ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
+| ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
 """
 
 from __future__ import annotations

@@ -20,19 +20,13 @@ verbs, named for what they do.
 Everything here holds the arena, the buffers and the scheduler weakly: the
 arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
 
-Note [Out of memory]) |
-| ``freed(kind, block)``: a free emptied memory while the pool releases eagerly | above ``release_threshold``, the segment (or free tail) goes back now |
-| ``gives_back(size, block)``: a large request would split a wholly free plain segment | with ``release_before_split``, as ``cupool.core.rules.gives_back_before_split`` says: when the request is smaller than the segment, the limit has no room for another segment that size, and the released room serves the request (Note [Release before split]); else split |
-
-Everything here holds the arena, the buffers and the scheduler weakly: the
-arena holds its policy, so strong references would be cycles (Note [Lifetimes]).
-
 Note [Out of memory]
 ~~~~~~~~~~~~~~~~~~~~
-The miss path is one chain, written once in ``Arena.take`` and ``Arena.miss``:
-find a free block, unpark, wait for no stream, release before split, refuse a
-request above the limit, grow, run the ladder, fail.  A request whose size alone is larger than the pool's limit fails at once, with
-no ladder and no side effects (only ``num_ooms`` and an ``oom`` event record it),
+The miss path is one chain, written once in ``Arena.place`` and ``Arena.miss``:
+find a free block, unpark, take blocks other streams are done with, release
+before split, refuse a request above the limit, grow, run the ladder, fail.  A
+request whose size alone is larger than the pool's limit fails at once, with no
+ladder and no side effects (only ``num_ooms`` and an ``oom`` event record it),
 and its error leaves fragmentation out: it has nothing to do with the failure.
 Any other request that does not fit runs the ladder in the scheduler's order
 (streams, release, compact, rehome, spill, gc for ``lru``/``fifo``; ``adaptive``
@@ -78,7 +72,7 @@ same sizes back repeatedly and usefully.  So the rule has no back-off;
 1,036 MiB without it (``split_before_big`` in docs/benchmarks.md).
 
 Expandable segments never need it: the free tail behind a block is unmapped
-granule by granule.  Both replay engines model it (``cupool.replay.engine``);
+granule by granule.  Both replay engines model it (``cupool.replay.engine``, by the same rule);
 the preallocated segment, small requests (their 2 MiB segments cannot shrink)
 and movable buffers (compaction can move them) are never served this way.
 """
