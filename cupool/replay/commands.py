@@ -15,7 +15,6 @@ from typing import Any
 from .._units import format_bytes
 from .._words import count
 from ..device import split_device
-from ..errors import DeviceNameError
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
 from .config import POOL_ENGINE_KEYS, check_settings, recorded_peak_reserved_of
@@ -56,9 +55,9 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                    help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
                         "and the recorded settings; 'recorded' for those alone); every "
                         "configuration is checked before the first replay, and rows print as each replay finishes")
-    p.add_argument("--device", type=snapshot_device, default=None, metavar="DEVICE",
+    p.add_argument("--device", default="auto", metavar="DEVICE",
                    help="which device of a multi-device PyTorch snapshot, named as 'cupool info' names one "
-                        "(cuda:1, or sim:1) or by its index (1); default: the one with the most events")
+                        "(cuda:1, or sim:1); auto (the default): the one with the most events")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
                         "and spilling); default: pool for traces with movable buffers, else numba")
@@ -85,23 +84,15 @@ _KEYS = (f"the numba engine takes {', '.join(CONFIG_KEYS)}; the pool engine take
          f"{', '.join(POOL_ENGINE_KEYS)}")
 
 
-def snapshot_device(text: str) -> int:
-    """``--device``: a PyTorch snapshot's device, named as ``info`` and ``demo`` name one, or by its index.
-
-    ``cuda:1`` and ``sim:1`` (the sim device numbers its devices like GPUs) both
-    mean the snapshot's device 1, ``cuda`` its device 0; a bare ``1`` is still
-    taken, as before devices had names here.
-    """
-    bare = text.strip()
-    if bare.isascii() and bare.isdigit():
-        return int(bare)
+def _snapshot_device(text: str) -> int | None:
+    """``--device``: a PyTorch snapshot's device, named as ``info`` and ``demo`` name one (``split_device``'s
+    syntax): ``cuda:1`` or ``sim:1`` (the sim device numbers its devices like GPUs) mean the snapshot's
+    device 1, ``cuda`` its device 0, ``auto`` (None) the one with the most events.  No GPU is needed."""
     try:
-        kind, index = split_device(text)  # the syntax every device name follows
-    except DeviceNameError:
-        kind, index = "", None
-    if kind not in ("cuda", "sim"):
-        raise argparse.ArgumentTypeError(f"expected a device such as cuda:1 (or its index, 1), got {text!r}")
-    return 0 if index is None else index
+        kind, index = split_device(text)
+    except ValueError as e:  # a DeviceNameError, naming the string: said as info and demo say it
+        raise ValueError(f"--device {text}: {e}") from None
+    return None if kind == "auto" else (0 if index is None else index)
 
 
 def _add_capacity(p: argparse.ArgumentParser) -> None:
@@ -121,7 +112,7 @@ def _base_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = load_trace(args.trace, device=args.device)
+    trace = load_trace(args.trace, device=_snapshot_device(args.device))
     base = _base_config(args)
     specs = args.compare or [None]
     configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
