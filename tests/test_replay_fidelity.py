@@ -34,9 +34,9 @@ def _replayed(r) -> tuple[int, ...]:
     return (r.peak_reserved, r.peak_allocated, r.peak_segments, r.segment_allocs, r.segment_frees, r.ooms)
 
 
-def _run(config: dict, ops: list[tuple[int, int, int]]):
-    """Record ``ops`` on a 64 MiB sim pool: (0, size, stream) allocates, (1, which, _) frees a live block."""
-    pool = cupool.Pool("sim", capacity="64MiB", **config)
+def _run(config: dict, ops: list[tuple[int, int, int]], capacity: int | str = "64MiB"):
+    """Record ``ops`` on a sim pool: (0, size, stream) allocates, (1, which, _) frees a live block."""
+    pool = cupool.Pool("sim", capacity=capacity, **config)
     rec = pool.record()
     rec.start()
     live = []
@@ -107,20 +107,7 @@ _FOUND = [
 
 @pytest.mark.parametrize("config,ops", _FOUND, ids=["16MiB", "48MiB"])
 def test_recordings_that_once_replayed_otherwise_replay_to_themselves(config, ops):
-    pool_config = {k: v for k, v in config.items() if k != "capacity"}
-    pool = cupool.Pool("sim", capacity=config["capacity"], **pool_config)
-    rec = pool.record()
-    rec.start()
-    live = []
-    for op, x, stream in ops:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except cupool.OutOfMemoryError:
-                pass
-        elif live:
-            live.pop(x % len(live)).free()
-    rec.stop()
-    want = _figures(pool.stats())
+    settings_ = {k: v for k, v in config.items() if k != "capacity"}
+    trace, want = _run(settings_, ops, config["capacity"])
     for engine in ("numba", "pool"):
-        assert _replayed(replay(rec.trace(), engine=engine)) == want, engine
+        assert _replayed(replay(trace, engine=engine)) == want, engine
