@@ -44,6 +44,7 @@ stream (``lookups``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -56,6 +57,7 @@ import numpy as np
 
 import cupool
 from cupool.hooks.cupy import memory_path
+from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
 
 FLOOR = "floor (fixed pointer)"
 
@@ -155,20 +157,14 @@ def main() -> None:
     print(f"fast path:   {cupool.core.build_info()['fast_path']}")
     allocs = variants()
     names = list(allocs)
-    for alloc in allocs.values():
-        cpu_per_call(alloc, args.number // 10)  # warm
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotating: none always runs first
-        for name in order:
-            samples[name].append(cpu_per_call(allocs[name], args.number))
+    samples = interleaved({k: functools.partial(cpu_per_call, a) for k, a in allocs.items()}, args.rounds, args.number)
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"CPU time per cupy.empty((256,), float32) + drop, {args.rounds} rounds of {args.number:,} calls:")
     for name in names:
         line = f"  {name:22s} median {med[name]:6.3f} us  (min {min(samples[name]):.3f})"
         if name != FLOOR:
-            paired = statistics.median(a / b for a, b in zip(samples[name], samples[FLOOR]))
-            line += f"  ratio to floor: {med[name] / med[FLOOR]:.3f}x of medians, {paired:.3f}x paired"
+            line += (f"  ratio to floor: {med[name] / med[FLOOR]:.3f}x of medians, "
+                     f"{paired(samples, name, FLOOR):.3f}x paired")
         print(line)
     print("objects kept alive per allocation (tracemalloc, CuPy's MemoryPointer included):")
     for name in names:

@@ -23,6 +23,7 @@ holds (``cupool.hooks.numba._Release``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -32,6 +33,7 @@ from typing import Any
 
 import cupool
 from cupool.numba import CupoolMemoryManager
+from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
 
 
 def cpu_per_call(call: Callable[[int], Any], number: int) -> float:
@@ -81,19 +83,14 @@ def main() -> None:
     names = list(calls)
     base = names[0]
     print(f"fast path: {cupool.core.build_info()['fast_path']}")
-    for call in calls.values():
-        cpu_per_call(call, args.number // 10)  # warm
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(cpu_per_call(calls[name], args.number))
+    samples = interleaved({k: functools.partial(cpu_per_call, c) for k, c in calls.items()}, args.rounds, args.number)
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"CPU time per allocation of 1024 bytes + drop, {args.rounds} rounds of {args.number:,} calls:")
     for name in names:
         line = f"  {name:26s} median {med[name]:6.3f} us  (min {min(samples[name]):.3f})"
         if name != base:
-            paired = statistics.median(a / b for a, b in zip(samples[name], samples[base]))
-            line += f"  ratio to malloc_key: {med[name] / med[base]:.3f}x of medians, {paired:.3f}x paired"
+            line += (f"  ratio to malloc_key: {med[name] / med[base]:.3f}x of medians, "
+                     f"{paired(samples, name, base):.3f}x paired")
         print(line)
     print("objects kept alive per allocation (tracemalloc):")
     for name in names:

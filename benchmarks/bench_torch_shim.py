@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import cupool
+from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
 
 if TYPE_CHECKING:
     from cupool.torch import Shim
@@ -112,20 +114,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     pool = cupool.Pool("sim", capacity="256MiB")
     cupool.torch.use(pool)
     runs = variants(pool, args.size)
-    for body in runs.values():
-        body(args.number // 10)  # warm up: segments made, stacks filled
-    times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(cpu_per_round(runs[name], args.number))
+    times = interleaved({k: functools.partial(cpu_per_round, b) for k, b in runs.items()}, args.rounds, args.number)
     pool.check()
     assert pool.stats()["allocated_bytes.all.current"] == 0 and cupool.torch.live_blocks() == 0
     ratios = {
-        "shim / pool": statistics.median(s / p for s, p in zip(times["shim"], times["pool"])),
+        "shim / pool": paired(times, "shim", "pool"),
         "(shim - ctypes) / pool": statistics.median(
             (s - c) / p for s, c, p in zip(times["shim"], times["ctypes"], times["pool"])),
-        "compiled / pool": statistics.median(c / p for c, p in zip(times["compiled"], times["pool"])),
+        "compiled / pool": paired(times, "compiled", "pool"),
     }
     for name in names:
         print(f"{name:10s} {statistics.median(times[name]):7.3f} us per alloc + free (median of {args.rounds})")
