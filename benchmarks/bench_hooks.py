@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -57,7 +56,7 @@ import numpy as np
 
 import cupool
 from cupool.hooks.cupy import memory_path
-from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
+from rounds import interleaved, print_medians  # benchmarks/rounds.py, beside this script
 
 FLOOR = "floor (fixed pointer)"
 
@@ -158,14 +157,8 @@ def main() -> None:
     allocs = variants()
     names = list(allocs)
     samples = interleaved({k: functools.partial(cpu_per_call, a) for k, a in allocs.items()}, args.rounds, args.number)
-    med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"CPU time per cupy.empty((256,), float32) + drop, {args.rounds} rounds of {args.number:,} calls:")
-    for name in names:
-        line = f"  {name:22s} median {med[name]:6.3f} us  (min {min(samples[name]):.3f})"
-        if name != FLOOR:
-            line += (f"  ratio to floor: {med[name] / med[FLOOR]:.3f}x of medians, "
-                     f"{paired(samples, name, FLOOR):.3f}x paired")
-        print(line)
+    print_medians(samples, FLOOR, "floor", 22)
     print("objects kept alive per allocation (tracemalloc, CuPy's MemoryPointer included):")
     for name in names:
         print(f"  {name:22s} {objects_per_allocation(allocs[name], args.hold):.2f}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 
 import cupool
 from cupool.numba import CupoolMemoryManager
-from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
+from rounds import interleaved, print_medians  # benchmarks/rounds.py, beside this script
 
 
 def cpu_per_call(call: Callable[[int], Any], number: int) -> float:
@@ -84,14 +83,8 @@ def main() -> None:
     base = names[0]
     print(f"fast path: {cupool.core.build_info()['fast_path']}")
     samples = interleaved({k: functools.partial(cpu_per_call, c) for k, c in calls.items()}, args.rounds, args.number)
-    med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"CPU time per allocation of 1024 bytes + drop, {args.rounds} rounds of {args.number:,} calls:")
-    for name in names:
-        line = f"  {name:26s} median {med[name]:6.3f} us  (min {min(samples[name]):.3f})"
-        if name != base:
-            line += (f"  ratio to malloc_key: {med[name] / med[base]:.3f}x of medians, "
-                     f"{paired(samples, name, base):.3f}x paired")
-        print(line)
+    print_medians(samples, base, "malloc_key", 26)
     print("objects kept alive per allocation (tracemalloc):")
     for name in names:
         print(f"  {name:26s} {objects_per_allocation(calls[name], pool, args.hold):.2f}")

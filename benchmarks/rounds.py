@@ -27,3 +27,15 @@ def interleaved(measures: dict[str, Callable[[int], float]], rounds: int, number
 def paired(samples: dict[str, list[float]], name: str, base: str) -> float:
     """The median of ``name``'s per-round ratios to ``base``."""
     return statistics.median(a / b for a, b in zip(samples[name], samples[base]))
+
+
+def print_medians(samples: dict[str, list[float]], base: str, against: str, width: int) -> None:
+    """One line per variant: its median and minimum, and beside all but ``base`` its ratio to it
+    (``against`` names ``base`` in the text), of medians and paired."""
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    for name, values in samples.items():
+        line = f"  {name:{width}s} median {med[name]:6.3f} us  (min {min(values):.3f})"
+        if name != base:
+            line += (f"  ratio to {against}: {med[name] / med[base]:.3f}x of medians, "
+                     f"{paired(samples, name, base):.3f}x paired")
+        print(line)
