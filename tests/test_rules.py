@@ -12,7 +12,11 @@ import itertools
 import pytest
 
 import cupool
+import numpy as np
+
+from cupool.core import rules
 from cupool.core.rules import gives_back_before_split, release_cuts_holes
+from cupool.core.sizes import LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_SEGMENT
 from cupool.replay import replay
 
 MiB = 1 << 20
@@ -25,6 +29,103 @@ def test_gives_back_before_split_exhaustively():
         pressure = limit - reserved < seg
         helps = limit - reserved + seg >= pages
         assert gives_back_before_split(pages, seg, limit, reserved) == (smaller and pressure and helps)
+
+
+def test_best_fit_order_is_size_then_address():
+    for sa, aa, sb, ab in itertools.product(range(4), repeat=4):
+        assert rules.fits_before(sa, aa, sb, ab) == ((sa, aa) < (sb, ab))
+
+
+@pytest.mark.parametrize("untagged, streams", [(None, (1, 2)), (-1, (0, 1))], ids=["pool", "engine"])
+def test_stream_tags_usable_mergeable_and_the_stricter_one_kept(untagged, streams):
+    tags = (untagged, *streams)
+    for tag, key in itertools.product(tags, tags):
+        assert rules.usable(tag, key, untagged) == (tag == untagged or tag == key)
+        assert rules.mergeable(tag, key, untagged) == (tag == untagged or key == untagged or tag == key)
+        if rules.mergeable(tag, key, untagged):
+            kept = rules.merged_tag(tag, key, untagged)
+            assert kept == (key if tag == untagged else tag)
+
+
+def test_split_leaves_the_whole_rest_free():
+    for block, size in itertools.product(range(1, 8), repeat=2):
+        if size <= block:
+            assert rules.split_rest(block, size) == block - size
+
+
+def test_grow_target_is_the_size_class_within_room_or_just_the_pages():
+    for kind, size, room, exact in itertools.product(
+            (SMALL, LARGE), (512, PAGE, PAGE + 512, MEDIUM_MAX, MEDIUM_MAX + 1, 3 * MEDIUM_SEGMENT),
+            (0, PAGE, 4 * PAGE, MEDIUM_SEGMENT, 1 << 40), (False, True)):
+        pages = -(-size // PAGE) * PAGE
+        preferred = SMALL_SEGMENT if kind == SMALL else MEDIUM_SEGMENT if size <= MEDIUM_MAX else pages
+        expect = 0 if pages > room else pages if exact else min(preferred, room)
+        assert rules.grow_target(kind, size, room, exact) == expect
+
+
+def test_grow_need_maps_what_the_tail_lacks_or_a_new_region():
+    g = 4
+    for size, have, frontier, end in itertools.product(range(1, 14), range(0, 10), range(0, 12), range(0, 16)):
+        n = -(-max(size - have, 1) // g) * g
+        expect = -(-size // g) * g if frontier + n > end else n
+        assert rules.grow_need(size, have, frontier, end, g) == expect
+
+
+def test_hole_is_the_largest_granule_run_inside_the_block():
+    g = 4
+    for addr, size in itertools.product(range(0, 13), range(1, 14)):
+        lo, hi = rules.hole(addr, size, g)
+        inside = [x for x in range(addr, addr + size + 1) if x % g == 0]
+        if len(inside) >= 2:
+            assert (lo, hi) == (inside[0], inside[-1])
+        else:
+            assert hi <= lo
+
+
+def test_stitch_picks_the_largest_holes_first_the_lowest_among_equals():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m = int(rng.integers(0, 7))
+        lengths = rng.integers(1, 5, m).astype(np.int64) * 4
+        lows = rng.permutation(40)[:m].astype(np.int64) * 4
+        want = int(rng.integers(1, 40)) * 4
+        clipped = lengths.copy()
+        order, count, got = rules.stitch_pick(clipped, lows, want)
+        expect, total = [], 0
+        for i in sorted(range(m), key=lambda i: (-lengths[i], lows[i])):
+            if total >= want:
+                break
+            expect.append(i)
+            total += min(int(lengths[i]), want - total)
+        assert list(order[:count]) == expect and got == total == min(want, int(lengths.sum()))
+        assert sum(int(clipped[i]) for i in expect) == got
+
+
+def test_after_free_table():
+    for used, keep, stitched, over, at_tail, expandable in itertools.product((0, 1), *[(False, True)] * 5):
+        got = rules.after_free(used, keep, stitched, over, at_tail, expandable)
+        if used == 0 and (stitched or (over and not keep)):
+            assert got == rules.DROP
+        elif expandable and over and not keep and at_tail:
+            assert got == rules.TRIM_TAIL
+        else:
+            assert got == rules.KEEP
+    assert [rules.over_threshold(r, t) for r, t in ((5, -1), (5, 5), (6, 5), (0, 0))] == [False, False, True, False]
+
+
+def test_the_engine_compiles_the_same_rule_book():
+    """Every function of the rule book is registered for the engine, and compiled it answers as it does
+    uncompiled: there is no twin to drift."""
+    from numba import njit
+
+    from cupool.replay import engine_rules
+
+    public = {getattr(rules, n) for n in dir(rules) if callable(getattr(rules, n)) and getattr(rules, n).__module__
+              == rules.__name__}
+    assert public <= set(engine_rules.REGISTERED)
+    compiled = njit(lambda: (rules.grow_target(LARGE, 3 * MEDIUM_SEGMENT, 1 << 40, False),
+                             rules.hole(PAGE + 512, 5 * PAGE, PAGE), rules.mergeable(-1, 3, -1)))
+    assert compiled() == (3 * MEDIUM_SEGMENT, (2 * PAGE, 6 * PAGE), True)
 
 
 def test_release_cuts_holes_only_where_stitching_will_not_gather_them():

@@ -236,13 +236,12 @@ class Arena(FastPath):
             self.observers.emit("free" if raw else "free_movable", block.addr, size, key, raw and kind == SMALL)
         self.compaction_stale = True
         merged = self.heaps[kind].give(block, key, self.streams.freed(key))
-        self.segments.after_free(kind, merged)
         seg = merged.segment
         if self.closed:  # drain: a closed pool gives each segment back as it empties (Note [Lifetimes])
-            if not seg.used and seg.addr in self.heaps[kind].segments:
+            if not seg.used:
                 self.segments.drop(kind, seg)
-        elif not self.parking and seg.addr in self.heaps[kind].segments and self.policy.releases_now():
-            self.segments.trim(kind, merged)  # eager release
+        else:  # the rule book's after_free: a stitched segment at once, the rest when releasing eagerly
+            self.segments.after_free(kind, merged, not self.parking and self.policy.releases_now())
 
     def give_parked(self, key: Any, blocks: list[Block]) -> None:
         """Parked blocks of stream ``key`` go to the heap (``unpark``).

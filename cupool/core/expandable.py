@@ -73,13 +73,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..device.base import Device
 from ..device.vmm import Chunk, VirtualMemory
 from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
+from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_pick, usable
 from .segments import execute
+from .sizes import round_up
 
 
 def virtual_memory_of(device: Device, expandable: bool | None, stitch: bool | None) -> VirtualMemory | None:
@@ -164,15 +168,14 @@ class Expander:
     def need(self, kind: int, size: int, key: Any) -> int:
         """The bytes ``grow(kind, size, key)`` would map: what the tail's free block lacks, in granules."""
         region = self.regions.get((kind, key))
+        if region is None:
+            return grow_need(size, 0, 0, 1 << 62, self.granule)
         have = 0
-        if region is not None and region.tail is not None:
+        if region.tail is not None:
             last = region.tail.tail
-            if last is not None and last.free and last.tag in (None, key):
+            if last is not None and last.free and usable(last.tag, key, None):
                 have = last.size
-        n = self._round(max(size - have, 1))
-        if region is not None and region.frontier + n > region.base + region.size:
-            return self._round(size)  # the region's addresses ran out: a new one holds the request
-        return n
+        return grow_need(size, have, region.frontier, region.base + region.size, self.granule)
 
     def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
         """Map granules at the end of stream ``key``'s region; a free block of at least ``size``.
@@ -215,7 +218,7 @@ class Expander:
 
     def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
         """A segment of exactly ``nbytes`` in a range of its own (preallocated, or re-homed by compaction)."""
-        n = self._round(nbytes)
+        n = round_up(nbytes, self.granule)
         chunks = self._create(n)
         region = self._reserve(n, growable=False, stitched=False)
         self._map(region.base, chunks)
@@ -241,15 +244,17 @@ class Expander:
         if not region.segments and (self.closing or not region.growable):
             self._forget(region)
 
-    def trim(self, kind: int, block: Block) -> int:
-        """After a free left ``block`` free: its segment goes if wholly free, else its free tail of granules."""
+    def after_free(self, kind: int, block: Block, over: bool) -> int:
+        """After a free left ``block`` free: the rule book's ``after_free`` (a stitched segment goes back as
+        soon as it is wholly free, Note [Virtual memory]; releasing eagerly, a free segment or free tail)."""
         seg = block.segment
-        if seg.keep:
-            return 0
-        if not seg.used:
+        region = seg.region
+        assert isinstance(region, Region)
+        action = after_free(seg.used, seg.keep, region.stitched, over, block is seg.tail, True)
+        if action == DROP:
             self.drop(kind, seg)
             return seg.size
-        return self._trim_tail(kind, seg) if block is seg.tail else 0
+        return self._trim_tail(kind, seg) if action == TRIM_TAIL else 0
 
     def _trim_tail(self, kind: int, seg: Segment) -> int:
         """Unmap the free granules at the end of ``seg`` (all of it if it is free); returns the bytes."""
@@ -257,8 +262,7 @@ class Expander:
         assert last is not None
         if not last.free:
             return 0
-        lo = self._round(last.addr)
-        end = seg.addr + seg.size
+        lo, end = hole(last.addr, last.size, self.granule)  # the segment ends on a granule: so does the hole
         if lo >= end:
             return 0
         if lo == seg.addr:
@@ -290,9 +294,8 @@ class Expander:
                 if seg.region is not None and (kept_too or not seg.keep):
                     released += self._trim_tail(kind, seg)
         if holes:
-            g = self.granule
             cuts = [
-                (self._round(b.addr), (b.addr + b.size) // g * g, kind, b)
+                (*hole(b.addr, b.size, self.granule), kind, b)
                 for kind, heap in enumerate(self.heaps) for seg in heap.segments.values()
                 if seg.region is not None and (kept_too or not seg.keep)
                 for b in seg.blocks() if b.free
@@ -306,14 +309,6 @@ class Expander:
                 self._forget(region)
         return released
 
-    def after_free(self, kind: int, block: Block) -> None:
-        """A stitched segment goes back whole as soon as it is free (Note [Virtual memory])."""
-        seg = block.segment
-        region = seg.region
-        assert isinstance(region, Region)
-        if region.stitched and not seg.used:
-            self.drop(kind, seg)
-
     # ---------------------------------------------------------------- stitching
     def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
         """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
@@ -325,22 +320,20 @@ class Expander:
         """
         g = self.granule
         room = room // g * g
-        want = self._round(size)
+        want = round_up(size, self.granule)
         holes = []
         for k, heap in enumerate(self.heaps):
-            for tag in (None,) if key is None else (key, None):
+            for tag in heap.tags():
+                if not usable(tag, key, None):
+                    continue
                 for b in heap.free_blocks(tag):
-                    lo, hi = self._round(b.addr), (b.addr + b.size) // g * g
+                    lo, hi = hole(b.addr, b.size, g)
                     if hi > lo and b.segment.region is not None and not b.segment.keep:
                         holes.append((hi - lo, lo, k, b))
-        holes.sort(key=lambda h: (-h[0], h[1]))
-        taken, got = [], 0
-        for n, lo, k, b in holes:
-            if got >= want:
-                break
-            n = min(n, want - got)
-            taken.append((k, b, lo, lo + n))
-            got += n
+        lengths = np.array([h[0] for h in holes], np.int64)
+        order, count, got = stitch_pick(lengths, np.array([h[1] for h in holes], np.int64), want)
+        taken = [(holes[i][2], holes[i][3], holes[i][1], holes[i][1] + int(lengths[i])) for i in order[:count]]
+        got = int(got)
         fresh = want - got
         if not taken or fresh > room:
             return False
@@ -423,10 +416,6 @@ class Expander:
         self.remapped_bytes += n
 
     # ------------------------------------------------------------------- device
-    def _round(self, n: int) -> int:
-        g = self.granule
-        return -(-n // g) * g
-
     def _reserve(self, nbytes: int, growable: bool, stitched: bool) -> Region:
         region = Region(self.vm.reserve(nbytes), nbytes, growable, stitched)
         self.ranges[region.base] = region

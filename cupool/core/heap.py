@@ -24,6 +24,8 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from .rules import fits_before, merged_tag, mergeable, split_rest
+
 Tag = Hashable | None
 
 
@@ -230,8 +232,8 @@ class Heap:
                 continue
             i = idx.bisect_left((size, 0))
             if i < len(idx):
-                key = idx[i]
-                if best is None or key < best:
+                key = idx[i]  # the index's (size, address) order is best fit's (rules.fits_before)
+                if best is None or fits_before(key[0], key[1], best[0], best[1]):
                     best = key
         return None if best is None else self._free[best[1]]
 
@@ -240,7 +242,7 @@ class Heap:
         if not block.free or size > block.size or size % self.alignment or size <= 0:
             raise ValueError(f"cannot take {size} bytes from {block!r}")
         self._remove(block)
-        rest = block.size - size
+        rest = split_rest(block.size, size)
         if rest:
             tail = Block(block.addr + size, rest, block.segment, block.tag)
             tail.epoch = block.epoch
@@ -320,11 +322,11 @@ class Heap:
 
     def _coalesce(self, b: Block) -> Block:
         nxt = b.next
-        if nxt is not None and nxt.free and _mergeable(nxt.tag, b.tag):
+        if nxt is not None and nxt.free and mergeable(nxt.tag, b.tag, None):
             self._remove(nxt)
             _absorb(b, nxt)
         prv = b.prev
-        if prv is not None and prv.free and _mergeable(prv.tag, b.tag):
+        if prv is not None and prv.free and mergeable(prv.tag, b.tag, None):
             self._remove(prv)
             _absorb(prv, b)
             b = prv
@@ -350,7 +352,7 @@ class Heap:
                     assert self._free.get(b.addr) is b, f"free {b!r} missing from the index"
                     assert (b.size, b.addr) in self._index[b.tag], f"free {b!r} under the wrong tag"
                     if prev is not None and prev.free:
-                        assert not _mergeable(prev.tag, b.tag), f"{prev!r} and {b!r} should have merged"
+                        assert not mergeable(prev.tag, b.tag, None), f"{prev!r} and {b!r} should have merged"
                 else:
                     used += b.size
                 expect, prev = b.addr + b.size, b
@@ -363,14 +365,9 @@ class Heap:
         assert n_free == len(self._free) == sum(len(i) for i in self._index.values()), "free index size"
 
 
-def _mergeable(a: Tag, b: Tag) -> bool:
-    return a == b or a is None or b is None
-
-
 def _absorb(left: Block, right: Block) -> None:
     """Merge free ``right`` into its free left neighbour, keeping the stricter tag and the later epoch."""
-    if left.tag is None:
-        left.tag = right.tag
+    left.tag = merged_tag(left.tag, right.tag, None)
     left.size += right.size
     left.epoch = max(left.epoch, right.epoch)
     left.next = right.next

@@ -2,19 +2,143 @@
 
 Charter: integers and booleans in, an answer out; no state, no device, no Numba.
 The pool calls these functions as they are; the numba replay engine compiles the
-very same functions (``njit(rule)`` in ``cupool.replay.engine``), so a rule
+very same functions (``njit(rule)`` in ``cupool.replay.engine*``), so a rule
 changed here changes in the pool and in its replay together, and
 ``tests/test_rules.py`` checks each one exhaustively over small integers.
 
+What stays outside: the data structures the rules decide over (the pool's
+linked blocks and sorted index in ``core/heap.py``, the engine's arrays and
+treaps in ``replay/engine_heap.py``), which tests hold to one placement
+contract (``tests/conformance/test_placement_conformance.py`` runs on both).
+Size classes are ``cupool.core.sizes`` (``round_size``, ``pool_of``,
+``segment_size``, ``round_page``), which both sides also call as they are.
+
+A stream *tag* is an integer or hashable key, with ``untagged`` (``None`` in the
+pool, ``-1`` in the engine) for "any stream may use it" (Note [Streams]).
+
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
+| ``fits_before`` | best fit's order: which of two free blocks a request takes | ``Heap.find`` (and its index's order) | ``engine_heap._less`` |
+| ``usable`` | may a request on one stream take a block freed on another? | ``Heap.find``, ``Expander.need``/``stitch`` | ``engine_heap.find``, ``engine_memory.need``/``stitch`` |
+| ``split_rest`` | what stays free when a request takes the front of a block | ``Heap.take`` | ``engine_heap.take`` |
+| ``mergeable``, ``merged_tag`` | do two free neighbours coalesce, and under which tag | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
+| ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
+| ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
+| ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
+| ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
+| ``after_free`` | what a free gives back at once: nothing, the segment, or its free tail (eager release) | ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
+
+The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
+which the scheduler runs and the engine follows for the rungs it models
+(streams, release, stitch).
 """
 
 from __future__ import annotations
 
+from typing import Any
 
+import numpy as np
+
+from .sizes import round_page, round_up, segment_size
+
+#: ``after_free``'s answers.
+KEEP, DROP, TRIM_TAIL = 0, 1, 2
+
+
+# ------------------------------------------------------------------ best fit, split, coalesce
+def fits_before(size_a: int, addr_a: int, size_b: int, addr_b: int) -> bool:
+    """Best fit's order: block a is taken before block b when it is smaller, or as large and lower.
+
+    Smallest first leaves the large free blocks whole for the large requests to
+    come; the lowest address among equals packs live blocks towards the front,
+    where segments are not given back from, so their ends stay free.
+    """
+    return size_a < size_b or (size_a == size_b and addr_a < addr_b)
+
+
+def usable(tag: Any, key: Any, untagged: Any) -> bool:
+    """Whether a request on stream ``key`` may take a free block tagged ``tag``: its own, or untagged."""
+    return tag == untagged or tag == key
+
+
+def split_rest(block_size: int, size: int) -> int:
+    """The bytes left free behind a request of ``size`` placed at the front of a free block.
+
+    Every block is split, however small the rest (there is no PyTorch-style
+    ``max_split_size``): coalescing makes any rest whole again when its
+    neighbour is freed, and a rest kept inside a block would be bytes no one can use.
+    """
+    return block_size - size
+
+
+def mergeable(a: Any, b: Any, untagged: Any) -> bool:
+    """Whether free neighbours tagged ``a`` and ``b`` coalesce: the same stream, or either untagged."""
+    return a == b or a == untagged or b == untagged
+
+
+def merged_tag(left: Any, right: Any, untagged: Any) -> Any:
+    """The tag of two coalesced blocks: the stricter one, so that a merge never hands a stream's
+    bytes to another before its work on them is done (it may briefly withhold untagged bytes)."""
+    return right if left == untagged else left
+
+
+# ---------------------------------------------------------------------------------- growth
+def grow_target(kind: int, size: int, room: int, exact: bool) -> int:
+    """The plain segment a grow asks for first for a block of ``size``: the size class's segment
+    within ``room`` (Note [Size classes]), or just the request's pages when ``exact``; 0 when even
+    those pages exceed ``room``.  When the device refuses a larger target, the grow asks once more
+    for just the pages (``round_page(size)``) before the ladder runs."""
+    minimum = round_page(size)
+    if minimum > room:
+        return 0
+    if exact:
+        return minimum
+    return min(segment_size(kind, size), room)
+
+
+def grow_need(size: int, have: int, frontier: int, end: int, granule: int) -> int:
+    """The bytes an expandable region maps to serve ``size``: what its last free block (``have``
+    bytes usable by the stream) lacks, in whole granules, at least one; when that would run past
+    the region's ``end`` from its ``frontier``, the request's own granules in a new region."""
+    n = round_up(max(size - have, 1), granule)
+    if frontier + n > end:
+        return round_up(size, granule)
+    return n
+
+
+def hole(addr: int, size: int, granule: int) -> tuple[int, int]:
+    """The granules wholly under the free block ``[addr, addr + size)``: ``(lo, hi)``, empty when
+    ``hi <= lo``.  Only whole granules can be unmapped: the rest shares a granule with a neighbour."""
+    return round_up(addr, granule), (addr + size) // granule * granule
+
+
+def stitch_pick(lengths: np.ndarray, lows: np.ndarray, want: int) -> tuple[np.ndarray, int, int]:
+    """Which holes (``lengths[i]`` bytes of granules from ``lows[i]``) a stitch of ``want`` bytes gathers.
+
+    The largest holes first, the lowest address among equals (the fewest cuts,
+    each splitting one segment); each taken whole but the last, which gives what
+    is still lacking.  Returns ``(order, count, got)``: the first ``count``
+    indices of ``order`` are the holes taken, with ``lengths`` clipped in place
+    to what is taken from each, and ``got`` bytes in all; the stitch creates the
+    ``want - got`` it still lacks fresh.
+    """
+    m = lengths.shape[0]
+    by_addr = np.argsort(lows, kind="mergesort")
+    order = by_addr[np.argsort(-lengths[by_addr], kind="mergesort")]
+    got, count = 0, 0
+    for j in range(m):
+        if got >= want:
+            break
+        i = order[j]
+        lengths[i] = min(lengths[i], want - got)
+        got += lengths[i]
+        count += 1
+    return order, count, got
+
+
+# ------------------------------------------------------------------------------- giving back
 def gives_back_before_split(request_pages: int, segment_size: int, limit: int, reserved: int) -> bool:
     """Whether a large request of ``request_pages`` (its size in whole pages) gives back a wholly free plain
     segment of ``segment_size`` bytes instead of splitting it, with ``reserved`` bytes of ``limit`` reserved.
@@ -33,6 +157,32 @@ def gives_back_before_split(request_pages: int, segment_size: int, limit: int, r
     if limit - reserved >= segment_size:
         return False
     return limit - (reserved - segment_size) >= request_pages
+
+
+def after_free(used: int, keep: bool, stitched: bool, over: bool, at_tail: bool, expandable: bool) -> int:
+    """What a free that left a segment's block free gives back at once: ``KEEP``, ``DROP`` (the segment)
+    or ``TRIM_TAIL`` (the free granules at its end).
+
+    ``over``: the pool releases eagerly and holds more than ``release_threshold``.
+
+    | the segment | ``over`` | answer |
+    | --- | --- | --- |
+    | stitched, wholly free | either | ``DROP``: its granules were gathered for one request |
+    | not preallocated, wholly free | yes | ``DROP`` |
+    | expandable, not preallocated, the free block is its last | yes | ``TRIM_TAIL`` |
+    | anything else | | ``KEEP`` (cached for the next request) |
+    """
+    if used == 0 and (stitched or (over and not keep)):
+        return DROP
+    if expandable and over and not keep and at_tail:
+        return TRIM_TAIL
+    return KEEP
+
+
+def over_threshold(reserved: int, threshold: int) -> bool:
+    """Whether a pool that releases eagerly holds more than its ``release_threshold`` (negative: it does not
+    release eagerly)."""
+    return threshold >= 0 and reserved > threshold
 
 
 def release_cuts_holes(large: bool, stitching: bool) -> bool:

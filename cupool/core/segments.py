@@ -16,19 +16,19 @@ implements these hooks, each called with the arena's lock held:
    least ``size`` for stream ``key``, reserving at most ``room`` more bytes;
    None when ``room`` is too small (the limit), nothing changed.
 3. ``drop(kind, seg)``: give a wholly free segment back.
-4. ``trim(kind, block) -> int``: after a free left ``block`` free, give back
-   what can go at once around it (its segment if wholly free and not kept; a
-   free tail of granules); returns the bytes.
-5. ``trim_all(kept_too, holes) -> int``: the same for every segment (the
-   ladder's release step); with ``holes``, also what lies under free blocks
-   between live ones, where the source can give part of a segment back
+4. ``after_free(kind, block, over) -> int``: after any free left ``block``
+   free, give back what the rule book's ``after_free`` says goes at once (a
+   stitched segment wholly free again; with ``over``, the pool releasing
+   eagerly above its threshold, a wholly free segment or a free tail of
+   granules); returns the bytes.
+5. ``trim_all(kept_too, holes) -> int``: every wholly free segment and free
+   tail (the ladder's release step); with ``holes``, also what lies under free
+   blocks between live ones, where the source can give part of a segment back
    (``empty_cache``).
-6. ``after_free(kind, block) -> None``: the source's own rule after any free
-   (a stitched segment goes back as soon as it is wholly free).
-7. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
-8. ``stitch(kind, size, key, room) -> bool``: serve a large request from holes
+6. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
+7. ``stitch(kind, size, key, room) -> bool``: serve a large request from holes
    (sources without virtual memory: False).
-9. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
+8. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
    everything back when the arena dies (its finalizer).
 
 ``DeviceSegments`` (this module) takes each segment from an upstream
@@ -49,7 +49,8 @@ from ..errors import DeviceOutOfMemory
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .sizes import round_page, segment_size
+from .rules import DROP, after_free, grow_target
+from .sizes import round_page
 
 log = logging.getLogger("cupool")
 
@@ -66,9 +67,8 @@ class SegmentSource(Protocol):
     def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment: ...
     def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None: ...
     def drop(self, kind: int, seg: Segment) -> None: ...
-    def trim(self, kind: int, block: Block) -> int: ...
+    def after_free(self, kind: int, block: Block, over: bool) -> int: ...
     def trim_all(self, kept_too: bool, holes: bool = False) -> int: ...
-    def after_free(self, kind: int, block: Block) -> None: ...
     def move(self, moves: Sequence[PlannedMove]) -> None: ...
     def stitch(self, kind: int, size: int, key: Any, room: int) -> bool: ...
     def stats(self) -> dict[str, int]: ...
@@ -116,10 +116,10 @@ class DeviceSegments:
 
     def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
         """A new segment: the size class's (Note [Size classes]) within ``room``, else just ``size``."""
-        minimum = round_page(size)
-        if minimum > room:
+        target = grow_target(kind, size, room, exact)
+        if not target:
             return None
-        target = minimum if exact else min(segment_size(kind, size), room)
+        minimum = round_page(size)
         try:
             seg = self.new(kind, target, key, False)
         except DeviceOutOfMemory:
@@ -140,12 +140,12 @@ class DeviceSegments:
             stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
             self.observers.emit("segment_free", seg.addr, seg.size, stream)
 
-    def trim(self, kind: int, block: Block) -> int:
+    def after_free(self, kind: int, block: Block, over: bool) -> int:
         seg = block.segment
-        if seg.used or seg.keep:
-            return 0
-        self.drop(kind, seg)
-        return seg.size
+        if after_free(seg.used, seg.keep, False, over, block is seg.tail, False) == DROP:
+            self.drop(kind, seg)
+            return seg.size
+        return 0
 
     def trim_all(self, kept_too: bool, holes: bool = False) -> int:
         released = 0  # a device segment goes back whole or not at all: no holes to give
@@ -155,9 +155,6 @@ class DeviceSegments:
                     released += seg.size
                     self.drop(kind, seg)
         return released
-
-    def after_free(self, kind: int, block: Block) -> None:
-        return None
 
     def move(self, moves: Sequence[PlannedMove]) -> None:
         execute(self.device, moves)

@@ -23,7 +23,7 @@ from ..device.base import PAGE  # the granule of device allocations: a device fa
 
 __all__ = [
     "ALIGNMENT", "LARGE", "MEDIUM_MAX", "MEDIUM_SEGMENT", "PAGE", "POOL_NAMES", "SMALL", "SMALL_MAX", "SMALL_SEGMENT",
-    "pool_of", "round_page", "round_size", "segment_size",
+    "pool_of", "round_page", "round_size", "round_up", "segment_size",
 ]
 
 #: Every block's size and address are multiples of this.
@@ -61,4 +61,9 @@ def segment_size(kind: int, size: int) -> int:
 
 def round_page(n: int) -> int:
     """``n`` rounded up to whole device pages."""
-    return -(-n // PAGE) * PAGE
+    return round_up(n, PAGE)
+
+
+def round_up(n: int, unit: int) -> int:
+    """``n`` rounded up to a multiple of ``unit`` (a page, a virtual-memory granule)."""
+    return -(-n // unit) * unit

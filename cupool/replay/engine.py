@@ -56,26 +56,24 @@ from numba.core import event
 from numba.core.registry import CPUDispatcher
 
 from ..core import rules
-from ..core.sizes import ALIGNMENT, LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_MAX, SMALL_SEGMENT
+from ..core.sizes import LARGE, PAGE, pool_of, round_page, round_size
 from ..device.vmm import address_arena
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
 from . import engine_live as live
+from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
     DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES, F_MAX,
     F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_CFG, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
     PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
-    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_USED, TAGS_SEEN, UNMATCHED,
+    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAGS_SEEN, UNMATCHED,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
 
-# The rule book's rules (``cupool.core.rules``), compiled: the pool calls the same functions.
-_gives_back_before_split = njit(cache=True, _nrt=False)(rules.gives_back_before_split)
-_release_cuts_holes = njit(cache=True, _nrt=False)(rules.release_cuts_holes)
 
 #: Event kinds ``run`` acts on, in the order of its ``codes`` argument.
 CODES = ("alloc", "free", "oom", "alloc_movable", "free_movable", "move_out", "move_in")
@@ -92,16 +90,10 @@ def _grow(E, h, size, key, exact):
         if need(E, h, size, key) <= room:
             return grow(E, h, size, key)
         return -1
-    minimum = -(-size // PAGE) * PAGE
-    if minimum > room:
+    target = rules.grow_target(h, size, room, exact)
+    if target == 0:
         return -1
-    if h == SMALL:
-        preferred = SMALL_SEGMENT
-    elif size <= MEDIUM_MAX:
-        preferred = MEDIUM_SEGMENT
-    else:
-        preferred = minimum
-    target = minimum if exact else min(preferred, room)
+    minimum = round_page(size)
     b = new_segment(E, h, target, key, 0)
     if b < 0 and target != minimum:
         b = new_segment(E, h, minimum, key, 0)
@@ -123,7 +115,7 @@ def _releases(E, h, b, size, exact):
     cfg, S, s = E.cfg, E.S, E.B[b, SEG]
     return (cfg[C_SPLIT] != 0 and h == LARGE and not exact and E.B[b, SIZE] == S[S_SIZE, s]
             and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
-            and _gives_back_before_split(-(-size // PAGE) * PAGE, E.B[b, SIZE], cfg[C_LIMIT], E.st[RES]))
+            and rules.gives_back_before_split(round_page(size), E.B[b, SIZE], cfg[C_LIMIT], E.st[RES]))
 
 
 @njit(cache=True, _nrt=False)
@@ -147,8 +139,8 @@ def _hit(E, n, key, exact):
     counting, whose atomic increments on every array of ``E`` cost more than the placement itself
     (``_malloc`` needs it: the ladder's steps allocate scratch arrays).
     """
-    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
-    h = SMALL if size <= SMALL_MAX else LARGE
+    size = round_size(n)
+    h = pool_of(size)
     b = find(E.IX, E.TG, h, size, key)
     if b < 0 or _releases(E, h, b, size, exact):
         return -1
@@ -169,8 +161,8 @@ def _malloc(E, n, key, exact):
     holes.  They allocate scratch arrays, so ``_last_rung`` (with reference counting) takes the
     request from there."""
     st, cfg = E.st, E.cfg
-    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
-    h = SMALL if size <= SMALL_MAX else LARGE
+    size = round_size(n)
+    h = pool_of(size)
     b = find(E.IX, E.TG, h, size, key)
     if b < 0 and st[TAGS_SEEN + h] > 1:
         settle(E, False)
@@ -179,7 +171,7 @@ def _malloc(E, n, key, exact):
         drop_segment(E, E.B[b, SEG])
         b = -1
         exact = True  # the released room serves just this request
-    if b < 0 and -(-size // PAGE) * PAGE > cfg[C_LIMIT]:
+    if b < 0 and round_page(size) > cfg[C_LIMIT]:
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
         return -1
@@ -188,7 +180,7 @@ def _malloc(E, n, key, exact):
     # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
     if b < 0 and settle(E, True) > 0:
         b = _find_or_grow(E, h, size, key, exact)
-    if b < 0 and cfg[C_VMM] and _release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
+    if b < 0 and cfg[C_VMM] and rules.release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
         return HOLES_EXACT if exact else HOLES  # release, holes cut too: the last rung (no stitching then)
     if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:  # release: wholly free segments and free tails
         b = _find_or_grow(E, h, size, key, exact)
@@ -206,8 +198,8 @@ def _last_rung(E, n, key, pending):
     release with holes cut (as ``Scheduler._release`` does where stitching will not gather them);
     then serve, or count an OOM."""
     st, cfg = E.st, E.cfg
-    size = -(-n // ALIGNMENT) * ALIGNMENT if n else ALIGNMENT
-    h = SMALL if size <= SMALL_MAX else LARGE
+    size = round_size(n)
+    h = pool_of(size)
     exact = pending == STITCH_EXACT or pending == HOLES_EXACT
     b = -1
     if pending <= HOLES:
@@ -231,9 +223,11 @@ def _free(E, b):
     merged = give(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, key)
     if cfg[C_VMM]:
         freed(E, merged)
-    elif cfg[C_THRESHOLD] >= 0:
+    else:
         s = B[merged, SEG]
-        if S[S_USED, s] == 0 and S[S_KEEP, s] == 0 and st[RES] > cfg[C_THRESHOLD]:
+        over = rules.over_threshold(st[RES], cfg[C_THRESHOLD])
+        action = rules.after_free(S[S_USED, s], S[S_KEEP, s] != 0, False, over, merged == S[S_TAIL, s], False)
+        if action == rules.DROP:
             drop_segment(E, s)
 
 

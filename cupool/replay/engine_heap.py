@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core import rules
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
+from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_layout import (
     ADDR, ALIVE, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP,
     NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, TAG, TAGS_SEEN,
@@ -82,9 +84,8 @@ def _priority(b):
 
 @njit(cache=True, _nrt=False)
 def _less(IX, a, size, addr):
-    """Whether node ``a`` sorts before key (size, addr)."""
-    s = IX[a, IX_SIZE]
-    return s < size or (s == size and IX[a, IX_ADDR] < addr)
+    """Whether node ``a`` sorts before key (size, addr): best fit's order, the rule book's."""
+    return rules.fits_before(IX[a, IX_SIZE], IX[a, IX_ADDR], size, addr)
 
 
 @njit(cache=True, _nrt=False)
@@ -262,18 +263,13 @@ def tagged(E, h, t):
 
 # ------------------------------------------------- split and coalesce
 @njit(cache=True, _nrt=False)
-def _mergeable(a, b):
-    return a == b or a == -1 or b == -1
-
-
-@njit(cache=True, _nrt=False)
 def coalesce(B, FB, S, IX, st, TG, h, b):
     nxt = B[b, NEXT]
-    if nxt >= 0 and B[nxt, FREE] == 1 and _mergeable(B[nxt, TAG], B[b, TAG]):
+    if nxt >= 0 and B[nxt, FREE] == 1 and rules.mergeable(B[nxt, TAG], B[b, TAG], -1):
         ix_remove(B, IX, st, TG, h, nxt)
         _absorb(B, FB, S, IX, st, TG, b, nxt)
     prv = B[b, PREV]
-    if prv >= 0 and B[prv, FREE] == 1 and _mergeable(B[prv, TAG], B[b, TAG]):
+    if prv >= 0 and B[prv, FREE] == 1 and rules.mergeable(B[prv, TAG], B[b, TAG], -1):
         ix_remove(B, IX, st, TG, h, prv)
         _absorb(B, FB, S, IX, st, TG, prv, b)
         b = prv
@@ -284,8 +280,7 @@ def coalesce(B, FB, S, IX, st, TG, h, b):
 @njit(cache=True, _nrt=False)
 def _absorb(B, FB, S, IX, st, TG, left, right):
     """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
-    if B[left, TAG] == -1:
-        B[left, TAG] = B[right, TAG]
+    B[left, TAG] = rules.merged_tag(B[left, TAG], B[right, TAG], -1)
     B[left, SIZE] += B[right, SIZE]
     B[left, NEXT] = B[right, NEXT]
     if B[right, NEXT] >= 0:
@@ -298,7 +293,7 @@ def _absorb(B, FB, S, IX, st, TG, left, right):
 @njit(cache=True, _nrt=False)
 def take(B, FB, S, IX, st, TG, h, b, size):
     ix_remove(B, IX, st, TG, h, b)
-    rest = B[b, SIZE] - size
+    rest = rules.split_rest(B[b, SIZE], size)
     if rest:
         tail = new_block(B, FB, S, IX, st, TG, B[b, ADDR] + size, rest, B[b, SEG], B[b, TAG])
         B[tail, PREV] = b

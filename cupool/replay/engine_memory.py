@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.sizes import PAGE
+from ..core import rules
+from ..core.sizes import round_page
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
+from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
     ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
@@ -83,11 +85,6 @@ def ext_give(T, st, count, ptr, size):
         st[count] = n + 1
 
 
-@njit(cache=True, _nrt=False)
-def _round(n):
-    return -(-n // PAGE) * PAGE
-
-
 # -------------------------------------------------------------- segments
 @njit(cache=True, _nrt=False)
 def add_segment(E, h, addr, nbytes, tag, keep, region):
@@ -144,7 +141,7 @@ def _reserved(E, n):
 @njit(cache=True, _nrt=False)
 def new_segment(E, h, nbytes, tag, keep):
     """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses."""
-    nbytes = _round(nbytes)
+    nbytes = round_page(nbytes)
     st = E.st
     if st[DEV_USED] + nbytes > E.cfg[C_CAPACITY]:
         return -1
@@ -202,14 +199,16 @@ def release_holes(E):
         if S[S_ALIVE, s] == 1 and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
             b = S[S_HEAD, s]
             while b >= 0:
-                if B[b, FREE] == 1 and (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE > _round(B[b, ADDR]):
-                    lo[m], blk[m] = _round(B[b, ADDR]), b
-                    m += 1
+                if B[b, FREE] == 1:
+                    g_lo, g_hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
+                    if g_hi > g_lo:
+                        lo[m], blk[m] = g_lo, b
+                        m += 1
                 b = B[b, NEXT]
     released = 0
     for i in np.argsort(lo[:m], kind="mergesort"):
         b = blk[i]
-        hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+        hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)[1]
         _cut(E, S[S_KIND, B[b, SEG]], b, lo[i], hi)
         st[DEV_USED] -= hi - lo[i]
         released += hi - lo[i]
@@ -262,7 +261,7 @@ def _vm_add(E, h, r, addr, n, tag, keep):
 @njit(cache=True, _nrt=False)
 def vm_new_segment(E, h, nbytes, tag, keep):
     """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
-    n = _round(nbytes)
+    n = rules.round_up(nbytes, GRANULE)
     st = E.st
     if st[DEV_USED] + n > E.cfg[C_CAPACITY]:
         return -1
@@ -280,15 +279,14 @@ def need(E, h, size, key):
     """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
     R, S, B = E.R, E.S, E.B
     r = E.GR[h, key + 1]
+    if r < 0:
+        return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)
     have = 0
-    if r >= 0 and R[R_TAIL, r] >= 0:
+    if R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
-        if B[last, FREE] == 1 and (B[last, TAG] == -1 or B[last, TAG] == key):
+        if B[last, FREE] == 1 and rules.usable(B[last, TAG], key, -1):
             have = B[last, SIZE]
-    n = _round(max(size - have, 1))
-    if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
-        return _round(size)
-    return n
+    return rules.grow_need(size, have, R[R_FRONTIER, r], R[R_BASE, r] + R[R_SIZE, r], GRANULE)
 
 
 @njit(cache=True, _nrt=False)
@@ -356,8 +354,7 @@ def trim(E, s):
     last = S[S_TAIL, s]
     if B[last, FREE] == 0:
         return 0
-    lo = _round(B[last, ADDR])
-    end = S[S_ADDR, s] + S[S_SIZE, s]
+    lo, end = rules.hole(B[last, ADDR], B[last, SIZE], GRANULE)  # the segment ends on a granule: so does the hole
     if lo >= end:
         return 0
     if lo == S[S_ADDR, s]:
@@ -387,13 +384,14 @@ def trim(E, s):
 @njit(cache=True, _nrt=False)
 def freed(E, b):
     """``Expander.freed``, after a free left ``b`` (merged) free: what the rules give back now."""
-    S, st = E.S, E.st
+    S = E.S
     s = E.B[b, SEG]
-    threshold = E.cfg[C_THRESHOLD]
-    over = threshold >= 0 and st[RES] > threshold
-    if S[S_USED, s] == 0 and (E.R[R_STITCHED, S[S_REGION, s]] == 1 or (over and S[S_KEEP, s] == 0)):
+    over = rules.over_threshold(E.st[RES], E.cfg[C_THRESHOLD])
+    action = rules.after_free(S[S_USED, s], S[S_KEEP, s] != 0, E.R[R_STITCHED, S[S_REGION, s]] == 1, over,
+                              b == S[S_TAIL, s], True)
+    if action == rules.DROP:
         vm_drop(E, s)
-    elif over and S[S_KEEP, s] == 0 and b == S[S_TAIL, s]:
+    elif action == rules.TRIM_TAIL:
         trim(E, s)
 
 
@@ -476,7 +474,7 @@ def _cut(E, h, b, lo, hi):
 def stitch(E, h, size, key, room):
     """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side."""
     B, S, st = E.B, E.S, E.st
-    want = _round(size)
+    want = rules.round_up(size, GRANULE)
     n_holes = 0
     for k in range(2):
         n_holes += E.TG[k, 0, key + 1] + E.TG[k, 0, 0]
@@ -490,23 +488,13 @@ def stitch(E, h, size, key, room):
             ids = tagged(E, k, t)
             for j in range(ids.shape[0]):
                 b = ids[j]
-                lo = _round(B[b, ADDR])
-                hi = (B[b, ADDR] + B[b, SIZE]) // PAGE * PAGE
+                lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
                 s = B[b, SEG]
                 if hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
                     ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
                     m += 1
-    by_addr = np.argsort(llo[:m], kind="mergesort")  # largest holes first, lowest address among equals
-    order = by_addr[np.argsort(-ln[:m][by_addr], kind="mergesort")]
-    got, count = 0, 0
-    for j in range(m):
-        if got >= want:
-            break
-        i = order[j]
-        ln[i] = min(ln[i], want - got)
-        got += ln[i]
-        order[count] = i
-        count += 1
+    lengths = ln[:m]  # clipped in place by the rule to what is taken from each hole
+    order, count, got = rules.stitch_pick(lengths, llo[:m], want)
     fresh = want - got
     if count == 0 or fresh > room or st[DEV_USED] + fresh > E.cfg[C_CAPACITY]:
         return False
