@@ -60,7 +60,7 @@ def fits_before(size_a: int, addr_a: int, size_b: int, addr_b: int) -> bool:
 
 def usable(tag: Any, key: Any, untagged: Any) -> bool:
     """Whether a request on stream ``key`` may take a free block tagged ``tag``: its own, or untagged."""
-    return tag == untagged or tag == key
+    return bool(tag == untagged or tag == key)
 
 
 def split_rest(block_size: int, size: int) -> int:
@@ -75,7 +75,7 @@ def split_rest(block_size: int, size: int) -> int:
 
 def mergeable(a: Any, b: Any, untagged: Any) -> bool:
     """Whether free neighbours tagged ``a`` and ``b`` coalesce: the same stream, or either untagged."""
-    return a == b or a == untagged or b == untagged
+    return bool(a == b or a == untagged or b == untagged)
 
 
 def merged_tag(left: Any, right: Any, untagged: Any) -> Any:
