@@ -194,3 +194,13 @@ def test_managed_hints_pass_flags_where_a_build_asks_for_them_and_refuse_a_locat
 def test_the_installed_cupy_declares_a_form_the_hints_know():
     runtime = pytest.importorskip("cupy.cuda.runtime", reason="CuPy is not installed")
     assert ManagedHints(runtime).usable
+
+
+def test_the_sourcing_hands_the_pool_its_upstream_to_tell_the_release_threshold():
+    from cupool.sourcing import sourcing
+
+    device = SimDevice("64MiB")
+    src = sourcing(device, None, None, "async")
+    assert isinstance(src.upstream_object, AsyncUpstream) and device.release_threshold == 0
+    src.upstream_object.set_release_threshold(8 * MiB)
+    assert device.release_threshold == 8 * MiB and src.upstream_object.stats()["async.release_threshold"] == 8 * MiB
