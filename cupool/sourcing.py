@@ -15,7 +15,7 @@ from typing import Any
 from .core.expandable import Expander, virtual_memory_of
 from .core.segments import DeviceSegments, SegmentSource
 from .device import Device
-from .device.upstream import make_upstream
+from .device.upstream import DeviceUpstream, make_upstream
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Sourcing:
     upstream: str
     #: What percentages and the default limit are taken of: the upstream's total (managed memory's is larger).
     total: int
+    #: The upstream itself: its ``stats()``, and ``set_release_threshold`` for the pool's ``release_threshold``
+    #: (the stream-ordered upstream passes it to the driver's pool). Unused under virtual memory.
+    upstream_object: DeviceUpstream
 
 
 def sourcing(device: Device, expandable_segments: bool | None, stitch: bool | None, upstream: Any) -> Sourcing:
@@ -45,10 +48,10 @@ def sourcing(device: Device, expandable_segments: bool | None, stitch: bool | No
         return DeviceSegments(dev, heaps, books, observers, up)
 
     if vm is None:
-        return Sourcing(plain, False, False, up.kind, up.mem_info()[1])
+        return Sourcing(plain, False, False, up.kind, up.mem_info()[1], up)
     mapped = vm
 
     def expander(dev: Any, heaps: Any, books: Any, observers: Any) -> SegmentSource:
         return Expander(mapped, dev, heaps, books, observers, stitching)
 
-    return Sourcing(expander, True, stitching, up.kind, up.mem_info()[1])
+    return Sourcing(expander, True, stitching, up.kind, up.mem_info()[1], up)

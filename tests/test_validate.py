@@ -480,9 +480,10 @@ def test_environment_names_versions_and_the_device(monkeypatch):
 
 def test_every_check_has_a_unique_name_and_a_title():
     names = [c.name for c in CHECKS]
-    assert len(set(names)) == len(names) == 16 and all(c.title for c in CHECKS)
+    assert len(set(names)) == len(names) == 20 and all(c.title for c in CHECKS)
     assert {c.name for c in CHECKS if c.on_sim} == {"move-kernel", "compaction-bandwidth", "compaction-moves", "vmm-latency",
-                                                    "torch-summary", "pinned", "spill", "trace"}
+                                                    "torch-summary", "pinned", "spill", "trace", "async-release",
+                                                    "managed-streaming"}
 
 
 def test_a_rehearsal_on_sim_writes_the_report_and_the_trace(tmp_path, capsys):

@@ -41,6 +41,7 @@ class CudaDevice(Device):
         self._mover: CudaMover | None = None  # made on the first move
         self._moves_ready = False
         self._vm: CudaVirtualMemory | None = None  # made by virtual_memory(), on first use
+        self._hints: ManagedHints | bool | None = None  # None: not asked yet; False: the device takes none
 
     def malloc(self, nbytes: int) -> int:
         return self._refused_as_oom(self._allocate, nbytes)
@@ -68,6 +69,32 @@ class CudaDevice(Device):
         """The device's own figures: how far managed memory may oversubscribe depends on the host."""
         return self.mem_info()
 
+    @property
+    def managed_hints(self) -> bool:
+        """Whether prefetch and advice work here: the device's concurrent managed access (not on Windows,
+        nor before Pascal), and a CuPy whose calls this module knows how to make (``ManagedHints``)."""
+        if self._hints is None:
+            with self._dev:
+                concurrent = self._rt.deviceGetAttribute(self._rt.cudaDevAttrConcurrentManagedAccess, self.index)
+            self._hints = ManagedHints(self._rt) if concurrent else False
+        return isinstance(self._hints, ManagedHints) and self._hints.usable
+
+    def prefetch(self, ptr: int, nbytes: int, stream: int) -> None:
+        """``cudaMemPrefetchAsync`` of a managed range to this device, in order on ``stream``."""
+        with self._dev:
+            self._managed_hints().prefetch(ptr, nbytes, self.index, stream)
+
+    def advise(self, ptr: int, nbytes: int, advice: str) -> None:
+        """``cudaMemAdvise`` of a managed range for this device (``ADVICE``)."""
+        with self._dev:
+            self._managed_hints().advise(ptr, nbytes, advice, self.index)
+
+    def _managed_hints(self) -> ManagedHints:
+        if not self.managed_hints:
+            raise RuntimeError(f"{self.name}: managed memory takes no prefetch or advice here")
+        assert isinstance(self._hints, ManagedHints)
+        return self._hints
+
     def malloc_async(self, nbytes: int, stream: int) -> int:
         """``cudaMallocAsync`` on ``stream`` from the device's default memory pool (no synchronization)."""
         return self._refused_as_oom(self._rt.mallocAsync, nbytes, stream)
@@ -75,6 +102,21 @@ class CudaDevice(Device):
     def free_async(self, ptr: int, nbytes: int, stream: int) -> None:
         with self._dev:
             self._rt.freeAsync(ptr, stream)
+
+    def set_release_threshold(self, nbytes: int) -> None:
+        """``cudaMemPoolAttrReleaseThreshold`` of the device's default memory pool, which ``malloc_async``
+        takes from: what the driver keeps at a synchronization (``cupool.device.upstream`` says why)."""
+        with self._dev:
+            pool = self._rt.deviceGetDefaultMemPool(self.index)
+            self._rt.memPoolSetAttribute(pool, self._rt.cudaMemPoolAttrReleaseThreshold, nbytes)
+
+    def async_pool_info(self) -> tuple[int, int]:
+        """(reserved, used) bytes of the device's default memory pool (ReservedMemCurrent, UsedMemCurrent)."""
+        with self._dev:
+            pool = self._rt.deviceGetDefaultMemPool(self.index)
+            reserved = int(self._rt.memPoolGetAttribute(pool, self._rt.cudaMemPoolAttrReservedMemCurrent))
+            used = int(self._rt.memPoolGetAttribute(pool, self._rt.cudaMemPoolAttrUsedMemCurrent))
+            return reserved, used
 
     def _allocate(self, nbytes: int) -> int:
         ptr: int = self._rt.malloc(nbytes)
@@ -171,6 +213,41 @@ class CudaDevice(Device):
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.index})"
+
+
+class ManagedHints:
+    """CuPy's ``memPrefetchAsync`` and ``memAdvise``, called the way the installed CuPy takes them.
+
+    CUDA 13 replaced the device ordinal of ``cudaMemPrefetchAsync`` and ``cudaMemAdvise``
+    with a ``cudaMemLocation`` (and gave the prefetch a ``flags`` argument).  CuPy 14 keeps
+    its Python signatures, ``memPrefetchAsync(devPtr, count, dstDevice, stream)`` and
+    ``memAdvise(devPtr, count, advice, device)``, and builds the location inside on a
+    CUDA 13 build; a CuPy that asks for ``flags`` gets 0.  The signature is read from the
+    function's own first docstring line (Cython writes it there), so nothing is guessed by
+    calling it; a form this class does not know (a location object) leaves ``usable``
+    false and managed memory unadvised rather than called wrongly.
+    """
+
+    def __init__(self, rt: Any) -> None:
+        self._rt = rt
+        self._advice = {"preferred_location": rt.cudaMemAdviseSetPreferredLocation,
+                        "accessed_by": rt.cudaMemAdviseSetAccessedBy}
+        self.prefetch_flags = "flags" in _signature(rt.memPrefetchAsync)
+        self.usable = not any("location" in _signature(f).lower() for f in (rt.memPrefetchAsync, rt.memAdvise))
+
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> None:
+        if self.prefetch_flags:
+            self._rt.memPrefetchAsync(ptr, nbytes, device, 0, stream)
+        else:
+            self._rt.memPrefetchAsync(ptr, nbytes, device, stream)
+
+    def advise(self, ptr: int, nbytes: int, advice: str, device: int) -> None:
+        self._rt.memAdvise(ptr, nbytes, self._advice[advice], device)
+
+
+def _signature(function: Any) -> str:
+    """A Cython function's signature: the first line of its docstring (``name(arg, ...)``)."""
+    return (getattr(function, "__doc__", None) or "").strip().split("\n", 1)[0]
 
 
 def _host_bytes(ptr: int, nbytes: int) -> np.ndarray:

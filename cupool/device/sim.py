@@ -20,6 +20,7 @@ from .._units import format_bytes, parse_size, round_up
 from ..errors import DeviceOutOfMemory
 from .base import PAGE, Capabilities, Device, HostView
 from .sim_vmm import SimVirtualMemory
+from .upstream import ADVICE
 from .vmm import VirtualMemory, VirtualMemoryUnsupported
 
 # Python's mmap module does not export MAP_NORESERVE.  The arena reserves address
@@ -92,15 +93,24 @@ class SimDevice(Device):
         #: Bytes of managed memory (``malloc_managed``), which may exceed the capacity (oversubscription).
         self.managed = 0
         self._managed_sizes: dict[int, int] = {}
-        # Stream-ordered frees waiting for their stream's work (``free_async``): (ptr, stream, mark).
-        self._freeing: list[tuple[int, int, int]] = []
+        #: Managed memory's hints, as a GPU would be given them: bytes and calls of ``prefetch``, and
+        #: bytes advised by advice (``advise``), so tests can see which segments the upstream prefetched.
+        self.prefetched = 0
+        self.prefetches = 0
+        self.advised: dict[str, int] = {}
+        #: The stream-ordered pool's release threshold (``cudaMemPoolAttrReleaseThreshold``; the driver's
+        #: default is 0): at a synchronization it keeps idle ranges while it holds no more than this.
+        self.release_threshold = 0
+        # The stream-ordered pool (upstream="async"): ranges handed out, and ranges freed on a stream
+        # that it keeps for reuse: (ptr, size, stream, mark), reusable once the stream's work passes mark.
+        self._async_live: dict[int, int] = {}
+        self._kept: list[tuple[int, int, int, int]] = []
         self._vm: SimVirtualMemory | None = None  # made by virtual_memory(), on first use
 
     # -- memory ---------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         size = round_up(max(nbytes, 1), PAGE)
         with self._lock:
-            self._retire_frees()
             free = self.capacity - self.used - self._mapped()
             if size > free:
                 raise DeviceOutOfMemory(f"sim device: {size} bytes requested, {free} free")
@@ -161,30 +171,84 @@ class SimDevice(Device):
         """Bytes in use beyond the capacity: what a GPU would page out to the host."""
         return max(0, self.used + self._mapped() - self.capacity)
 
+    #: Whether ``prefetch`` and ``advise`` mean something here (a GPU: concurrent managed access).
+    managed_hints = True
+
+    def prefetch(self, ptr: int, nbytes: int, stream: int) -> None:
+        """``cudaMemPrefetchAsync`` to this device on ``stream``: counted (the bytes already live here)."""
+        with self._lock:
+            self._managed_range(ptr, nbytes)
+            self.prefetched += nbytes
+            self.prefetches += 1
+
+    def advise(self, ptr: int, nbytes: int, advice: str) -> None:
+        """``cudaMemAdvise`` for this device (``ADVICE``: preferred location, accessed by): counted."""
+        if advice not in ADVICE:
+            raise ValueError(f"sim device: advice must be one of {', '.join(ADVICE)}, got {advice!r}")
+        with self._lock:
+            self._managed_range(ptr, nbytes)
+            self.advised[advice] = self.advised.get(advice, 0) + nbytes
+
+    def _managed_range(self, ptr: int, nbytes: int) -> None:
+        size = self._managed_sizes.get(ptr)
+        if size is None or nbytes > size:
+            raise ValueError(f"sim device: [{ptr:#x}, +{nbytes}) is not managed memory of this device")
+
     # -- stream-ordered memory (upstream="async") --------------------------------------------------
     def malloc_async(self, nbytes: int, stream: int) -> int:
-        """``cudaMallocAsync`` on ``stream``: no synchronization; frees whose stream is done are reused."""
-        return self.malloc(nbytes)
+        """``cudaMallocAsync`` on ``stream``, never synchronizing: a kept range of the size whose stream's
+        work has passed its free (or freed on this very stream) is reused; else fresh bytes, after the
+        pool gives back idle ranges it keeps when the device is short."""
+        size = round_up(max(nbytes, 1), PAGE)
+        with self._lock:
+            for i, (ptr, kept, on, mark) in enumerate(self._kept):
+                if kept == size and (on == stream or self._retired.get(on, 0) >= mark):
+                    del self._kept[i]
+                    self._async_live[ptr] = size
+                    return ptr
+            if size > self.capacity - self.used - self._mapped():
+                self._release_kept(0)
+            free = self.capacity - self.used - self._mapped()
+            if size > free:
+                raise DeviceOutOfMemory(f"sim device: {size} bytes requested in stream order, {free} free")
+            ptr = self._take(size)
+            self._async_live[ptr] = size
+            return ptr
 
     def free_async(self, ptr: int, nbytes: int, stream: int) -> None:
-        """``cudaFreeAsync`` on ``stream``: no synchronization.  The bytes go back once the work enqueued on
-        ``stream`` so far has retired, as the driver's pool orders reuse after it."""
+        """``cudaFreeAsync`` on ``stream``, never synchronizing: the stream-ordered pool keeps the range,
+        reusable once the work enqueued on ``stream`` so far has retired; a synchronization gives back
+        what it keeps beyond ``release_threshold``."""
         with self._lock:
-            if ptr not in self._sizes:
-                raise ValueError(f"sim device: {ptr:#x} is not a segment of this device")
-            self._freeing.append((ptr, stream, self._enqueued.get(stream, 0)))
-            self._retire_frees()
+            size = self._async_live.pop(ptr, None)
+            if size is None:
+                raise ValueError(f"sim device: {ptr:#x} is not stream-ordered memory of this device")
+            self._kept.append((ptr, size, stream, self._enqueued.get(stream, 0)))
 
-    def _retire_frees(self) -> None:
-        """Give back the stream-ordered frees whose stream's work has retired (lock held)."""
-        if self._freeing:
-            waiting = []
-            for ptr, stream, mark in self._freeing:
-                if self._retired.get(stream, 0) >= mark:
-                    self._give(ptr)
-                else:
-                    waiting.append((ptr, stream, mark))
-            self._freeing = waiting
+    def set_release_threshold(self, nbytes: int) -> None:
+        """``cudaMemPoolAttrReleaseThreshold`` of the stream-ordered pool."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"release threshold: a number of bytes >= 0, got {nbytes!r}")
+        self.release_threshold = nbytes
+
+    def async_pool_info(self) -> tuple[int, int]:
+        """(reserved, used) bytes of the stream-ordered pool, as its ReservedMemCurrent and UsedMemCurrent."""
+        with self._lock:
+            used = sum(self._async_live.values())
+            return used + sum(k[1] for k in self._kept), used
+
+    def _release_kept(self, threshold: int) -> None:
+        """Give back kept ranges whose stream's work has retired while the pool holds more than
+        ``threshold`` (lock held): what the driver does at a synchronization."""
+        reserved = sum(self._async_live.values()) + sum(k[1] for k in self._kept)
+        keep = []
+        for ptr, size, on, mark in self._kept:
+            if reserved > threshold and self._retired.get(on, 0) >= mark:
+                self._give(ptr)
+                reserved -= size
+            else:
+                keep.append((ptr, size, on, mark))
+        self._kept = keep
 
     def _give(self, ptr: int) -> None:
         """Return a range to the address span (lock held)."""
@@ -255,7 +319,8 @@ class SimDevice(Device):
                 self._retired[k] = self._enqueued.get(k, 0)
             if stream is None:
                 self.syncs += 1
-            self._retire_frees()
+            if self._kept:
+                self._release_kept(self.release_threshold)
 
     # -- views ----------------------------------------------------------------
     def as_array(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: object) -> np.ndarray:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from . import bench, extras, memory, moves, numba_bench, suites, workload
+from . import bench, extras, memory, moves, numba_bench, suites, torch_checks, upstreams, workload
 from .records import FAILED, Context, Result, skipped
 from .report import default_report_path, environment, probe_gpu, render
 from .results import to_json
@@ -57,6 +57,14 @@ CHECKS = (
     Check("pinned", "Pinned memory (PinnedPool)", memory.pinned, on_sim=True),
     Check("spill", "Spilling to host and to HDF5", memory.spill, on_sim=True),
     Check("trace", "A trace recorded here, replayed on the sim device", memory.trace, on_sim=True),
+    Check("torch-cupy-shared", "A torch training loop and CuPy on one cupool pool, bit for bit against their own "
+          "allocators", torch_checks.torch_cupy_shared),
+    Check("torch-alloc-timing", "torch.empty + drop: cupool beside PyTorch's caching allocator and RMM's",
+          torch_checks.torch_alloc_timing),
+    Check("async-release", "The async upstream grows and trims without a device synchronization",
+          upstreams.async_release, on_sim=True),
+    Check("managed-streaming", "The managed upstream on a streaming working set below the free memory, with and "
+          "without prefetch", upstreams.managed_streaming, on_sim=True),
 )
 
 
