@@ -145,6 +145,7 @@ class Pool:
         dev = make_device(device, capacity)
         src = sourcing(dev, expandable_segments, stitch, upstream)
         self._total = src.total  # what percentages and the default limit are taken of
+        self._upstream = src.upstream_object  # told the release threshold (the async one passes it to the driver)
         limit, init, threshold = resolve(self._total, max_size, memory_fraction, initial_size, release_threshold)
         self.device = dev
         # Owns defrag_threshold, release_threshold and release_before_split (the properties below).
@@ -372,6 +373,7 @@ class Pool:
     def release_threshold(self, value: int | str | None) -> None:
         threshold = None if value is None else parse_size(value, self._total, "release_threshold")
         with self.hold() as view:
+            self._upstream.set_release_threshold(threshold)
             self._policy.release_threshold = threshold
             self._arena.set_eager(threshold is not None)
             over = threshold is not None and view.books.reserved > threshold

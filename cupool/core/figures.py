@@ -90,12 +90,25 @@ ExpandableStats = TypedDict(
     total=False,
 )
 
+#: The figures of a pool whose segments come from managed or stream-ordered memory
+#: (``cupool.device.upstream``'s ``stats()``).
+UpstreamStats = TypedDict(
+    "UpstreamStats",
+    {
+        "managed.reserved_bytes": int, "managed.prefetched_bytes": int, "managed.unprefetched_bytes": int,
+        "managed.oversubscribed_bytes": int, "num_prefetches": int, "num_prefetches_skipped": int,
+        "async.release_threshold": int, "async.driver_reserved_bytes": int, "async.driver_idle_bytes": int,
+    },
+    total=False,
+)
 
-class Stats(PoolStats, ExpandableStats):
+
+class Stats(PoolStats, ExpandableStats, UpstreamStats):
     """The type of ``Pool.stats()``: a plain dict at run time, each key typed for a type checker.
 
     ``peak: int = pool.stats()["allocated_bytes.all.peak"]`` passes ``mypy --strict``;
-    ``Stats.__required_keys__`` are on every pool, ``Stats.__optional_keys__`` on expandable ones.
+    ``Stats.__required_keys__`` are on every pool, ``Stats.__optional_keys__`` on expandable
+    ones, or on managed or stream-ordered ones.
     """
 
 

@@ -163,7 +163,7 @@ class DeviceSegments:
         return False
 
     def stats(self) -> dict[str, int]:
-        return {}
+        return self.upstream.stats()  # managed and stream-ordered memory's own figures (cupool.device.upstream)
 
     def check(self) -> None:
         return None
