@@ -19,6 +19,7 @@ packs them anyway, and a larger segment would only be a tail to waste.
 
 from __future__ import annotations
 
+from .._units import round_up  # n up to a multiple of unit: the one rounding, which devices use too
 from ..device.base import PAGE  # the granule of device allocations: a device fact
 
 __all__ = [
@@ -63,7 +64,3 @@ def round_page(n: int) -> int:
     """``n`` rounded up to whole device pages."""
     return round_up(n, PAGE)
 
-
-def round_up(n: int, unit: int) -> int:
-    """``n`` rounded up to a multiple of ``unit`` (a page, a virtual-memory granule)."""
-    return -(-n // unit) * unit

@@ -14,11 +14,11 @@ import weakref
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedDict
 
 from .._units import format_bytes, parse_size, round_up
 from ..errors import DeviceOutOfMemory
 from .base import PAGE, Capabilities, Device, HostView
+from .ranges import FreeRanges
 from .sim_vmm import SimVirtualMemory
 from .upstream import ADVICE
 from .vmm import VirtualMemory, VirtualMemoryUnsupported
@@ -83,7 +83,7 @@ class SimDevice(Device):
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base = self.arena.ctypes.data
         self.used = 0
-        self._extents: SortedDict = SortedDict({self.base: self._span})  # free address ranges
+        self._extents = FreeRanges(self.base, self._span)  # free address ranges, first fit
         self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._enqueued: dict[int, int] = {}
@@ -118,16 +118,9 @@ class SimDevice(Device):
 
     def _take(self, size: int) -> int:
         """Take ``size`` bytes of the address span (lock held; the caller checked the budget)."""
-        addr: int
-        extent: int
-        for addr, extent in self._extents.items():
-            if extent >= size:
-                break
-        else:
+        addr = self._extents.take(size)
+        if addr is None:
             raise DeviceOutOfMemory(f"sim device: address space exhausted for {size} bytes")
-        del self._extents[addr]
-        if extent > size:
-            self._extents[addr + size] = extent - size
         self._sizes[addr] = size
         self.used += size
         return addr
@@ -255,17 +248,7 @@ class SimDevice(Device):
         size = self._sizes.pop(ptr)
         self.used -= size
         self._mmap.madvise(mmap.MADV_DONTNEED, ptr - self.base, size)
-        i = self._extents.bisect_left(ptr)
-        if i < len(self._extents):
-            nxt = self._extents.peekitem(i)
-            if nxt[0] == ptr + size:
-                size += nxt[1]
-                del self._extents[nxt[0]]
-        if i > 0:
-            prev_addr, prev_size = self._extents.peekitem(i - 1)
-            if prev_addr + prev_size == ptr:
-                ptr, size = prev_addr, prev_size + size
-        self._extents[ptr] = size
+        self._extents.give(ptr, size)
 
     def mem_info(self) -> tuple[int, int]:
         return max(0, self.capacity - self.used - self._mapped()), self.capacity

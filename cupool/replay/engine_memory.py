@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import rules
-from ..core.sizes import round_page
+from ..core.sizes import round_page, round_up
+from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
@@ -38,51 +39,19 @@ _GAP = RANGE_GAP * GRANULE
 
 
 # ------------------------------------------------------- address ranges
+# First fit in address order, merged as they come back: ``cupool.device.ranges``'s ``take`` and ``give``,
+# which the sim device and virtual memory call too.  The tables hold their count in ``st``.
 @njit(cache=True, _nrt=False)
 def ext_take(T, st, count, size):
-    """First fit in address order over the free ranges in ``T`` (``st[count]`` of them); -1: none fits."""
-    for i in range(st[count]):
-        if T[1, i] >= size:
-            addr = T[0, i]
-            if T[1, i] > size:
-                T[0, i] += size
-                T[1, i] -= size
-            else:
-                for j in range(i, st[count] - 1):
-                    T[0, j] = T[0, j + 1]
-                    T[1, j] = T[1, j + 1]
-                st[count] -= 1
-            return addr
-    return -1
+    """The lowest free range in ``T`` (``st[count]`` of them) of at least ``size``, taken; -1: none fits."""
+    addr, st[count] = ranges.take(T, st[count], size)
+    return addr
 
 
 @njit(cache=True, _nrt=False)
 def ext_give(T, st, count, ptr, size):
     """Give ``[ptr, ptr + size)`` back to the free ranges in ``T``, merging with its neighbours."""
-    n = st[count]
-    i = 0
-    while i < n and T[0, i] < ptr:
-        i += 1
-    merge_next = i < n and T[0, i] == ptr + size
-    merge_prev = i > 0 and T[0, i - 1] + T[1, i - 1] == ptr
-    if merge_prev and merge_next:
-        T[1, i - 1] += size + T[1, i]
-        for j in range(i, n - 1):
-            T[0, j] = T[0, j + 1]
-            T[1, j] = T[1, j + 1]
-        st[count] = n - 1
-    elif merge_prev:
-        T[1, i - 1] += size
-    elif merge_next:
-        T[0, i] = ptr
-        T[1, i] += size
-    else:
-        for j in range(n, i, -1):
-            T[0, j] = T[0, j - 1]
-            T[1, j] = T[1, j - 1]
-        T[0, i] = ptr
-        T[1, i] = size
-        st[count] = n + 1
+    st[count] = ranges.give(T, st[count], ptr, size)
 
 
 # -------------------------------------------------------------- segments
@@ -261,7 +230,7 @@ def _vm_add(E, h, r, addr, n, tag, keep):
 @njit(cache=True, _nrt=False)
 def vm_new_segment(E, h, nbytes, tag, keep):
     """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
-    n = rules.round_up(nbytes, GRANULE)
+    n = round_up(nbytes, GRANULE)
     st = E.st
     if st[DEV_USED] + n > E.cfg[C_CAPACITY]:
         return -1
@@ -474,7 +443,7 @@ def _cut(E, h, b, lo, hi):
 def stitch(E, h, size, key, room):
     """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side."""
     B, S, st = E.B, E.S, E.st
-    want = rules.round_up(size, GRANULE)
+    want = round_up(size, GRANULE)
     n_holes = 0
     for k in range(2):
         n_holes += E.TG[k, 0, key + 1] + E.TG[k, 0, 0]

@@ -1,5 +1,5 @@
-"""The rule book (``cupool.core.rules``) and the size classes (``cupool.core.sizes``), made callable from
-the engine's compiled code.
+"""The rule book (``cupool.core.rules``), the size classes (``cupool.core.sizes``) and first-fit address
+ranges (``cupool.device.ranges``), made callable from the engine's compiled code.
 
 Charter: this module only registers; it decides nothing.  Numba cannot call a
 plain Python function from compiled code, so each rule is registered with
@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from numba.extending import register_jitable
 
+from .._units import round_up
 from ..core import rules, sizes
+from ..device import ranges
 
 #: Every function of the two modules the engine calls, registered once at import.
 REGISTERED = (
-    sizes.round_up, sizes.round_page, sizes.round_size, sizes.pool_of, sizes.segment_size,
+    round_up, sizes.round_page, sizes.round_size, sizes.pool_of, sizes.segment_size,
     rules.fits_before, rules.usable, rules.split_rest, rules.mergeable, rules.merged_tag,
     rules.grow_target, rules.grow_need, rules.hole, rules.stitch_pick,
     rules.gives_back_before_split, rules.after_free, rules.over_threshold, rules.release_cuts_holes,
+    ranges.take, ranges.give,
 )
 for _rule in REGISTERED:
     register_jitable(_rule)
