@@ -276,7 +276,7 @@ def settings_table(
 ) -> list[SettingRow]:
     """Stream a synthetic model under the source's four cache settings; cupool's figures beside the source's.
 
-    ``shapes`` defaults to the ten layer shapes of DESIGN.md section 1 (float32),
+    ``shapes`` defaults to the ten layer shapes of the first design (shared/DESIGN.md section 1; float32),
     streamed ``passes`` times in order, as a model is run once per token.  Each
     setting gets a fresh pool (``device``, ``capacity`` and ``pool_kwargs``).
     """
