@@ -219,7 +219,9 @@ def test_cupool_info_says_which_memory_object_cupy_gets(capsys):
 @needs_gpu
 @needs_object
 def test_on_a_gpu_the_block_is_taken_for_cupys_current_stream_looked_up_in_c():
-    """CuPy's own C functions give the device and stream: a block freed is tagged with the stream it served."""
+    """CuPy's own C functions give the device and stream: the block (in a fresh pool, its segment) is the
+    stream's it served.  (This read ``BlockInfo.tag``, a field that never existed: it would have failed on
+    any GPU.)"""
     assert hook.memory_path()[1].endswith("stream in C and device in C")
     pool = cupool.Pool("cuda")
     with cupool.using(pool):
@@ -229,5 +231,5 @@ def test_on_a_gpu_the_block_is_taken_for_cupys_current_stream_looked_up_in_c():
             del x
             s.synchronize()
     with pool.hold() as view:
-        tags = {b.tag for seg in view.segments() for b in seg.blocks if b.free}
-    assert s.ptr in tags and live(pool) == 0
+        streams = {b.stream for seg in view.segments() for b in seg.blocks if b.free}
+    assert s.ptr in streams and live(pool) == 0

@@ -37,25 +37,25 @@ def test_split_and_coalesce_both_sides():
     h.check()
 
 
-def test_tags_keep_streams_apart_until_retagged():
+def test_streams_keep_their_free_blocks_until_reassigned():
     h = Heap(A)
-    h.add_segment(0, 4 * A, tag=1)
+    h.add_segment(0, 4 * A, stream=1)
     x = h.take(h.find(2 * A, 1), 2 * A)
-    # the tail is tagged 1: stream 2 cannot see it
+    # the tail is stream 1's: stream 2 cannot see it
     assert h.find(A, 2) is None
     h.give(x, 1)
     assert h.find(A, 2) is None and h.find(4 * A, 1).size == 4 * A
-    h.retag(h.find(4 * A, 1), None)
+    h.reassign(h.find(4 * A, 1), None)
     assert h.find(4 * A, 2).size == 4 * A
     h.check()
 
 
-def test_untagged_merges_into_tagged_and_keeps_the_stricter_tag():
+def test_anyones_block_merges_into_a_streams_and_the_stricter_stream_is_kept():
     h = Heap(A)
-    h.add_segment(0, 4 * A, tag=None)
+    h.add_segment(0, 4 * A, stream=None)
     x = h.take(h.find(2 * A, 7), 2 * A)
     merged = h.give(x, 7)
-    assert merged.size == 4 * A and merged.tag == 7
+    assert merged.size == 4 * A and merged.stream == 7
     assert h.find(A, 8) is None
     h.check()
 
@@ -81,7 +81,7 @@ def test_bad_calls_are_refused():
 
 
 class HeapMachine(RuleBasedStateMachine):
-    """Random segment/take/give/retag sequences against a byte-map model."""
+    """Random segment/take/give/reassign sequences against a byte-map model."""
 
     def __init__(self):
         super().__init__()
@@ -93,7 +93,7 @@ class HeapMachine(RuleBasedStateMachine):
 
     @rule(units=st.integers(1, 64))
     def add_segment(self, units):
-        seg = self.heap.add_segment(self.next_addr, units * A, tag=None)
+        seg = self.heap.add_segment(self.next_addr, units * A, stream=None)
         self.segs[seg.addr] = seg
         self.next_addr += units * A + 7 * A  # leave gaps: segments are not neighbours
 
@@ -126,8 +126,8 @@ class HeapMachine(RuleBasedStateMachine):
     @rule(tag=st.sampled_from([1, 2]))
     def settle(self, tag):
         for b in self.heap.free_blocks(tag):
-            if self.heap.is_indexed(b) and b.tag == tag:
-                self.heap.retag(b, None)
+            if self.heap.is_indexed(b) and b.stream == tag:
+                self.heap.reassign(b, None)
 
     @rule()
     def drop_free_segments(self):

@@ -43,7 +43,7 @@ def test_stream_tags_usable_mergeable_and_the_stricter_one_kept(untagged, stream
         assert rules.usable(tag, key, untagged) == (tag == untagged or tag == key)
         assert rules.mergeable(tag, key, untagged) == (tag == untagged or key == untagged or tag == key)
         if rules.mergeable(tag, key, untagged):
-            kept = rules.merged_tag(tag, key, untagged)
+            kept = rules.merged_stream(tag, key, untagged)
             assert kept == (key if tag == untagged else tag)
 
 

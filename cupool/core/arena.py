@@ -41,7 +41,7 @@ class Policy(Protocol):
        segments back only whole: whether the arena should give it back instead
        and grow by just the request's pages (Note [Release before split] in
        ``cupool.pressure.policy``).
-    3. ``reclaim(kind, size, key) -> Iterator[None]``: nothing fits and the pool
+    3. ``reclaim(kind, size, stream) -> Iterator[None]``: nothing fits and the pool
        cannot grow: the reclaim ladder for this request, one step per item, each
        item after a step that made progress (the arena looks again then).  Acts.
     4. ``oom_reason() -> str``: the ladder is spent: what the error should add.
@@ -51,7 +51,7 @@ class Policy(Protocol):
 
     def compact_if_due(self) -> None: ...
     def gives_back(self, size: int, block: Block) -> bool: ...
-    def reclaim(self, kind: int, size: int, key: Any) -> Iterator[None]: ...
+    def reclaim(self, kind: int, size: int, stream: Any) -> Iterator[None]: ...
     def oom_reason(self) -> str: ...
     def releases_now(self) -> bool: ...
 
@@ -111,20 +111,20 @@ class Arena(FastPath):
         self.refresh_fast()
 
     # ------------------------------------------------------------ allocation
-    def malloc_slow(self, n: int, key: Any) -> Allocation:
+    def malloc_slow(self, n: int, stream: Any) -> Allocation:
         """The slow path of ``malloc`` (lock held, queue drained, nothing parked)."""
         misses = self.books.misses
-        block, kind = self.place(n, key)
-        a = Allocation(self, block, n, key, kind)
+        block, kind = self.place(n, stream)
+        a = Allocation(self, block, n, stream, kind)
         block.payload = n
         if self.observers.active:
             # A small block that made the pool grow is news to figure-only subscribers too.
             small = kind == SMALL and self.books.misses == misses
-            self.observers.emit("alloc", block.addr, block.size, key, small)
+            self.observers.emit("alloc", block.addr, block.size, stream, small)
         return a
 
-    def place(self, n: int, key: Any, exact: bool = False, closed_ok: bool = False) -> tuple[Block, int]:
-        """Place a block for ``n`` bytes on stream ``key`` (lock held); ``exact`` asks growth for just that.
+    def place(self, n: int, stream: Any, exact: bool = False, closed_ok: bool = False) -> tuple[Block, int]:
+        """Place a block for ``n`` bytes on ``stream`` (lock held); ``exact`` asks growth for just that.
 
         The miss path reads as one chain, one rung a line (Note [Out of memory]);
         ``closed_ok``: a closed pool still brings a spilled buffer back (Note [Lifetimes]).
@@ -139,13 +139,13 @@ class Arena(FastPath):
             if self.stacks:  # compaction plans on the heap: parked blocks are free space (Note [Fast path])
                 self.unpark()
             self.policy.compact_if_due()  # 0. compact first, when fragmentation calls for it
-        block = heap.find(size, key)  # 1. best fit among the free blocks this stream may use
+        block = heap.find(size, stream)  # 1. best fit among the free blocks this stream may use
         if block is None and self.stacks:  # 2. the parked blocks (Note [Fast path])
             self.unpark()
-            block = heap.find(size, key)
-        if block is None and heap.tag_count() > 1:  # 3. blocks other streams are done with (Note [Streams])
+            block = heap.find(size, stream)
+        if block is None and heap.stream_count() > 1:  # 3. blocks other streams are done with (Note [Streams])
             self.settle_streams(wait=False)
-            block = heap.find(size, key)
+            block = heap.find(size, stream)
         if (block is not None and kind == LARGE and not exact and self.segments.whole  # 4. release before split
                 and block.size == block.segment.size and not block.segment.keep
                 and self.policy.gives_back(size, block)):
@@ -153,7 +153,7 @@ class Arena(FastPath):
             books.releases_before_split += 1
             block, exact = None, True  # its room serves just this request
         if block is None:
-            block = self.miss(kind, size, key, exact)  # 5-8
+            block = self.miss(kind, size, stream, exact)  # 5-8
         else:
             books.hits += 1
         heap.take(block, size)
@@ -162,38 +162,38 @@ class Arena(FastPath):
         books.account(kind, REQUESTED, n)
         return block, kind
 
-    def miss(self, kind: int, size: int, key: Any, exact: bool) -> Block:
+    def miss(self, kind: int, size: int, stream: Any, exact: bool) -> Block:
         """The chain past the heap: a free block of at least ``size`` from new memory, or the error."""
         books = self.books
         books.misses += 1
         self.refusal = ""
         if round_page(size) > self.limit:  # 5. above the limit on its own: nothing could help; fail, changing nothing
-            raise self.out_of_memory(size, key, "the request alone is larger than the pool's limit of "
+            raise self.out_of_memory(size, stream, "the request alone is larger than the pool's limit of "
                                      f"{format_bytes(self.limit)}", fragmentation=None)
-        block = self.grow(kind, size, key, exact)  # 6. grow within the limit
+        block = self.grow(kind, size, stream, exact)  # 6. grow within the limit
         if block is not None:
             return block
         books.retries += 1
         heap = self.heaps[kind]
-        steps = self.policy.reclaim(kind, size, key)  # 7. the ladder: look again after each step that helped
+        steps = self.policy.reclaim(kind, size, stream)  # 7. the ladder: look again after each step that helped
         for _ in steps:
-            block = heap.find(size, key)
+            block = heap.find(size, stream)
             if block is None:
-                block = self.grow(kind, size, key, exact)
+                block = self.grow(kind, size, stream, exact)
             if block is not None:
                 return block
         reason = "; ".join(r for r in (self.policy.oom_reason(), self.refusal) if r)
-        raise self.out_of_memory(size, key, reason)  # 8. out of memory
+        raise self.out_of_memory(size, stream, reason)  # 8. out of memory
 
-    def grow(self, kind: int, size: int, key: Any, exact: bool) -> Block | None:
+    def grow(self, kind: int, size: int, stream: Any, exact: bool) -> Block | None:
         """A free block of at least ``size`` from new device memory, within the limit; None if that fails."""
         try:
-            return self.segments.grow(kind, size, key, self.room(), exact)
+            return self.segments.grow(kind, size, stream, self.room(), exact)
         except DeviceOutOfMemory as e:  # the device's words go into the error, should the request fail
             self.refusal = f"the device refused: {e}"
             return None
 
-    def out_of_memory(self, size: int, key: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
+    def out_of_memory(self, size: int, stream: Any, reason: str, fragmentation: float | None = -1.0) -> OutOfMemoryError:
         """The error for a request of ``size`` bytes that cannot be served (lock held); counted and emitted.
 
         ``fragmentation=None`` leaves it out of the error when it has nothing to do
@@ -202,7 +202,7 @@ class Arena(FastPath):
         """
         self.books.ooms += 1
         if self.observers.active:
-            self.observers.emit("oom", 0, size, key)
+            self.observers.emit("oom", 0, size, stream)
         return OutOfMemoryError(
             requested=size,
             reserved=self.view.books.reserved,
@@ -226,16 +226,16 @@ class Arena(FastPath):
         a.block = None
         kind = a.kind
         size = block.size
-        key = a.stream
+        stream = a.stream
         raw = type(a) is Allocation
         books = self.books
         books.account(kind, ALLOCATIONS, -1)
         books.account(kind, ALLOCATED, -size)
         books.account(kind, REQUESTED, -a.size)
         if self.observers.active:
-            self.observers.emit("free" if raw else "free_movable", block.addr, size, key, raw and kind == SMALL)
+            self.observers.emit("free" if raw else "free_movable", block.addr, size, stream, raw and kind == SMALL)
         self.compaction_stale = True
-        merged = self.heaps[kind].give(block, key, self.streams.freed(key))
+        merged = self.heaps[kind].give(block, stream, self.streams.freed(stream))
         seg = merged.segment
         if self.closed:  # drain: a closed pool gives each segment back as it empties (Note [Lifetimes])
             if not seg.used:
@@ -243,21 +243,21 @@ class Arena(FastPath):
         else:  # the rule book's after_free: a stitched segment at once, the rest when releasing eagerly
             self.segments.after_free(kind, merged, not self.parking and self.policy.releases_now())
 
-    def give_parked(self, key: Any, blocks: list[Block]) -> None:
-        """Parked blocks of stream ``key`` go to the heap (``unpark``).
+    def give_parked(self, stream: Any, blocks: list[Block]) -> None:
+        """Parked blocks of ``stream`` go to the heap (``unpark``).
 
         The stream's epoch is read now rather than at the free: it can only have
         advanced since, which makes other streams wait longer, never less.
         """
         self.compaction_stale = True
         heap = self.heaps[SMALL]
-        epoch = self.streams.freed(key)
+        epoch = self.streams.freed(stream)
         for block in blocks:
-            heap.give(block, key, epoch)
+            heap.give(block, stream, epoch)
 
-    def new_segment(self, kind: int, nbytes: int, key: Any, keep: bool = False) -> Segment:
+    def new_segment(self, kind: int, nbytes: int, stream: Any, keep: bool = False) -> Segment:
         """Take ``nbytes`` from the device as one segment; DeviceOutOfMemory passes through."""
-        return self.segments.new(kind, nbytes, key, keep)
+        return self.segments.new(kind, nbytes, stream, keep)
 
     def drop_segment(self, kind: int, seg: Segment) -> None:
         self.segments.drop(kind, seg)

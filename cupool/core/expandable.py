@@ -165,40 +165,40 @@ class Expander:
         self.remapped_bytes = 0  # compaction's moves made by remapping granules instead of copying
 
     # ------------------------------------------------------------------ growth
-    def need(self, kind: int, size: int, key: Any) -> int:
-        """The bytes ``grow(kind, size, key)`` would map: what the tail's free block lacks, in granules."""
-        region = self.regions.get((kind, key))
+    def need(self, kind: int, size: int, stream: Any) -> int:
+        """The bytes ``grow(kind, size, stream)`` would map: what the tail's free block lacks, in granules."""
+        region = self.regions.get((kind, stream))
         if region is None:
             return grow_need(size, 0, 0, 1 << 62, self.granule)
         have = 0
         if region.tail is not None:
             last = region.tail.tail
-            if last is not None and last.free and usable(last.tag, key, None):
+            if last is not None and last.free and usable(last.stream, stream, None):
                 have = last.size
         return grow_need(size, have, region.frontier, region.base + region.size, self.granule)
 
-    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
-        """Map granules at the end of stream ``key``'s region; a free block of at least ``size``.
+    def grow(self, kind: int, size: int, stream: Any, room: int, exact: bool) -> Block | None:
+        """Map granules at the end of ``stream``'s region; a free block of at least ``size``.
 
         None when the granules needed are more than ``room``; ``DeviceOutOfMemory``
         passes through with nothing changed.  ``exact`` changes nothing here: a
         region grows by just what the request lacks anyway.
         """
-        n = self.need(kind, size, key)
+        n = self.need(kind, size, stream)
         if n > room:
             return None
         chunks = self._create(n)
-        region = self.regions.get((kind, key))
+        region = self.regions.get((kind, stream))
         if region is not None and region.frontier + n > region.base + region.size:
             # Its addresses ran out (stitching left holes behind): retire it, and start a new range.
-            del self.regions[(kind, key)]
+            del self.regions[(kind, stream)]
             region.growable = False
             if not region.segments:
                 self._forget(region)
             region = None
         if region is None:
             try:
-                region = self.regions[(kind, key)] = self._reserve(self.span, growable=True, stitched=False)
+                region = self.regions[(kind, stream)] = self._reserve(self.span, growable=True, stitched=False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)
@@ -206,25 +206,25 @@ class Expander:
         at = region.frontier
         self._map(at, chunks)
         region.frontier += n
-        self._mapped(kind, at, n, key)
+        self._mapped(kind, at, n, stream)
         if region.tail is None:
-            seg = self._add(kind, region, at, n, key, keep=False)
+            seg = self._add(kind, region, at, n, stream, keep=False)
             region.tail = seg
             block = seg.head
         else:
-            block = self.heaps[kind].extend(region.tail, n, key)
+            block = self.heaps[kind].extend(region.tail, n, stream)
         assert block is not None and block.free and block.size >= size
         return block
 
-    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
+    def new(self, kind: int, nbytes: int, stream: Any, keep: bool) -> Segment:
         """A segment of exactly ``nbytes`` in a range of its own (preallocated, or re-homed by compaction)."""
         n = round_up(nbytes, self.granule)
         chunks = self._create(n)
         region = self._reserve(n, growable=False, stitched=False)
         self._map(region.base, chunks)
         region.frontier += n
-        self._mapped(kind, region.base, n, key)
-        seg = region.tail = self._add(kind, region, region.base, n, key, keep)
+        self._mapped(kind, region.base, n, stream)
+        seg = region.tail = self._add(kind, region, region.base, n, stream, keep)
         return seg
 
     # ---------------------------------------------------------------- shrinking
@@ -310,12 +310,12 @@ class Expander:
         return released
 
     # ---------------------------------------------------------------- stitching
-    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
+    def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool:
         """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
 
         Granules from the largest holes first; what they lack is created fresh
         when ``room`` (bytes the limit still allows) covers it.  Returns whether a
-        stitched segment now holds a free block of ``size`` for ``key``; False
+        stitched segment now holds a free block of ``size`` for ``stream``; False
         changes nothing.
         """
         g = self.granule
@@ -323,10 +323,10 @@ class Expander:
         want = round_up(size, self.granule)
         holes = []
         for k, heap in enumerate(self.heaps):
-            for tag in heap.tags():
-                if not usable(tag, key, None):
+            for s in heap.streams():
+                if not usable(s, stream, None):
                     continue
-                for b in heap.free_blocks(tag):
+                for b in heap.free_blocks(s):
                     lo, hi = hole(b.addr, b.size, g)
                     if hi > lo and b.segment.region is not None and not b.segment.keep:
                         holes.append((hi - lo, lo, k, b))
@@ -347,8 +347,8 @@ class Expander:
             chunks += self._cut(k, b, lo, hi)
         self._map(region.base, chunks + new)
         region.frontier += want
-        self._mapped(kind, region.base, want, key)
-        region.tail = self._add(kind, region, region.base, want, key, keep=False)
+        self._mapped(kind, region.base, want, stream)
+        region.tail = self._add(kind, region, region.base, want, stream, keep=False)
         self.stitches += 1
         self.stitched_bytes += got
         return True
@@ -459,18 +459,18 @@ class Expander:
         return [self.chunks.pop(a) for a in range(addr, addr + nbytes, g)]
 
     # -------------------------------------------------------------------- books
-    def _add(self, kind: int, region: Region, addr: int, n: int, key: Any, keep: bool) -> Segment:
-        seg = self.heaps[kind].add_segment(addr, n, key, keep=keep)
+    def _add(self, kind: int, region: Region, addr: int, n: int, stream: Any, keep: bool) -> Segment:
+        seg = self.heaps[kind].add_segment(addr, n, stream, keep=keep)
         seg.region = region
         region.segments += 1
         self.books.account(kind, SEGMENTS, 1)
         return seg
 
-    def _mapped(self, kind: int, addr: int, n: int, key: Any) -> None:
+    def _mapped(self, kind: int, addr: int, n: int, stream: Any) -> None:
         self.books.account(kind, RESERVED, n)
         self.books.device_allocs += 1
         if self.observers.active:
-            self.observers.emit("segment_map", addr, n, 0 if key is None else key)
+            self.observers.emit("segment_map", addr, n, 0 if stream is None else stream)
 
     def _unmapped(self, kind: int, addr: int, n: int, stream: Any) -> None:
         self.books.account(kind, RESERVED, -n)

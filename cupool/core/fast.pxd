@@ -42,10 +42,10 @@ cdef class FastPath:
     @cython.locals(al=Allocation)
     cpdef free(self, a)
     cdef public object stream_key
-    cdef public object default_key
+    cdef public object default_stream
 
     @cython.locals(stack=list, a=Allocation, log=list)
-    cpdef malloc(self, n, key)
+    cpdef malloc(self, n, stream)
     cpdef request(self, nbytes, stream)
 
 

@@ -272,7 +272,7 @@ class FastPath:
     """The lock, the finalizer queue, the parked stacks and the accounting log of one arena.
 
     The arena (``cupool.core.arena.Arena``) derives from it and provides the slow
-    path: ``malloc_slow(n, key) -> Allocation`` (lock held, queue drained, stacks
+    path: ``malloc_slow(n, stream) -> Allocation`` (lock held, queue drained, stacks
     empty: place a new block, growing or reclaiming as the policy says),
     ``free_block(handle)`` (lock held: give a block to the heap), and
     ``notify_moves()`` (lock free: run queued ``on_move`` callbacks).
@@ -303,7 +303,7 @@ class FastPath:
         # How ``request`` names streams: the device's ``stream_key``, and what it gives for
         # None when that never changes (``Device.fixed_default_key``), else None.
         self.stream_key = device.stream_key
-        self.default_key = device.fixed_default_key
+        self.default_stream = device.fixed_default_key
 
     # ------------------------------------------------------------------ locking
     def enter(self, what: str, freeing: bool = False) -> bool:
@@ -385,21 +385,21 @@ class FastPath:
     # ------------------------------------------------------------ allocation
     def request(self, nbytes: Any, stream: Any) -> Allocation:
         """``Pool.malloc``: validate ``nbytes`` (``as_nbytes``) and name ``stream``, then ``malloc``."""
-        key = self.default_key
-        if type(nbytes) is int and 0 <= nbytes <= MAX_NBYTES and stream is None and key is not None:
-            return self.malloc(nbytes, key)
+        default = self.default_stream
+        if type(nbytes) is int and 0 <= nbytes <= MAX_NBYTES and stream is None and default is not None:
+            return self.malloc(nbytes, default)
         return self.malloc(as_nbytes(nbytes), self.stream_key(stream))
 
-    def malloc(self, n: int, key: Any) -> Allocation:
-        """Allocate ``n`` validated bytes on stream ``key``: the hot path of every hook."""
+    def malloc(self, n: int, stream: Any) -> Allocation:
+        """Allocate ``n`` validated bytes on ``stream`` (a stream's key): the hot path of every hook."""
         lock = self.lock
         if not lock.acquire(False):
             self.enter("malloc()")
         try:
-            stack = self.stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, key))
+            stack = self.stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, stream))
             if stack and self.fast and not self.pending:
                 block = stack.pop()
-                a = new_allocation(self, block, n, key, SMALL)
+                a = new_allocation(self, block, n, stream, SMALL)
                 block.payload = n
                 log = self.log
                 log.append(n + 1)
@@ -409,7 +409,7 @@ class FastPath:
                 pending = self.pending
                 while pending:  # the parked stacks stay: the arena unparks only if the heap falls short
                     pending.popleft().finalize_locked()
-                a = self.malloc_slow(n, key)
+                a = self.malloc_slow(n, stream)
                 if self.pending:
                     self.drain()
         finally:
@@ -422,7 +422,7 @@ class FastPath:
             deliver()
         return a
 
-    def malloc_slow(self, n: int, key: Any) -> Allocation:
+    def malloc_slow(self, n: int, stream: Any) -> Allocation:
         raise NotImplementedError("the arena provides the slow path")
 
     # ----------------------------------------------------------------- freeing
@@ -456,10 +456,10 @@ class FastPath:
             if al.kind == SMALL:
                 block = al.block
                 al.block = None
-                key = (block.size, al.stream)
-                stack = self.stacks.get(key)
+                slot = (block.size, al.stream)
+                stack = self.stacks.get(slot)
                 if stack is None:
-                    self.stacks[key] = [block]
+                    self.stacks[slot] = [block]
                 else:
                     stack.append(block)
                 self.log.append(-1 - al.size)  # folded at the next malloc past LOG_MAX, or any read
@@ -473,13 +473,13 @@ class FastPath:
         """Give every parked block to the heap; returns their bytes."""
         stacks, self.stacks = self.stacks, {}
         moved = 0
-        for (size, key), blocks in stacks.items():
+        for (size, stream), blocks in stacks.items():
             if blocks:
-                self.give_parked(key, blocks)
+                self.give_parked(stream, blocks)
                 moved += size * len(blocks)
         return moved
 
-    def give_parked(self, key: Any, blocks: list[Any]) -> None:
+    def give_parked(self, stream: Any, blocks: list[Any]) -> None:
         raise NotImplementedError("the arena gives parked blocks to its heap")
 
     def parked(self) -> set[int]:

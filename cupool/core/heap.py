@@ -3,18 +3,20 @@
 Pure bookkeeping, no CUDA, so it can be tested exhaustively.  A segment is one
 piece of memory obtained from the device; it is tiled, in address order, by
 blocks that are either allocated or free.  Free blocks are indexed by
-``(size, address)`` in a sorted list per *tag*, which makes best fit
+``(size, address)`` in a sorted list per *stream*, which makes best fit
 O(log n): the smallest free block that is large enough, lowest address first.
 
-Tags carry the pool's stream rule without the heap knowing about streams: a
-block freed on stream ``s`` is tagged ``s`` and only requests for ``s`` may take
-it, until the pool learns that ``s`` has finished with it and retags it to
-``None`` (any stream).  Blocks coalesce with free neighbours of the same tag or of
-tag ``None``; the merged block keeps the stricter tag, so a merge never hands
-bytes to a stream that may not use them yet (it may briefly withhold untagged
-bytes from other streams, which is safe).  ``epoch`` records, for a free block,
+A stream is any hashable key the pool names a stream by (``None``: any
+stream), and the heap needs nothing more of it to carry the pool's stream
+rule: a block freed on stream ``s`` keeps ``block.stream == s`` and only
+requests for ``s`` may take it, until the pool learns that ``s`` has finished
+with it and reassigns it to ``None``.  Blocks coalesce with free neighbours of
+the same stream or of ``None``; the merged block keeps the stricter stream
+(``cupool.core.rules``), so a merge never hands bytes to a stream that may not
+use them yet (it may briefly withhold bytes of ``None`` from other streams,
+which is safe).  ``epoch`` records, for a free block,
 the latest moment (in its stream's reckoning) any of its bytes was freed; a
-merge keeps the larger one, and untagged blocks have epoch 0.
+merge keeps the larger one, and blocks of ``None`` have epoch 0.
 """
 
 from __future__ import annotations
@@ -24,28 +26,29 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
-from .rules import fits_before, merged_tag, mergeable, split_rest
+from .rules import fits_before, merged_stream, mergeable, split_rest
 
-Tag = Hashable | None
+#: A stream's key, as the pool names streams; None: any stream.
+Stream = Hashable | None
 
 
 class Block:
-    __slots__ = ("addr", "size", "segment", "prev", "next", "free", "tag", "epoch", "payload")
+    __slots__ = ("addr", "size", "segment", "prev", "next", "free", "stream", "epoch", "payload")
 
-    def __init__(self, addr: int, size: int, segment: Segment, tag: Tag) -> None:
+    def __init__(self, addr: int, size: int, segment: Segment, stream: Stream) -> None:
         self.addr = addr
         self.size = size
         self.segment = segment
         self.prev: Block | None = None
         self.next: Block | None = None
         self.free = True
-        self.tag = tag
+        self.stream = stream  # a free block's: whose frees it holds (None: any stream's); None while allocated
         self.epoch = 0
         # Whatever the pool hangs on an allocated block (its Allocation); None when free.
         self.payload: object = None
 
     def __repr__(self) -> str:
-        state = f"free tag={self.tag!r}" if self.free else "used"
+        state = f"free stream={self.stream!r}" if self.free else "used"
         return f"Block({self.addr:#x}, {self.size}, {state})"
 
 
@@ -71,7 +74,7 @@ class PlannedMove(Protocol):
 class Segment:
     __slots__ = ("addr", "size", "used", "head", "tail", "keep", "stream", "region")
 
-    def __init__(self, addr: int, size: int, stream: Tag, keep: bool) -> None:
+    def __init__(self, addr: int, size: int, stream: Stream, keep: bool) -> None:
         self.addr = addr
         self.size = size
         self.used = 0  # bytes in allocated blocks
@@ -97,11 +100,11 @@ class Heap:
 
     The placement contract (what the arena and the compaction planner rely on, and
     what tests/conformance/test_placement_conformance.py holds every placement
-    algorithm to): ``add_segment`` / ``remove_segment``; ``find(size, tag)`` returns a
-    free block of at least ``size`` usable by ``tag`` (its own or untagged) or None;
+    algorithm to): ``add_segment`` / ``remove_segment``; ``find(size, stream)`` returns a
+    free block of at least ``size`` usable by ``stream`` (its own or any stream's) or None;
     ``take(block, size)`` allocates the first ``size`` bytes of it; ``give(block,
-    tag, epoch)`` frees and coalesces; ``retag`` moves a free block to another tag;
-    ``free_blocks``, ``tags``, ``largest_free``, ``reserved``, ``allocated``,
+    stream, epoch)`` frees and coalesces; ``reassign`` moves a free block to another stream;
+    ``free_blocks``, ``streams``, ``largest_free``, ``reserved``, ``allocated``,
     ``n_allocated``, ``segments``; and ``check()``, which raises AssertionError on any
     broken invariant.
     """
@@ -111,20 +114,20 @@ class Heap:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.alignment = alignment
         self.segments: dict[int, Segment] = {}
-        self._index: dict[Tag, SortedList] = {}
+        self._index: dict[Stream, SortedList] = {}
         self._free: dict[int, Block] = {}
         self.reserved = 0
         self.allocated = 0
         self.n_allocated = 0
 
     # -- segments -------------------------------------------------------------
-    def add_segment(self, addr: int, size: int, tag: Tag = None, keep: bool = False) -> Segment:
+    def add_segment(self, addr: int, size: int, stream: Stream = None, keep: bool = False) -> Segment:
         if addr % self.alignment or size % self.alignment or size <= 0:
             raise ValueError(f"segment [{addr:#x}, +{size}) is not aligned to {self.alignment}")
         if addr in self.segments:
             raise ValueError(f"segment at {addr:#x} already exists")
-        seg = Segment(addr, size, tag, keep)
-        seg.head = seg.tail = Block(addr, size, seg, tag)
+        seg = Segment(addr, size, stream, keep)
+        seg.head = seg.tail = Block(addr, size, seg, stream)
         self.segments[addr] = seg
         self.reserved += size
         self._insert(seg.head)
@@ -143,13 +146,13 @@ class Heap:
         return [s for s in self.segments.values() if s.used == 0]
 
     # -- segments over virtual memory (their ends move; see cupool.core.expandable) --
-    def extend(self, seg: Segment, nbytes: int, tag: Tag) -> Block:
-        """Append ``nbytes`` of free memory under ``tag`` at the end of ``seg``; returns the (merged) last block."""
+    def extend(self, seg: Segment, nbytes: int, stream: Stream) -> Block:
+        """Append ``nbytes`` of free memory of ``stream`` at the end of ``seg``; returns the (merged) last block."""
         if nbytes <= 0 or nbytes % self.alignment:
             raise ValueError(f"cannot extend {seg!r} by {nbytes} bytes")
         last = seg.tail
         assert last is not None
-        b = Block(seg.addr + seg.size, nbytes, seg, tag)
+        b = Block(seg.addr + seg.size, nbytes, seg, stream)
         b.prev, last.next, seg.tail = last, b, b
         seg.size += nbytes
         self.reserved += nbytes
@@ -190,7 +193,7 @@ class Heap:
             right_seg = Segment(hi, seg.addr + seg.size - hi, seg.stream, seg.keep)
             right_seg.region = seg.region
             if hi < end:
-                piece = Block(hi, end - hi, right_seg, b.tag)
+                piece = Block(hi, end - hi, right_seg, b.stream)
                 piece.epoch, piece.next = b.epoch, after
                 if after is not None:
                     after.prev = piece
@@ -223,10 +226,10 @@ class Heap:
         return left_seg, right_seg
 
     # -- placement ------------------------------------------------------------
-    def find(self, size: int, tag: Tag) -> Block | None:
-        """Best fit for ``size`` among free blocks usable by ``tag`` (its own and untagged)."""
+    def find(self, size: int, stream: Stream) -> Block | None:
+        """Best fit for ``size`` among free blocks usable by ``stream`` (its own and any stream's)."""
         best = None
-        for t in (tag, None) if tag is not None else (None,):
+        for t in (stream, None) if stream is not None else (None,):
             idx = self._index.get(t)
             if not idx:
                 continue
@@ -244,7 +247,7 @@ class Heap:
         self._remove(block)
         rest = split_rest(block.size, size)
         if rest:
-            tail = Block(block.addr + size, rest, block.segment, block.tag)
+            tail = Block(block.addr + size, rest, block.segment, block.stream)
             tail.epoch = block.epoch
             tail.prev, tail.next = block, block.next
             if block.next is not None:
@@ -255,14 +258,14 @@ class Heap:
             block.size = size
             self._insert(tail)
         block.free = False
-        block.tag = None
+        block.stream = None  # the allocation knows its stream
         block.segment.used += size
         self.allocated += size
         self.n_allocated += 1
         return block
 
-    def give(self, block: Block, tag: Tag, epoch: int = 0) -> Block:
-        """Free an allocated block under ``tag``; returns the (possibly merged) free block."""
+    def give(self, block: Block, stream: Stream, epoch: int = 0) -> Block:
+        """Free an allocated block on ``stream``; returns the (possibly merged) free block."""
         if block.free:
             raise ValueError(f"{block!r} is already free")
         seg = block.segment
@@ -270,16 +273,16 @@ class Heap:
         self.allocated -= block.size
         self.n_allocated -= 1
         block.free = True
-        block.tag = tag
+        block.stream = stream
         block.epoch = epoch
         block.payload = None
         return self._coalesce(block)
 
-    def retag(self, block: Block, tag: Tag) -> Block:
-        """Move a free block to another tag (e.g. once its stream is done with it) and merge."""
+    def reassign(self, block: Block, stream: Stream) -> Block:
+        """Move a free block to another stream (to None once its stream is done with it) and merge."""
         self._remove(block)
-        block.tag = tag
-        if tag is None:
+        block.stream = stream
+        if stream is None:
             block.epoch = 0
         return self._coalesce(block)
 
@@ -287,14 +290,14 @@ class Heap:
         """Whether ``block`` is still a free block of its own (a merge may have absorbed it)."""
         return self._free.get(block.addr) is block
 
-    def free_blocks(self, tag: Tag) -> list[Block]:
-        return [self._free[a] for _, a in self._index.get(tag, ())]
+    def free_blocks(self, stream: Stream) -> list[Block]:
+        return [self._free[a] for _, a in self._index.get(stream, ())]
 
-    def tags(self) -> list[Tag]:
+    def streams(self) -> list[Stream]:
         return [t for t, idx in self._index.items() if idx]
 
-    def tag_count(self) -> int:
-        """An upper bound on the number of tags with free blocks (cheap, for fast paths)."""
+    def stream_count(self) -> int:
+        """An upper bound on the number of streams with free blocks (cheap, for fast paths)."""
         return len(self._index)
 
     # -- queries --------------------------------------------------------------
@@ -310,23 +313,23 @@ class Heap:
 
     # -- internals ------------------------------------------------------------
     def _insert(self, b: Block) -> None:
-        idx = self._index.get(b.tag)
+        idx = self._index.get(b.stream)
         if idx is None:
-            idx = self._index[b.tag] = SortedList()
+            idx = self._index[b.stream] = SortedList()
         idx.add((b.size, b.addr))
         self._free[b.addr] = b
 
     def _remove(self, b: Block) -> None:
-        self._index[b.tag].remove((b.size, b.addr))
+        self._index[b.stream].remove((b.size, b.addr))
         del self._free[b.addr]
 
     def _coalesce(self, b: Block) -> Block:
         nxt = b.next
-        if nxt is not None and nxt.free and mergeable(nxt.tag, b.tag, None):
+        if nxt is not None and nxt.free and mergeable(nxt.stream, b.stream, None):
             self._remove(nxt)
             _absorb(b, nxt)
         prv = b.prev
-        if prv is not None and prv.free and mergeable(prv.tag, b.tag, None):
+        if prv is not None and prv.free and mergeable(prv.stream, b.stream, None):
             self._remove(prv)
             _absorb(prv, b)
             b = prv
@@ -350,9 +353,9 @@ class Heap:
                 if b.free:
                     n_free += 1
                     assert self._free.get(b.addr) is b, f"free {b!r} missing from the index"
-                    assert (b.size, b.addr) in self._index[b.tag], f"free {b!r} under the wrong tag"
+                    assert (b.size, b.addr) in self._index[b.stream], f"free {b!r} under the wrong stream"
                     if prev is not None and prev.free:
-                        assert not mergeable(prev.tag, b.tag, None), f"{prev!r} and {b!r} should have merged"
+                        assert not mergeable(prev.stream, b.stream, None), f"{prev!r} and {b!r} should have merged"
                 else:
                     used += b.size
                 expect, prev = b.addr + b.size, b
@@ -366,8 +369,8 @@ class Heap:
 
 
 def _absorb(left: Block, right: Block) -> None:
-    """Merge free ``right`` into its free left neighbour, keeping the stricter tag and the later epoch."""
-    left.tag = merged_tag(left.tag, right.tag, None)
+    """Merge free ``right`` into its free left neighbour, keeping the stricter stream and the later epoch."""
+    left.stream = merged_stream(left.stream, right.stream, None)
     left.size += right.size
     left.epoch = max(left.epoch, right.epoch)
     left.next = right.next

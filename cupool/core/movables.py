@@ -53,16 +53,16 @@ class Movables:
     def finalize_later(self, h: Movable | Lease) -> None:
         self.arena.finalize_later(h)
 
-    def make(self, n: int, key: Any, on_move: Callable[[Movable, int, int | None], None] | None) -> Movable:
+    def make(self, n: int, stream: Any, on_move: Callable[[Movable, int, int | None], None] | None) -> Movable:
         arena = self.arena
         with arena.locked("movable()"):  # Note [Lock protocol]
-            block, kind = arena.place(n, key, exact=True)
+            block, kind = arena.place(n, stream, exact=True)
             self._seq += 1
-            m = Movable(self, block, n, key, kind, on_move, self._seq, time.perf_counter_ns())
+            m = Movable(self, block, n, stream, kind, on_move, self._seq, time.perf_counter_ns())
             block.payload = weakref.ref(m)
             arena.books.movables += 1
             if arena.observers.active:
-                arena.observers.emit("alloc_movable", block.addr, block.size, key)
+                arena.observers.emit("alloc_movable", block.addr, block.size, stream)
         if arena.moved:
             arena.notify_moves()
         if arena.sites is not None:

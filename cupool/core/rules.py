@@ -13,15 +13,17 @@ contract (``tests/conformance/test_placement_conformance.py`` runs on both).
 Size classes are ``cupool.core.sizes`` (``round_size``, ``pool_of``,
 ``segment_size``, ``round_page``), which both sides also call as they are.
 
-A stream *tag* is an integer or hashable key, with ``untagged`` (``None`` in the
-pool, ``-1`` in the engine) for "any stream may use it" (Note [Streams]).
+A *stream* is the key a stream is named by (a hashable in the pool, a small
+integer in the engine), and ``anyone`` the stream that stands for "any stream
+may use it" (``None`` in the pool, ``-1`` in the engine; Note [Streams]).  A
+free block's stream is the one whose frees it holds.
 
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
 | ``fits_before`` | best fit's order: which of two free blocks a request takes | ``Heap.find`` (and its index's order) | ``engine_heap._less`` |
 | ``usable`` | may a request on one stream take a block freed on another? | ``Heap.find``, ``Expander.need``/``stitch`` | ``engine_heap.find``, ``engine_memory.need``/``stitch`` |
 | ``split_rest`` | what stays free when a request takes the front of a block | ``Heap.take`` | ``engine_heap.take`` |
-| ``mergeable``, ``merged_tag`` | do two free neighbours coalesce, and under which tag | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
+| ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
 | ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
@@ -58,9 +60,9 @@ def fits_before(size_a: int, addr_a: int, size_b: int, addr_b: int) -> bool:
     return size_a < size_b or (size_a == size_b and addr_a < addr_b)
 
 
-def usable(tag: Any, key: Any, untagged: Any) -> bool:
-    """Whether a request on stream ``key`` may take a free block tagged ``tag``: its own, or untagged."""
-    return bool(tag == untagged or tag == key)
+def usable(block_stream: Any, stream: Any, anyone: Any) -> bool:
+    """Whether a request on ``stream`` may take a free block of ``block_stream``: its own, or anyone's."""
+    return bool(block_stream == anyone or block_stream == stream)
 
 
 def split_rest(block_size: int, size: int) -> int:
@@ -73,15 +75,15 @@ def split_rest(block_size: int, size: int) -> int:
     return block_size - size
 
 
-def mergeable(a: Any, b: Any, untagged: Any) -> bool:
-    """Whether free neighbours tagged ``a`` and ``b`` coalesce: the same stream, or either untagged."""
-    return bool(a == b or a == untagged or b == untagged)
+def mergeable(a: Any, b: Any, anyone: Any) -> bool:
+    """Whether free neighbours of streams ``a`` and ``b`` coalesce: the same stream, or either anyone's."""
+    return bool(a == b or a == anyone or b == anyone)
 
 
-def merged_tag(left: Any, right: Any, untagged: Any) -> Any:
-    """The tag of two coalesced blocks: the stricter one, so that a merge never hands a stream's
-    bytes to another before its work on them is done (it may briefly withhold untagged bytes)."""
-    return right if left == untagged else left
+def merged_stream(left: Any, right: Any, anyone: Any) -> Any:
+    """The stream of two coalesced blocks: the stricter one, so that a merge never hands a stream's
+    bytes to another before its work on them is done (it may briefly withhold anyone's bytes)."""
+    return right if left == anyone else left
 
 
 # ---------------------------------------------------------------------------------- growth

@@ -9,11 +9,11 @@ The arena holds exactly one source and never asks which kind it has, as RMM's
 ``stream_ordered_memory_resource`` never asks what its upstream is.  A source
 implements these hooks, each called with the arena's lock held:
 
-1. ``new(kind, nbytes, key, keep) -> Segment``: a segment of exactly ``nbytes``
+1. ``new(kind, nbytes, stream, keep) -> Segment``: a segment of exactly ``nbytes``
    (rounded to the source's page), ``keep`` for the preallocated one.
    ``DeviceOutOfMemory`` passes through with nothing changed.
-2. ``grow(kind, size, key, room, exact) -> Block | None``: a free block of at
-   least ``size`` for stream ``key``, reserving at most ``room`` more bytes;
+2. ``grow(kind, size, stream, room, exact) -> Block | None``: a free block of at
+   least ``size`` for ``stream``, reserving at most ``room`` more bytes;
    None when ``room`` is too small (the limit), nothing changed.
 3. ``drop(kind, seg)``: give a wholly free segment back.
 4. ``after_free(kind, block, over) -> int``: after any free left ``block``
@@ -26,7 +26,7 @@ implements these hooks, each called with the arena's lock held:
    blocks between live ones, where the source can give part of a segment back
    (``empty_cache``).
 6. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
-7. ``stitch(kind, size, key, room) -> bool``: serve a large request from holes
+7. ``stitch(kind, size, stream, room) -> bool``: serve a large request from holes
    (sources without virtual memory: False).
 8. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
    everything back when the arena dies (its finalizer).
@@ -64,13 +64,13 @@ class SegmentSource(Protocol):
     #: placed in a bigger cached segment pins all of it (Note [Release before split]).
     whole: bool
 
-    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment: ...
-    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None: ...
+    def new(self, kind: int, nbytes: int, stream: Any, keep: bool) -> Segment: ...
+    def grow(self, kind: int, size: int, stream: Any, room: int, exact: bool) -> Block | None: ...
     def drop(self, kind: int, seg: Segment) -> None: ...
     def after_free(self, kind: int, block: Block, over: bool) -> int: ...
     def trim_all(self, kept_too: bool, holes: bool = False) -> int: ...
     def move(self, moves: Sequence[PlannedMove]) -> None: ...
-    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool: ...
+    def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool: ...
     def stats(self) -> dict[str, int]: ...
     def check(self) -> None: ...
     def close(self) -> None: ...
@@ -103,29 +103,29 @@ class DeviceSegments:
         # Set by close(): the device has every segment back, so a late drop must not free again.
         self.closed = False
 
-    def new(self, kind: int, nbytes: int, key: Any, keep: bool) -> Segment:
+    def new(self, kind: int, nbytes: int, stream: Any, keep: bool) -> Segment:
         nbytes = round_page(nbytes)
-        ptr = self.upstream.allocate(nbytes, key)
+        ptr = self.upstream.allocate(nbytes, stream)
         self.books.device_allocs += 1
-        seg = self.heaps[kind].add_segment(ptr, nbytes, key, keep=keep)
+        seg = self.heaps[kind].add_segment(ptr, nbytes, stream, keep=keep)
         self.books.account(kind, SEGMENTS, 1)
         self.books.account(kind, RESERVED, nbytes)
         if self.observers.active:
-            self.observers.emit("segment_alloc", ptr, nbytes, 0 if key is None else key)
+            self.observers.emit("segment_alloc", ptr, nbytes, 0 if stream is None else stream)
         return seg
 
-    def grow(self, kind: int, size: int, key: Any, room: int, exact: bool) -> Block | None:
+    def grow(self, kind: int, size: int, stream: Any, room: int, exact: bool) -> Block | None:
         """A new segment: the size class's (Note [Size classes]) within ``room``, else just ``size``."""
         target = grow_target(kind, size, room, exact)
         if not target:
             return None
         minimum = round_page(size)
         try:
-            seg = self.new(kind, target, key, False)
+            seg = self.new(kind, target, stream, False)
         except DeviceOutOfMemory:
             if target == minimum:
                 raise
-            seg = self.new(kind, minimum, key, False)
+            seg = self.new(kind, minimum, stream, False)
         assert seg.head is not None
         return seg.head
 
@@ -137,7 +137,7 @@ class DeviceSegments:
         self.books.account(kind, SEGMENTS, -1)
         self.books.account(kind, RESERVED, -seg.size)
         if self.observers.active:
-            stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
+            stream = 0 if seg.stream is None else cast(int, seg.stream)  # streams are named by int keys here
             self.observers.emit("segment_free", seg.addr, seg.size, stream)
 
     def after_free(self, kind: int, block: Block, over: bool) -> int:
@@ -159,7 +159,7 @@ class DeviceSegments:
     def move(self, moves: Sequence[PlannedMove]) -> None:
         execute(self.device, moves)
 
-    def stitch(self, kind: int, size: int, key: Any, room: int) -> bool:
+    def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool:
         return False
 
     def stats(self) -> dict[str, int]:

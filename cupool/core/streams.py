@@ -30,16 +30,16 @@ class StreamEpochs:
         self._events: dict[Any, collections.deque[Any]] = {}
         self._dirty: set[Any] = set()
 
-    def freed(self, key: Any) -> int:
-        """Note a free on stream ``key``; returns the epoch the freed block carries."""
-        self._dirty.add(key)
-        return self._epoch.get(key, 0)
+    def freed(self, stream: Any) -> int:
+        """Note a free on ``stream``; returns the epoch the freed block carries."""
+        self._dirty.add(stream)
+        return self._epoch.get(stream, 0)
 
     def settle(self, heaps: tuple[Heap, ...], wait: bool) -> int:
         """Let other streams use blocks whose freeing stream is known to be done with them.
 
         Without ``wait`` this records an event on every stream with new frees and
-        retags blocks covered by events that have completed; with ``wait`` it
+        reassigns blocks covered by events that have completed; with ``wait`` it
         synchronizes the device first, so every freed block qualifies.  Returns the
         bytes that became usable by all streams.
         """
@@ -47,32 +47,32 @@ class StreamEpochs:
             self._device.synchronize()
         moved = 0
         for heap in heaps:
-            for tag in heap.tags():
-                if tag is None:
+            for stream in heap.streams():
+                if stream is None:
                     continue
-                done = self._done_epoch(tag, wait)
+                done = self._done_epoch(stream, wait)
                 if done is None:
                     continue
-                for b in heap.free_blocks(tag):
+                for b in heap.free_blocks(stream):
                     # A merge earlier in this loop may have absorbed b: skip stale entries.
-                    if b.free and b.tag == tag and b.epoch <= done and heap.is_indexed(b):
+                    if b.free and b.stream == stream and b.epoch <= done and heap.is_indexed(b):
                         moved += b.size
-                        heap.retag(b, None)
+                        heap.reassign(b, None)
         return moved
 
-    def _done_epoch(self, tag: Any, wait: bool) -> int | None:
-        """The newest epoch of ``tag`` whose frees are known complete, or None."""
-        epoch = self._epoch.get(tag, 0)
+    def _done_epoch(self, stream: Any, wait: bool) -> int | None:
+        """The newest epoch of ``stream`` whose frees are known complete, or None."""
+        epoch = self._epoch.get(stream, 0)
         if wait:
-            self._events.pop(tag, None)
-            self._dirty.discard(tag)
-            self._epoch[tag] = epoch + 1
+            self._events.pop(stream, None)
+            self._dirty.discard(stream)
+            self._epoch[stream] = epoch + 1
             return epoch
-        q = self._events.setdefault(tag, collections.deque())
-        if tag in self._dirty:
-            q.append((epoch, self._device.record_event(tag)))
-            self._epoch[tag] = epoch + 1
-            self._dirty.discard(tag)
+        q = self._events.setdefault(stream, collections.deque())
+        if stream in self._dirty:
+            q.append((epoch, self._device.record_event(stream)))
+            self._epoch[stream] = epoch + 1
+            self._dirty.discard(stream)
         done = None
         while q and self._device.event_done(q[0][1]):
             done = q.popleft()[0]

@@ -13,7 +13,7 @@ verbs, named for what they do.
 | --- | --- |
 | ``compact_if_due()``: movable buffers exist and a block is about to be placed | compact when fragmentation is above ``defrag_threshold`` and something changed since the last compaction |
 | ``gives_back(size, block)``: a large request would split a wholly free plain segment | with ``release_before_split``, as ``cupool.core.rules.gives_back_before_split`` says (Note [Release before split]) |
-| ``reclaim(kind, size, key)``: nothing fits and the pool cannot grow | run the scheduler's ladder a step at a time, pausing after each step that made progress (Note [Out of memory]) |
+| ``reclaim(kind, size, stream)``: nothing fits and the pool cannot grow | run the scheduler's ladder a step at a time, pausing after each step that made progress (Note [Out of memory]) |
 | ``oom_reason()``: the ladder is spent | what spilling could and could not do, for the error |
 | ``releases_now()``: a free emptied memory while the pool releases eagerly | whether more than ``release_threshold`` is reserved |
 
@@ -143,9 +143,9 @@ class PoolPolicy:
         reserved = int(arena.books.cur[RESERVED][ALL])
         return gives_back_before_split(round_page(size), block.size, arena.limit, reserved)
 
-    def reclaim(self, kind: int, size: int, key: Any) -> Iterator[None]:
+    def reclaim(self, kind: int, size: int, stream: Any) -> Iterator[None]:
         _, _, scheduler = self._parts()
-        for _, step in scheduler.ladder((kind, size, key)):
+        for _, step in scheduler.ladder((kind, size, stream)):
             if step():
                 yield
 

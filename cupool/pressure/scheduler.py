@@ -206,8 +206,8 @@ class Scheduler:
         request = self._request
         if request is None:
             return False
-        kind, size, key = request
-        return self._arena.segments.stitch(kind, size, key, self._arena.room())
+        kind, size, stream = request
+        return self._arena.segments.stitch(kind, size, stream, self._arena.room())
 
     def _rehome(self) -> bool:
         return rehome(self._arena, self._movables)

@@ -21,7 +21,7 @@ from ..device import ranges
 #: Every function of the two modules the engine calls, registered once at import.
 REGISTERED = (
     round_up, sizes.round_page, sizes.round_size, sizes.pool_of, sizes.segment_size,
-    rules.fits_before, rules.usable, rules.split_rest, rules.mergeable, rules.merged_tag,
+    rules.fits_before, rules.usable, rules.split_rest, rules.mergeable, rules.merged_stream,
     rules.grow_target, rules.grow_need, rules.hole, rules.stitch_pick,
     rules.gives_back_before_split, rules.after_free, rules.over_threshold, rules.release_cuts_holes,
     ranges.take, ranges.give,

@@ -57,7 +57,7 @@ class EngineBlock:
         return self.dead or self._row(FREE) == 1  # a merged-away block was free, as Heap's stays
 
     @property
-    def tag(self) -> Any:
+    def stream(self) -> Any:
         t = self._row(TAG)
         return None if t == -1 else t
 
@@ -164,7 +164,7 @@ class EngineHeap:
         self._settle()
         return self._block(int(merged))
 
-    def retag(self, block: EngineBlock, tag: Any) -> EngineBlock:
+    def reassign(self, block: EngineBlock, tag: Any) -> EngineBlock:
         b = self._mine(block)
         t = _tag(tag)
         E = self.E
@@ -178,17 +178,17 @@ class EngineHeap:
         t = _tag(tag)
         return [self._block(int(b)) for b in engine_heap.tagged(self.E, LARGE, t)]
 
-    def tags(self) -> list[Any]:
+    def streams(self) -> list[Any]:
         counts = self.E.TG[LARGE, 0]
         return [None if i == 0 else i - 1 for i in range(counts.shape[0]) if counts[i] > 0]
 
     def largest_free(self) -> int:
-        return max((b.size for t in self.tags() for b in self.free_blocks(t)), default=0)
+        return max((b.size for t in self.streams() for b in self.free_blocks(t)), default=0)
 
     def check(self) -> None:
         """The engine's structure walked as ``Heap.check`` walks the heap's."""
         E = self.E
-        indexed = {b.id for t in self.tags() for b in self.free_blocks(t)}
+        indexed = {b.id for t in self.streams() for b in self.free_blocks(t)}
         n_free, reserved, allocated = 0, 0, 0
         for addr, seg in self.segments.items():
             reserved += seg.size

@@ -5,7 +5,7 @@ The arena and the compaction planner rely on the placement contract written in
 algorithm (first fit, a buddy allocator, size-segregated lists) must pass the
 same suite before it may replace the heap.  The suite therefore speaks only the
 contract: ``add_segment`` / ``remove_segment``, ``find``, ``take``, ``give``,
-``retag``, ``free_blocks``, ``tags``, ``largest_free``, ``reserved``,
+``reassign``, ``free_blocks``, ``streams``, ``largest_free``, ``reserved``,
 ``allocated``, ``n_allocated``, ``segments`` and ``check()``; never an index or
 any other private structure.
 
@@ -131,7 +131,7 @@ def _mergeable(a: Hashable | None, b: Hashable | None) -> bool:
 
 def reported_free_blocks(heap: Any) -> list[Any]:
     """Every free block the placement reports, in address order, through ``tags`` and ``free_blocks``."""
-    blocks = [b for t in heap.tags() for b in heap.free_blocks(t)]
+    blocks = [b for t in heap.streams() for b in heap.free_blocks(t)]
     blocks.sort(key=lambda b: b.addr)
     return blocks
 
@@ -144,8 +144,8 @@ def visible_state(heap: Any) -> tuple:
         heap.n_allocated,
         heap.largest_free(),
         sorted((s.addr, s.size, s.used) for s in heap.segments.values()),
-        sorted(map(repr, heap.tags())),
-        [(b.addr, b.size, b.free, b.tag, b.epoch) for b in reported_free_blocks(heap)],
+        sorted(map(repr, heap.streams())),
+        [(b.addr, b.size, b.free, b.stream, b.epoch) for b in reported_free_blocks(heap)],
     )
 
 
@@ -154,7 +154,7 @@ class PlacementMachine(RuleBasedStateMachine):
 
     The model: ``segments`` (slot -> (addr, units, handle)), ``allocated`` (addr ->
     (units, block handle)) and ``free_units`` (unit address -> (tag, epoch)), the
-    tag and epoch of the ``give`` or ``retag`` that last freed each free unit.
+    tag and epoch of the ``give`` or ``reassign`` that last freed each free unit.
     """
 
     def __init__(self, placement: Placement) -> None:
@@ -264,16 +264,16 @@ class PlacementMachine(RuleBasedStateMachine):
         assert merged.free and merged.addr <= addr and addr + units * ALIGN <= merged.addr + merged.size, (
             f"give returned {merged!r}, which does not hold the freed bytes at {addr:#x}"
         )
-        assert any(b is merged for b in self.heap.free_blocks(merged.tag)), "give returned an unreported block"
+        assert any(b is merged for b in self.heap.free_blocks(merged.stream)), "give returned an unreported block"
 
     @precondition(lambda self: self.free_units)
     @rule(i=st.integers(0, 10**6), tag=st.sampled_from(TAGS))
-    def retag(self, i: int, tag: Hashable | None) -> None:
+    def reassign(self, i: int, tag: Hashable | None) -> None:
         """What the arena does once a stream is done with its frees (to None), or a move to another tag."""
         blocks = self._free_blocks()
         block = blocks[i % len(blocks)]
         addr, size = block.addr, block.size
-        merged = self.heap.retag(block, tag)
+        merged = self.heap.reassign(block, tag)
         for u in range(size // ALIGN):
             _, epoch = self.free_units[addr + u * ALIGN]
             self.free_units[addr + u * ALIGN] = (tag, epoch if tag is not None else 0)
@@ -364,17 +364,17 @@ class PlacementMachine(RuleBasedStateMachine):
         for b in self._free_blocks():
             for u in range(b.size // ALIGN):
                 tag, epoch = self.free_units[b.addr + u * ALIGN]
-                assert tag is None or tag == b.tag, f"{b!r} holds bytes freed on stream {tag!r}"
-                if b.tag is not None and self.placement.epochs:
+                assert tag is None or tag == b.stream, f"{b!r} holds bytes freed on stream {tag!r}"
+                if b.stream is not None and self.placement.epochs:
                     assert b.epoch >= epoch, f"{b!r} has epoch {b.epoch}, but a byte was freed at epoch {epoch}"
 
     @invariant()
     def free_blocks_are_coalesced(self) -> None:
-        """No two adjacent free blocks of one segment could have merged (give and retag coalesce)."""
+        """No two adjacent free blocks of one segment could have merged (give and reassign coalesce)."""
         blocks = self._free_blocks()
         for a, b in zip(blocks, blocks[1:]):
             if a.addr + a.size == b.addr and self._segment_of(a.addr, b.addr + b.size - a.addr) is not None:
-                assert not _mergeable(a.tag, b.tag), f"{a!r} and {b!r} were left unmerged"
+                assert not _mergeable(a.stream, b.stream), f"{a!r} and {b!r} were left unmerged"
 
     @invariant()
     def runs_of_a_streams_bytes_are_found(self) -> None:
@@ -400,13 +400,13 @@ class PlacementMachine(RuleBasedStateMachine):
         sizes = sorted({b.size for b in blocks} | {b.size + ALIGN for b in blocks} | {ALIGN})
         for tag in TAGS:
             for size in sizes:
-                usable = [b for b in blocks if _usable(b.tag, tag) and b.size >= size]
+                usable = [b for b in blocks if _usable(b.stream, tag) and b.size >= size]
                 found = self.heap.find(size, tag)
                 if found is None:
                     assert not usable, f"find({size}, {tag!r}) found nothing, but {usable[0]!r} fits"
                     continue
                 assert any(b is found for b in blocks), f"find returned {found!r}, which is not a free block"
-                assert found.free and found.size >= size and _usable(found.tag, tag), (
+                assert found.free and found.size >= size and _usable(found.stream, tag), (
                     f"find({size}, {tag!r}) returned {found!r}"
                 )
                 if self.placement.fit is not None:
@@ -465,14 +465,14 @@ def test_freed_neighbours_coalesce_within_a_segment_but_never_across(placement: 
     heap.check()
 
 
-def test_a_streams_free_bytes_stay_its_own_until_retagged(placement: Placement) -> None:
+def test_a_streams_free_bytes_stay_its_own_until_reassigned(placement: Placement) -> None:
     heap = placement.make(ALIGN)
     heap.add_segment(ALIGN, 4 * ALIGN)
     a = heap.take(heap.find(2 * ALIGN, None), 2 * ALIGN)
     heap.give(a, 7, epoch=3)  # merges with the untagged rest: the whole segment is stream 7's
     assert heap.find(ALIGN, None) is None and heap.find(ALIGN, 8) is None
     (block,) = reported_free_blocks(heap)
-    assert heap.find(4 * ALIGN, 7) is block and block.tag == 7 and (block.epoch >= 3 or not placement.epochs)
-    heap.retag(block, None)
+    assert heap.find(4 * ALIGN, 7) is block and block.stream == 7 and (block.epoch >= 3 or not placement.epochs)
+    heap.reassign(block, None)
     assert heap.find(4 * ALIGN, 8) is not None
     heap.check()
