@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="device, configuration and versions",
                        description="Show the device, its free memory, whether the compiled fast path runs, the "
-                                   "kinds of device there are, the configuration of the pool cupool.default_pool() would make (from CUPOOL_CONF, "
-                                   "which is refused here as it is there) and the versions in use.")
+                                   "kinds of device there are, the configuration of the pool cupool.default_pool() "
+                                   "would make (from CUPOOL_CONF, which is refused here as it is there) and the "
+                                   "versions in use.")
     device_args(p, None, f"CUPOOL_CONF's device, else {auto}")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("demo", help="the weight-streaming workload, step by step",
