@@ -126,6 +126,7 @@ _PARSERS: dict[str, Callable[[Setting, str], Any]] = {
 #: Every setting of ``Pool``, in its signature's order.
 SETTINGS: tuple[Setting, ...] = (
     Setting("device", "device", kinds.AUTO, "device", conf=True, recorded=False, engine=False,
+            choices=kinds.names(),  # those of import time; the parser reads the table itself, late kinds too
             help=f"{kinds.one_of(kinds.names(), quoted=False)} ({kinds.AUTO}: {kinds.auto_help()}); the index "
                  "follows the current device"),
     Setting("capacity", "size", None, "device", conf=True, recorded=True, engine=True,
