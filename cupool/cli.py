@@ -91,7 +91,7 @@ def _info_pool(args: argparse.Namespace) -> Pool:
     a misspelt key is refused here in the same words; ``--device`` and ``--capacity`` override it."""
     conf = env_conf()
     given = f"{ENV_VAR}: device={conf['device']}" if args.device is None and "device" in conf else None
-    device = conf.pop("device", "auto") if args.device is None else args.device
+    device = conf.pop("device", kinds.AUTO) if args.device is None else args.device
     conf.pop("device", None)
     from_env = bool(conf)
     if args.capacity is not None:

@@ -134,7 +134,7 @@ def parse_device(device: str, capacity: int | str | None, note_fallback: bool = 
     return kind.name, index
 
 
-def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
+def make_device(device: str | Device = AUTO, capacity: int | str | None = None) -> Device:
     """Resolve the ``device=`` argument of ``Pool``: a ``Device`` as it is, a name as its kind makes it."""
     if isinstance(device, Device):
         if capacity is not None:
