@@ -18,7 +18,7 @@ import click
 
 from . import settings
 from ._units import parse_size
-from .device import SimDevice, parse_device
+from .device import SimDevice, kinds, resolve_device, split_device
 from .pool import Pool
 
 __all__ = ["GPU_STAND_IN", "PRELOAD_HELP", "SIZE", "WORKER_FIELD", "check_pool_arguments", "pool_defaults",
@@ -68,28 +68,26 @@ def check_pool_arguments(device: Any, options: dict[str, Any]) -> None:
     """Build and close a pool with these arguments on a sim device, raising its error as the plugin's."""
     if not isinstance(device, str):
         raise TypeError(
-            "CupoolSetup: device must be 'auto', 'sim', 'cuda' or 'cuda:N' (each worker makes its own device), "
+            f"CupoolSetup: device must be {kinds.one_of(kinds.forms())} (each worker makes its own device), "
             f"got {device!r}"
         )
     capacity = options.get("capacity")
     kind = None  # "auto": the worker decides
-    if device.strip().lower() != "auto":
-        try:
-            kind, _ = parse_device(device, capacity, note_fallback=False)
-        except RuntimeError:
-            kind = "cuda"  # spelt right; only the client lacks a GPU, which says nothing of the workers
-        except ValueError as e:
-            raise ValueError(f"CupoolSetup: {e}") from None
+    try:
+        if split_device(device)[0] != kinds.AUTO:  # a GPU needs to be in the worker, not here: present=False
+            kind, _ = resolve_device(device, capacity, note_fallback=False, present=False)
+    except ValueError as e:
+        raise ValueError(f"CupoolSetup: {e}") from None
     probe = dict(options)
     spill = probe.get("spill")
     if isinstance(spill, str) and spill != "host":
         # The file's name is checked here, its folder in the worker (whose machine may have it when the
         # client's has not); an HDF5 tier makes its file only when it spills.
         probe["spill"] = str(Path(tempfile.gettempdir()) / Path(spill.replace(WORKER_FIELD, "probe")).name)
-    if kind == "sim":
+    if kind is not None and not kind.needs_gpu:
         target: str | SimDevice = device  # the very device each worker will make: an exact check
     elif capacity is not None:
-        target = "sim"  # only a sim device takes a capacity, so that is what an "auto" worker makes
+        target = kinds.auto_kind(False).name  # "auto" given a capacity: the worker must make a sized kind
     else:
         target = SimDevice(GPU_STAND_IN, headroom=1)
     try:
@@ -142,7 +140,7 @@ def _setting_option(s: settings.Setting) -> Callable[[_F], _F]:
         default = "" if s.default is None else f" (default: {'on' if s.default else 'off'})"
         return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=f"{text}{default}.")
     if s.name == "device":  # the worker's GPU by name, checked where the worker can see it
-        return click.option(flag, default="auto", show_default=True, help="'auto', 'sim', 'cuda' or 'cuda:N'.")
+        return click.option(flag, default=s.default, show_default=True, help=f"{kinds.one_of(kinds.forms())}.")
     if s.name == "spill":
         return click.option(flag, help="Spill movable buffers to 'host', or to an HDF5 path with {worker} in it.")
     types: dict[str, Any] = {

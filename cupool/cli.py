@@ -6,9 +6,10 @@ traceback.  A command line argparse cannot read gets that same line, under the
 usage of the command it was meant for (``cupool demo --bogus``: demo's).  A
 reader that leaves early (``cupool info | head``) ends the command quietly.
 
-``--device`` names a device everywhere, as ``parse_device`` reads it (``auto``,
-``sim``, ``cuda``, ``cuda:1``); ``cupool info`` shows the pool that
-``default_pool()`` would make, from ``CUPOOL_CONF`` read by the same code.
+``--device`` names a device everywhere, as ``parse_device`` reads it: ``auto``, or a
+kind of ``cupool.device.kinds`` with an optional index (``sim``, ``cuda:1``); its help
+lists the kinds there are.  ``cupool info`` shows the pool that ``default_pool()``
+would make, from ``CUPOOL_CONF`` read by the same code, and the kinds of device.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from typing import Any, NoReturn
 
 from . import demo
 from ._files import refuse_overwriting_input, status_stream
-from ._units import format_bytes
+from ._units import format_bytes, parse_size
 from ._words import count
 from .config import ENV_VAR, env_conf
 from .core import build_info
 from .hooks.cupy import memory_path
 from .hooks.torch import shim_status
-from .device import CudaDevice, cuda_available, parse_device
+from .device import KINDS, CudaDevice, cuda_available, kinds, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
@@ -90,7 +91,7 @@ def _info_pool(args: argparse.Namespace) -> Pool:
     a misspelt key is refused here in the same words; ``--device`` and ``--capacity`` override it."""
     conf = env_conf()
     given = f"{ENV_VAR}: device={conf['device']}" if args.device is None and "device" in conf else None
-    device = conf.pop("device", "auto") if args.device is None else args.device
+    device = conf.pop("device", kinds.AUTO) if args.device is None else args.device
     conf.pop("device", None)
     from_env = bool(conf)
     if args.capacity is not None:
@@ -118,11 +119,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("cupy memory     {} ({})".format(*memory_path()))
     print("torch shim      {} ({})".format(*shim_status()))
+    print("device kinds")
+    _print_table(_kind_rows())
     print("configuration")
     _print_table(pool.config.items(), ("capacity", "initial_size", "limit", "max_size", "release_threshold"))
     print("versions")
     _print_table(_versions().items())
     return 0
+
+
+def _kind_rows() -> list[tuple[str, str]]:
+    """``cupool info``'s list of device kinds, from ``cupool.device.kinds``: what each is, and what ``auto``
+    picks on this machine."""
+    gpu = cuda_available()
+    rows = [(kinds.AUTO, f"{kinds.auto_help()}: {kinds.auto_kind(gpu).name} here")]
+    for kind in KINDS.values():
+        said = kind.help
+        if kind.sized:
+            said += f"; --capacity sizes it (default {format_bytes(parse_size(kind.capacity))})"
+        if kind.needs_gpu and not gpu:
+            said += "; no usable GPU here"
+        rows.append((kind.name, said))
+    return rows
 
 
 def _print_table(rows: Iterable[tuple[str, Any]], sizes: tuple[str, ...] = ()) -> None:
@@ -179,24 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cupool {_own_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
+    sized = kinds.one_of((k.name for k in KINDS.values() if k.sized), quoted=False)
+    auto = f"{kinds.AUTO}: {kinds.auto_help()}"
+
     def device_args(p: argparse.ArgumentParser, default: str | None, said: str) -> None:
         p.add_argument("--device", default=default,
-                       help=f"the device: auto, sim, sim:N, cuda or cuda:N (default: {said})")
+                       help=f"the device: {kinds.one_of(kinds.forms(), quoted=False)} (default: {said})")
         p.add_argument("--capacity", default=None, metavar="SIZE",
-                       help="the sim device's size, e.g. 1GiB (sim only; default: "
-                            + ("CUPOOL_CONF's, else " if default is None else "") + "the sim device's own)")
+                       help=f"the {sized} device's size, e.g. 1GiB ({sized} only; default: "
+                            + ("CUPOOL_CONF's, else " if default is None else "") + f"the {sized} device's own)")
 
     p = sub.add_parser("info", help="device, configuration and versions",
                        description="Show the device, its free memory, whether the compiled fast path runs, the "
-                                   "configuration of the pool cupool.default_pool() would make (from CUPOOL_CONF, "
-                                   "which is refused here as it is there) and the versions in use.")
-    device_args(p, None, "CUPOOL_CONF's device, else auto: a GPU if there is one, else the sim device")
+                                   "kinds of device there are, the configuration of the pool cupool.default_pool() "
+                                   "would make (from CUPOOL_CONF, which is refused here as it is there) and the "
+                                   "versions in use.")
+    device_args(p, None, f"CUPOOL_CONF's device, else {auto}")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("demo", help="the weight-streaming workload, step by step",
                        description="Run the weight-streaming workload on a pool: the source's ten steps beside "
                                    "cupool with compaction off and on, a longer run of mixed layer shapes with the "
                                    "smallest device each setting needs, and a synthetic model streamed from HDF5.")
-    device_args(p, "auto", "auto: a GPU if there is one, else the sim device")
+    device_args(p, kinds.AUTO, auto)
     p.add_argument("--steps", type=int, default=200, help="layers in the longer mixed run (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the longer run's random layer shapes (default 0)")
     p.set_defaults(func=_cmd_demo)

@@ -18,7 +18,7 @@ Everything that lists settings derives the list from ``SETTINGS``:
 | column | meaning |
 | --- | --- |
 | ``owner`` | who holds the value while the pool lives: ``device``, ``arena`` (the limit), ``policy`` (thresholds), ``source`` (segments), ``scheduler``, ``pool`` |
-| ``kind`` | how text is read: ``size`` ("2GB", "80%"), ``fraction``, ``threshold`` (a fraction or none), ``flag``, ``device``, ``choice``, ``text`` |
+| ``kind`` | how text is read: ``size`` ("2GB", "80%"), ``fraction``, ``threshold`` (a fraction or none), ``flag``, ``device`` (a kind of ``cupool.device.kinds``, or auto), ``choice``, ``text`` |
 | ``conf`` | a ``CUPOOL_CONF`` key |
 | ``recorded`` | a trace records it, and "recorded" replays under it |
 | ``engine`` | the numba replay engine models it (else only the pool engine does) |
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._units import parse_size
+from .device import kinds
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,16 @@ def _flag(s: Setting, text: str) -> Any:
 def _choice(s: Setting, text: str) -> Any:
     v = text.lower()
     if v not in s.choices:
-        more = " (the device index follows the current device)" if s.kind == "device" else ""
-        raise ValueError(f"{s.name}: must be {', '.join(s.choices[:-1])} or {s.choices[-1]}, got {text!r}{more}")
+        raise ValueError(f"{s.name}: must be {', '.join(s.choices[:-1])} or {s.choices[-1]}, got {text!r}")
+    return v
+
+
+def _device(s: Setting, text: str) -> Any:
+    """A device kind's name, or auto, as ``cupool.device.kinds`` has them now (a kind may be registered late)."""
+    v = text.lower()
+    if v not in kinds.names():
+        raise ValueError(f"{s.name}: must be {kinds.one_of(kinds.names(), quoted=False)}, got {text!r} "
+                         "(the device index follows the current device)")
     return v
 
 
@@ -111,14 +120,15 @@ def _text(s: Setting, text: str) -> Any:
 
 _PARSERS: dict[str, Callable[[Setting, str], Any]] = {
     "size": _size, "fraction": _fraction, "threshold": _threshold, "flag": _flag,
-    "device": _choice, "choice": _choice, "text": _text,
+    "device": _device, "choice": _choice, "text": _text,
 }
 
 #: Every setting of ``Pool``, in its signature's order.
 SETTINGS: tuple[Setting, ...] = (
-    Setting("device", "device", "auto", "device", conf=True, recorded=False, engine=False,
-            choices=("auto", "sim", "cuda"),
-            help="auto (CUDA when usable, else sim), sim or cuda; the index follows the current device"),
+    Setting("device", "device", kinds.AUTO, "device", conf=True, recorded=False, engine=False,
+            choices=kinds.names(),  # those of import time; the parser reads the table itself, late kinds too
+            help=f"{kinds.one_of(kinds.names(), quoted=False)} ({kinds.AUTO}: {kinds.auto_help()}); the index "
+                 "follows the current device"),
     Setting("capacity", "size", None, "device", conf=True, recorded=True, engine=True,
             help="the sim device's size (default 4 GiB); an error on a GPU"),
     Setting("initial_size", "size", None, "source", conf=True, recorded=True, engine=True,

@@ -10,7 +10,9 @@ state of streams, and for views and copies.  The backends:
   ``cupy.cuda.runtime``; ``CudaPinnedDevice``: page-locked host memory from
   ``cudaHostAlloc``.
 
-Callers branch on ``device.capabilities`` (see ``Capabilities``), not on ``kind``.
+Callers branch on ``device.capabilities`` (see ``Capabilities``), not on ``kind``.  The names a
+device string may carry, and how each kind's devices are made, are one table:
+``cupool.device.kinds``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..errors import DeviceNameError, NoDeviceError
 from .base import PAGE, Capabilities, Device, HostView
 from .cuda import CudaDevice, CudaPinnedDevice
 from .cuda_vmm import CudaVirtualMemory
+from .kinds import AUTO, KINDS, DeviceKind, auto_kind, forms, kind_of, names, one_of
 from .sim import SimDevice, SimPinnedDevice
 from .sim_vmm import SimVirtualMemory
 from .vmm import GRANULE, Chunk, Mapping, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
@@ -33,14 +36,17 @@ __all__ = [
     "CudaPinnedDevice",
     "CudaVirtualMemory",
     "Device",
+    "DeviceKind",
     "GRANULE",
     "HostView",
+    "KINDS",
     "make_device",
     "Mapping",
     "PAGE",
     "parse_device",
     "pinned_device",
     "pinned_device_beside",
+    "resolve_device",
     "split_device",
     "SimDevice",
     "SimPinnedDevice",
@@ -66,7 +72,8 @@ def cuda_available() -> bool:
 
 
 def split_device(device: str) -> tuple[str, int | None]:
-    """Read a device string's syntax alone: ``"auto"``, ``"sim[:N]"`` or ``"cuda[:N]"`` as ``(kind, N or None)``.
+    """Read a device string's syntax alone: ``"auto"`` or a kind's name (``"sim"``, ``"cuda"``: ``KINDS``)
+    with an optional ``":N"``, as ``(name, N or None)``.
 
     Case and surrounding blanks are forgiven; the index is ASCII digits only
     (``str.isdigit`` also takes ``"²"`` and ``"١"``, which ``int()`` then refuses
@@ -76,59 +83,70 @@ def split_device(device: str) -> tuple[str, int | None]:
     a device (``cupool.memory_allocated("cuda:0")``) read it here.
     """
     if not isinstance(device, str):
-        raise TypeError(f"device must be 'auto', 'sim', 'sim:N', 'cuda', 'cuda:N' or a Device, got {device!r}")
+        raise TypeError(f"device must be {', '.join(repr(f) for f in forms())} or a Device, got {device!r}")
     kind, colon, idx = device.strip().lower().partition(":")
-    if kind not in ("auto", "sim", "cuda") or (kind == "auto" and colon):
-        raise DeviceNameError(f"device must be 'auto', 'sim', 'sim:N', 'cuda' or 'cuda:N', got {device!r}")
+    if kind not in names() or (kind == AUTO and colon):
+        raise DeviceNameError(f"device must be {one_of(forms())}, got {device!r}")
     if colon and not (idx.isascii() and idx.isdigit()):
         raise DeviceNameError(f"device: the index in {device!r} must be a non-negative integer, as in '{kind}:1'")
     return kind, int(idx) if colon else None
 
 
-def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True,
-                 present: bool = True) -> tuple[str, int]:
-    """Read ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"`` as ``(kind, N)``; no index means 0.
+def resolve_device(device: str, capacity: int | str | None, note_fallback: bool = True,
+                   present: bool = True) -> tuple[DeviceKind, int]:
+    """Read a device string as its kind (``auto`` resolved) and index (none means 0), checked against
+    ``capacity`` and, with ``present``, against the machine.
 
-    The syntax is ``split_device``'s.  ``capacity`` only makes sense for the sim
-    flavour, so it is checked here.  With ``note_fallback``, "auto" says once
-    per process that it fell back to the sim device.  ``present=False`` reads a
-    name without asking for the device (a recorded one, as ``cupool replay
-    --device`` names a device of a snapshot): "cuda" needs no GPU here.  Sim devices are numbered
-    like GPUs so that code which keeps a pool per device (``default_pool(i)``,
-    ``install()``) runs, and is tested, without one.
+    The syntax is ``split_device``'s.  ``capacity`` is refused for a kind that takes
+    none.  With ``note_fallback``, "auto" says once per process that it fell back
+    to a kind that needs no GPU.  ``present=False`` reads a name without asking for
+    the device (a recorded one, as ``cupool replay --device`` names a device of a
+    snapshot): "cuda" needs no GPU here.  Sim devices are numbered like GPUs so that
+    code which keeps a pool per device (``default_pool(i)``, ``install()``) runs,
+    and is tested, without one.
     """
     global _auto_note_given
-    kind, index = split_device(device)
-    if kind == "auto":
-        if cuda_available():
-            kind = "cuda"
-        else:
-            if note_fallback and not _auto_note_given:
-                log.warning("cupool: no usable CUDA GPU found; using the simulated device (host memory)")
-                _auto_note_given = True
-            kind = "sim"
-    if kind == "cuda":
-        if capacity is not None:
-            raise ValueError("capacity: only the sim device has a configurable size; use max_size on a GPU")
-        if present and not cuda_available():
-            raise NoDeviceError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; use 'sim' or 'auto'")
+    name, index = split_device(device)
+    if name == AUTO:
+        kind = auto_kind(cuda_available())
+        if not kind.needs_gpu and note_fallback and not _auto_note_given:
+            log.warning("cupool: no usable CUDA GPU found; using %s", kind.help)
+            _auto_note_given = True
+    else:
+        kind = KINDS[name]
+    if capacity is not None and not kind.sized:
+        sized = [k.name for k in KINDS.values() if k.sized]
+        where = "a GPU" if kind.needs_gpu else f"a {kind.name} device"
+        raise ValueError(f"capacity: only the {one_of(sized, quoted=False)} device has a configurable size; "
+                         f"use max_size on {where}")
+    if kind.needs_gpu and present and not cuda_available():
+        free = [k.name for k in KINDS.values() if not k.needs_gpu]
+        raise NoDeviceError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; "
+                            f"use {one_of([*free, AUTO])}")
     return kind, 0 if index is None else index
 
 
-def make_device(device: str | Device = "auto", capacity: int | str | None = None) -> Device:
-    """Resolve the ``device=`` argument of ``Pool``."""
+def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True,
+                 present: bool = True) -> tuple[str, int]:
+    """``resolve_device``'s reading as ``(kind's name, index)``: ``"auto"``, ``"sim"``, ``"sim:N"``,
+    ``"cuda"`` or ``"cuda:N"`` (every form ``KINDS`` allows) as ``("cuda", N)`` or ``("sim", N)``."""
+    kind, index = resolve_device(device, capacity, note_fallback, present)
+    return kind.name, index
+
+
+def make_device(device: str | Device = AUTO, capacity: int | str | None = None) -> Device:
+    """Resolve the ``device=`` argument of ``Pool``: a ``Device`` as it is, a name as its kind makes it."""
     if isinstance(device, Device):
         if capacity is not None:
             raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
         return device
-    kind, index = parse_device(device, capacity)
-    if kind == "sim":
-        return SimDevice(capacity if capacity is not None else "4GiB", index=index)
-    return CudaDevice(index)
+    kind, index = resolve_device(device, capacity)
+    return kind.make(index, capacity if capacity is not None else kind.capacity)
 
 
 def pinned_device(device: str | Device, capacity: int | str | None) -> Device:
-    """Read ``PinnedPool``'s ``device=`` as ``make_device`` reads ``Pool``'s, but for pinned memory.
+    """Read ``PinnedPool``'s ``device=`` as ``make_device`` reads ``Pool``'s, but for pinned memory: the
+    pinned companion of the kind named.
 
     A device whose memory backs GPU arrays is refused: a "pinned" pool over it
     would hand device pointers to code that reads them on the host.
@@ -139,20 +157,19 @@ def pinned_device(device: str | Device, capacity: int | str | None) -> Device:
         if capacity is not None:
             raise ValueError("capacity: pass it to the SimPinnedDevice you built, not to the pool")
         return device
-    kind, index = parse_device(device, capacity, note_fallback=False)
-    if kind == "sim":
-        return SimPinnedDevice(capacity if capacity is not None else "1GiB")
-    return CudaPinnedDevice(index)
+    kind, index = resolve_device(device, capacity, note_fallback=False)
+    return kind.make_pinned(index, capacity if capacity is not None else kind.pinned_capacity)
 
 
 def pinned_device_beside(device: Device) -> Device:
-    """A pinned host-memory device to pair with ``device`` (the spill tier's, for one).
+    """A pinned host-memory device to pair with ``device`` (the spill tier's, for one): its kind's
+    pinned companion, sized like ``device`` where the kind is sized.
 
     Beside a GPU that is ``cudaHostAlloc`` memory allocated in its context.
     Otherwise "pinned" memory is another host arena, sized like the device: its
     address space is reserved without being committed, so it costs nothing until
-    written, and spills beyond it go to pageable memory.
+    written, and spills beyond it go to pageable memory.  A device of a class no
+    kind names gets the companion of the kind ``auto`` picks without a GPU (sim's).
     """
-    if isinstance(device, CudaDevice):
-        return CudaPinnedDevice(device.index)
-    return SimPinnedDevice(capacity=device.total)
+    kind = kind_of(device) or auto_kind(False)
+    return kind.make_pinned(device.index, device.total if kind.sized else None)

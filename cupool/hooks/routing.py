@@ -18,6 +18,7 @@ from typing import SupportsIndex
 
 from ..config import ENV_VAR, env_conf
 from ..device import cuda_available
+from ..device.kinds import AUTO, auto_kind
 from ..errors import StateError
 from ..pool import Pool
 
@@ -93,9 +94,9 @@ def default_pool(device: int | None = None) -> Pool:
     with _lock:
         pool = _default_pools.get(index)
         if pool is None:
-            kind = conf.pop("device", "auto")
-            if kind == "auto":
-                kind = "cuda" if gpu_available() else "sim"
+            kind = conf.pop("device", AUTO)
+            if kind == AUTO:
+                kind = auto_kind(gpu_available()).name
             try:
                 pool = Pool(f"{kind}:{index}", **conf)
             except (TypeError, ValueError) as e:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ..device import split_device
+from ..device import KINDS, split_device
+from ..device.kinds import one_of
 from ..errors import ClosedError, DeviceNameError
 from ..hooks.routing import current_device, current_pool, existing_pool
 from ..pool import Pool
@@ -46,7 +47,6 @@ DeviceLike = int | str | None
 _Figure = Literal[
     "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak"
 ]
-_KINDS = ("cuda", "sim")
 
 
 def memory_allocated(device: DeviceLike = None) -> int:
@@ -124,8 +124,9 @@ def _read(device: str, caller: str) -> tuple[str, int | None]:
         kind, index = split_device(device)
     except DeviceNameError as e:
         raise DeviceNameError(f"{caller}(): {e}") from None
-    if kind not in _KINDS:
-        raise DeviceNameError(f"{caller}(): device must be an index, 'cuda:N' or 'sim:N', got {device!r}")
+    if kind not in KINDS:
+        forms = one_of(f"{k}:N" for k in KINDS)
+        raise DeviceNameError(f"{caller}(): device must be an index or a name ({forms}), got {device!r}")
     return kind, index
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from .._units import format_bytes
 from .._words import count
 from ..device import split_device
+from ..device.kinds import AUTO
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
 from .config import POOL_ENGINE_KEYS, check_settings, recorded_peak_reserved_of
@@ -92,7 +93,7 @@ def _snapshot_device(text: str) -> int | None:
         kind, index = split_device(text)
     except ValueError as e:  # a DeviceNameError, naming the string: said as info and demo say it
         raise ValueError(f"--device {text}: {e}") from None
-    return None if kind == "auto" else (0 if index is None else index)
+    return None if kind == AUTO else (0 if index is None else index)
 
 
 def _add_capacity(p: argparse.ArgumentParser) -> None:

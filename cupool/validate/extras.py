@@ -52,7 +52,7 @@ def vmm_latency(ctx: Context) -> Result:
     script = ctx.tests.parent / "benchmarks" / "bench_vmm.py"
     if not script.exists():
         return skipped(f"the benchmarks are not available ({script} is missing)")
-    if ctx.device != "sim" and not has_bindings():
+    if not ctx.rehearsal and not has_bindings():
         return skipped("CUDA virtual memory needs NVIDIA's driver bindings: pip install 'cuda-bindings>=12' (or '.[vmm]' in cupool's checkout)")
     granules, repeats = (["1", "4"], "3") if ctx.quick else (["1", "8", "64"], "20")
     argv = [sys.executable, str(script), "--device", ctx.device, "--granules", *granules, "--repeats", repeats,
@@ -92,7 +92,7 @@ def torch_summary(ctx: Context) -> Result:
         torch_memory = importlib.import_module("torch.cuda.memory")
     except ImportError as e:
         return skipped(f"torch is not importable here ({e}): the check compares with PyTorch's own memory_summary")
-    pool = Pool("sim", capacity=64 * MiB) if ctx.device == "sim" else Pool(ctx.device, max_size=64 * MiB)
+    pool = Pool(ctx.device, capacity=64 * MiB) if ctx.rehearsal else Pool(ctx.device, max_size=64 * MiB)
     held = [pool.malloc(n) for n in (1000, 1 << 20, 3 << 20, 512)]
     held.pop(1).free()
     theirs = summary_through_torch(torch_memory, pool)

@@ -30,8 +30,8 @@ Move = tuple[int, int, int]
 
 def _pool(ctx: Context, size: int, **kw: Any) -> Pool:
     """A pool of ``size`` bytes: a sim device that big, or a cap of that much on the GPU."""
-    if ctx.device == "sim":
-        return Pool("sim", capacity=size, **kw)
+    if ctx.rehearsal:
+        return Pool(ctx.device, capacity=size, **kw)
     return Pool(ctx.device, max_size=size, **kw)
 
 
@@ -109,7 +109,7 @@ def move_kernel(ctx: Context) -> Result:
     pool.check()
     grid = ("the copy path (large disjoint moves) and one cooperative launch for the rest, as many blocks of 512 "
             "threads as stay resident")
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         grid = "the sim device's @njit twin"
     bandwidth = _gbps(moved, big_seconds)
     return Result(
@@ -166,7 +166,7 @@ def compaction_bandwidth(ctx: Context) -> Result:
         compact_bw.append(_gbps(moved, report.seconds))
         copy_bw.append(_gbps(moved, _copy_seconds(pool, moved)))
     mv, cp_, co = (float(np.median(v)) for v in (move_bw, copy_bw, compact_bw))
-    baseline = "numpy copy in host memory" if ctx.device == "sim" else "CuPy device-to-device copy"
+    baseline = "numpy copy in host memory" if ctx.rehearsal else "CuPy device-to-device copy"
     table = Table(("what", "bandwidth", "vs copy"))
     table.rows += [
         (baseline, f"{cp_:.2f} GB/s", "1.00x"),
@@ -212,7 +212,7 @@ def pinned(ctx: Context) -> Result:
         figures[f"{label} to device (GB/s)"] = _gbps(n, t1 - t0)
         figures[f"{label} from device (GB/s)"] = _gbps(n, t2 - t1)
         del src, back
-    if ctx.device != "sim":
+    if not ctx.rehearsal:
         problems += _cupy_pinned_allocator(pinned_pool)
     gc.collect()
     left = pinned_pool.stats()["allocation.all.current"]
@@ -297,7 +297,7 @@ def trace(ctx: Context) -> Result:
     path.unlink(missing_ok=True)
     pool = _pool(ctx, 1 << 30)
     streams: list[Any] = [1, 2]
-    if ctx.device != "sim":
+    if not ctx.rehearsal:
         import cupy as cp
 
         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]

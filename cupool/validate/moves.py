@@ -52,7 +52,7 @@ QUICK = (
 
 
 def _device(ctx: Context, patterns: tuple[Pattern, ...]) -> Device:
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         return SimDevice(capacity=2 * max(p.size * p.count for p in patterns) + 64 * MiB)
     from ..device import CudaDevice
 
@@ -104,10 +104,10 @@ def time_pattern(device: Device, p: Pattern, repeats: int) -> dict[str, float]:
 
 def compaction_moves(ctx: Context) -> Result:
     """The issue's three move patterns through ``execute_moves``, against one copy of the same bytes."""
-    patterns = QUICK if ctx.quick or ctx.device == "sim" else PATTERNS
+    patterns = QUICK if ctx.quick or ctx.rehearsal else PATTERNS
     repeats = 3 if ctx.quick else 9
     device = _device(ctx, patterns)
-    baseline = "numpy copy in host memory" if ctx.device == "sim" else "CuPy device-to-device copy"
+    baseline = "numpy copy in host memory" if ctx.rehearsal else "CuPy device-to-device copy"
     table = Table(("pattern", "moves", "copy", "copy time / move time", "target", "bytes"))
     figures: dict[str, float] = {}
     broken, missed = [], []

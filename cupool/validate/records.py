@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..device.kinds import KINDS
+
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
@@ -54,8 +56,9 @@ def skipped(reason: str) -> Result:
 class Context:
     """What every check may use.
 
-    ``device`` is ``"cuda"`` for the real run, or ``"sim"`` to rehearse the checks
-    that mean something on the simulated device.  Files a check leaves for later
+    ``device`` is a kind of ``cupool.device.kinds``: ``"cuda"`` for the real run, or
+    a kind that needs no GPU (``"sim"``) to rehearse the checks that mean something
+    there (``rehearsal``).  Files a check leaves for later
     (a trace) go to ``workdir`` with the report's ``stem``.  ``tests`` is the
     test suite's folder, None when cupool was installed without it.
     ``passing_paths`` is filled by the CuPy workload check with the hook paths
@@ -70,6 +73,11 @@ class Context:
     quick: bool = False
     timeout: float = 300.0
     passing_paths: tuple[str, ...] | None = None
+
+    @property
+    def rehearsal(self) -> bool:
+        """A run on a kind that needs no GPU: the checks that mean something there, as a rehearsal."""
+        return not KINDS[self.device].needs_gpu
 
     def file(self, suffix: str) -> Path:
         """A file beside the report: ``<workdir>/<stem><suffix>``."""

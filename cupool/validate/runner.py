@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ..device.kinds import KINDS, auto_kind, one_of
 from . import bench, extras, memory, moves, numba_bench, suites, torch_checks, upstreams, workload
 from .records import FAILED, Context, Result, skipped
 from .report import default_report_path, environment, probe_gpu, render
@@ -78,9 +79,9 @@ def run_checks(
     results = []
     for check in checks:
         t0 = time.perf_counter()
-        if ctx.device == "sim" and not check.on_sim:
-            result = skipped("needs a GPU (this run is a rehearsal on the sim device)")
-        elif ctx.device != "sim" and gpu_problem is not None:
+        if ctx.rehearsal and not check.on_sim:
+            result = skipped(f"needs a GPU (this run is a rehearsal on the {ctx.device} device)")
+        elif not ctx.rehearsal and gpu_problem is not None:
             result = skipped("no usable CUDA GPU")
         else:
             try:
@@ -119,8 +120,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog="checks: " + ", ".join(c.name for c in CHECKS),
     )
     p.add_argument("--out", type=Path, default=None, help="report file (default: gpu-validation-YYYY-MM-DD.md here)")
-    p.add_argument("--device", choices=("cuda", "sim"), default="cuda",
-                   help="cuda (default); sim rehearses the checks that mean something on the simulated device")
+    gpu, rehearse = (one_of((k.name for k in KINDS.values() if k.needs_gpu == g), quoted=False) for g in (True, False))
+    p.add_argument("--device", choices=tuple(KINDS), default=auto_kind(True).name,
+                   help=f"{gpu}: the GPU checks; {rehearse}: a rehearsal of the checks that mean something without a "
+                        "GPU (default: %(default)s)")
     p.add_argument("--only", default=None, help="comma-separated check names to run")
     p.add_argument("--skip", default=None, help="comma-separated check names to leave out")
     p.add_argument("--tests", type=Path, default=None, help="the test suite's folder (default: beside cupool's source)")

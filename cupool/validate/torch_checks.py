@@ -36,7 +36,7 @@ def torch_problem(ctx: Context) -> str | None:
     """Why the torch checks cannot run here, or None."""
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed here: the torch checks run torch's CUDA allocator"
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         return "torch's CUDA allocator needs a GPU (this run is on the sim device)"
     return None
 

@@ -47,7 +47,7 @@ extern "C" __global__ void spin(long long cycles) {
 def async_release(ctx: Context) -> Result:
     """Grow and trim on the async upstream without a device synchronization, beside ``upstream="device"``."""
     rounds = 5 if ctx.quick else 20
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         return _async_on_sim(rounds)
     import cupy as cp
 
@@ -161,9 +161,9 @@ def _stream_through(pool: Pool, chunks: int, chunk: int, sync: Any) -> tuple[flo
 
 def managed_streaming(ctx: Context) -> Result:
     """A streaming working set on managed memory below the device's free memory, with and without prefetch."""
-    chunk = (16 if ctx.device == "sim" else 64) * MiB
+    chunk = (16 if ctx.rehearsal else 64) * MiB
     repeat = 3 if ctx.quick else 7
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         make: Any = lambda cls: cls("512MiB")  # noqa: E731
         sync: Any = lambda: None  # noqa: E731
         base: type = SimDevice
@@ -175,7 +175,7 @@ def managed_streaming(ctx: Context) -> Result:
         base = CudaDevice
     probe = make(base)
     free = int(probe.mem_info()[0])
-    cap = ((32 if ctx.quick else 128) if ctx.device == "sim" else 512 if ctx.quick else 2048) * MiB
+    cap = ((32 if ctx.quick else 128) if ctx.rehearsal else 512 if ctx.quick else 2048) * MiB
     working = min(cap, free // 4)
     chunks = working // chunk
     if chunks < 2:
@@ -210,7 +210,7 @@ def managed_streaming(ctx: Context) -> Result:
     if prefetched["with"] < chunks * chunk:
         problems.append(f"{prefetched['with'] // MiB} MiB prefetched of a {chunks * chunk // MiB} MiB working set "
                         "that fits")
-    if ctx.device == "sim":
+    if ctx.rehearsal:
         over = _oversubscribed_on_sim(chunk)
         figures.update(over)
         table.rows.append(("sim, 768 MiB on a 512 MiB device", "-", f"{over['past capacity: prefetched (MiB)']:.0f} "
