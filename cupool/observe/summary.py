@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 from .._units import format_bytes
 from ..core.figures import Stats
+from ..device import kinds
 from ..hooks.routing import current_device
 from ..pool import Pool
 from .memory import DeviceLike, device_index, existing_device_pool
@@ -67,8 +68,8 @@ def memory_summary(
             stats, name = pool.stats(), pool.device.name
     else:
         raise TypeError(
-            "memory_summary() takes a device (None, an index or 'cuda:N' / 'sim:N'), a cupool.Pool or its "
-            f"stats() dict, got {type(device).__name__}"
+            f"memory_summary() takes a device (None, an index or {kinds.one_of(f'{k}:N' for k in kinds.KINDS)}), "
+            f"a cupool.Pool or its stats() dict, got {type(device).__name__}"
         )
     get = _reader(stats, strict)
     lines = [
