@@ -183,7 +183,8 @@ def resolve_derived(given: Mapping[str, Any], base: Mapping[str, Any] | None = N
     base = base or {}
     out = dict(base)
     out.update(given)
-    changed = {k for k, v in given.items() if k not in base or base[k] != v}
+    # What base leaves out is its default (a trace from before a setting existed ran on it).
+    changed = {k for k, v in given.items() if base.get(k, BY_NAME[k].default if k in BY_NAME else None) != v}
     while True:  # a follower unset is changed too: what follows it follows along
         unset = {s.name for s in SETTINGS
                  if s.follows in changed and s.name not in given and s.name not in changed}

@@ -49,8 +49,8 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                    description=REPLAY_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones; {_keys()}; upstream=managed replays on managed "
-                        "memory, which may hold more than the device (the rows say how much more)")
+                   help="pool settings over the recorded ones (upstream=managed replays on managed memory, which "
+                        f"may hold more than the device: the rows say how much more); {_keys()}")
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
