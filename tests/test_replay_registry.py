@@ -9,7 +9,9 @@ than the device, and says by how much.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +154,9 @@ def test_an_unknown_upstream_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="upstream must be one of device, managed, async, got 'host'"):
         replay(_oversubscribing(), {"upstream": "host"}, engine="pool")
 
+
+
+def test_the_readme_lists_the_replay_settings():
+    text = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    listed = text.split("Settings (`--config`, from the registry `cupool.settings`): ")[1].split(" (an unset")[0]
+    assert re.findall(r"`([a-z_]+)`", listed) == list(accepted_keys("numba"))

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._units import format_bytes
 from .._words import count
+from .. import settings
 from ..device import split_device
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
@@ -253,7 +254,7 @@ def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
 def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = True) -> str:
     """The settings a replay ran with; the capacity as the sim device has it (rounded to its 2 MiB page),
     or left out where a column already shows it."""
-    sizes = ("capacity", "initial_size", "max_size", "release_threshold")
+    sizes = settings.names(kind="size")
     shown = {**cfg, "capacity": capacity} if "capacity" in cfg else dict(cfg)
     if not capacity_shown:
         shown.pop("capacity", None)

@@ -113,11 +113,13 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
         cfg["expandable_segments"], cfg["stitch"] = recorded_on_vmm(trace), False
     if "capacity" not in cfg and rec.get("limit"):
         # Recorded on a GPU: the sim device gets the pool's limit as its size.  The
-        # limit already applies max_size and memory_fraction; applying them again
-        # to a device that small would shrink the pool twice.
+        # limit already applies the settings that resolve to it (max_size and
+        # memory_fraction); applying them again to a device that small would shrink
+        # the pool twice.
         cfg["capacity"] = rec["limit"]
-        cfg.pop("max_size", None)
-        cfg.pop("memory_fraction", None)
+        for s in settings.SETTINGS:
+            if s.engine_slot == "limit":
+                cfg.pop(s.name, None)
     if "capacity" not in cfg:
         sized = trace_capacity(trace)
         if sized is not None:
@@ -160,9 +162,13 @@ def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
     return {k: resolved[k] for k in order}
 
 
-def plain_replay_warning(trace: Trace, settings: dict[str, Any]) -> str | None:
-    """A warning when a recording on expandable segments is replayed on plain ones (``settings``: resolved)."""
-    if recorded_on_vmm(trace) and not settings.get("expandable_segments"):
+def plain_replay_warning(trace: Trace, resolved: dict[str, Any]) -> str | None:
+    """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the settings it ran with)."""
+    if recorded_on_vmm(trace) and not resolved.get("expandable_segments"):
+        upstream = resolved.get("upstream", "device")
+        if upstream != "device":
+            return (f"the recording ran on expandable segments; this replay uses plain segments from the {upstream} "
+                    "upstream, which maps no virtual memory")
         return ("the recording ran on expandable segments; this replay uses plain segments "
                 "(--config expandable_segments=true replays like with like)")
     return None
@@ -249,10 +255,13 @@ def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None 
     return pool
 
 
-def pool_capacity(pool: Pool) -> int:
-    """The capacity of a replay's pool: its device is a sim device."""
+def replay_device(pool: Pool) -> SimDevice:
+    """The device of a replay's pool: a sim device (``sim_pool``)."""
     device = pool.device
     assert isinstance(device, SimDevice), "replays run on the sim device"
-    return device.capacity
+    return device
 
 
+def pool_capacity(pool: Pool) -> int:
+    """The capacity of a replay's pool: its device is a sim device."""
+    return replay_device(pool).capacity

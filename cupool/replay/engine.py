@@ -27,7 +27,8 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   for all streams, then releases wholly free segments; its other steps (compact,
   rehome, spill, gc) find nothing to do in a pool that never compacts;
 * the device hands out 2 MiB pages first fit in address order over a span of
-  twice its capacity, and refuses past its capacity;
+  twice its capacity, and refuses past its capacity (on managed memory, past
+  that span: ``engine_layout.config_array``'s ``holds``);
 * expandable segments and stitching (``expandable_segments``, ``stitch``): as
   ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
   after releasing, for large requests;

@@ -12,7 +12,7 @@ from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
 from .calls import COMPACT, EMPTY_CACHE, program_calls
-from .config import pool_capacity, ran_with, sim_pool
+from .config import pool_capacity, ran_with, replay_device, sim_pool
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -48,7 +48,7 @@ class _Books:
         self.allocated = int(s["allocated_bytes.all.current"])
         self.seeded = (self.reserved, self.allocated)  # after the seed, the state the replay starts from
         self.ooms = 0  # the replay's own refusals
-        self.device = pool.device
+        self.device = replay_device(pool)
         #: The most bytes the device held past its capacity (managed memory paged to the host).
         self.peak_oversubscribed = self.device.oversubscribed
 
@@ -82,7 +82,7 @@ def replay_pool(
         seed_pool(pool, seed_program(trace, seeded, pool.limit, pool.config["initial_size"], pool.release_threshold),
                   live)
         pool.reset_peak_stats()  # the replay's peaks start from the state the seed leaves
-        books.peak, books.peak_oversubscribed = books.reserved, pool.device.oversubscribed
+        books.peak, books.peak_oversubscribed = books.reserved, books.device.oversubscribed
     books.seeded = (books.reserved, books.allocated)
     code = {k: trace.code(k) for k in ("alloc", "free", "oom", "alloc_movable", "free_movable",
                                        "move_out", "move_in")}
