@@ -160,3 +160,16 @@ def test_the_readme_lists_the_replay_settings():
     text = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
     listed = text.split("Settings (`--config`, from the registry `cupool.settings`): ")[1].split(" (an unset")[0]
     assert re.findall(r"`([a-z_]+)`", listed) == list(accepted_keys("numba"))
+
+
+def test_the_report_says_how_far_managed_memory_went_past_the_device(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="cupool report draws with matplotlib")
+    path = tmp_path / "t.h5"
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=False)
+    with pool.record(path):
+        held = [pool.malloc(20 * MiB) for _ in range(3)]
+        for h in held:
+            h.free()
+    assert main(["report", str(path), "-o", str(tmp_path / "r.png"), "--config", "upstream=managed,capacity=32MiB"]) == 0
+    err = capsys.readouterr()
+    assert "managed memory, peak oversubscribed 28 MiB" in err.out + err.err
