@@ -58,15 +58,19 @@ N_ST = 28  # MOVING: 1 + the block between a move_out and its move_in (0: none),
 # PENDING: what engine._malloc returned for a request it left to stitching (see engine._fast).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
-# Configuration (entries of cfg): one slot per engine setting of the registry (``cupool.settings``: a
-# setting's ``engine_slot``, in the registry's order), holding the pool's resolved value, then the slots
-# derived from those (``config_array``).  The engine reads them by the names below.
+# Configuration (entries of cfg): the slots derived from the settings (``config_array``), then one slot
+# per engine setting of the registry (``cupool.settings``: a setting's ``engine_slot``, in the registry's
+# order), holding the pool's resolved value.  The engine reads them by the names below.  Numba's cache
+# is keyed on each module's own source, so it does not see these numbers change: they are kept steady
+# where they can be (the derived slots come first, and a setting appended to the registry, as
+# ``Pool``'s new arguments are, takes the next slot), and a change that renumbers them must edit the
+# engine modules that read them or clear the Numba cache (``tests/test_replay_registry.py`` pins them).
 #: The slots the registry's engine settings fill, in its order (max_size and memory_fraction share the limit's).
 SETTING_SLOTS = tuple(dict.fromkeys(s.engine_slot for s in settings.SETTINGS if s.engine_slot is not None))
 #: Slots derived from the settings (``config_array``): the plain device's address span, a growing
 #: region's size, the addresses regions are reserved from, and the bytes plain segments may take.
 DERIVED_SLOTS = ("span", "vspan", "arena", "holds")
-CFG_SLOTS = SETTING_SLOTS + DERIVED_SLOTS
+CFG_SLOTS = DERIVED_SLOTS + SETTING_SLOTS
 N_CFG = len(CFG_SLOTS)
 C_CAPACITY = CFG_SLOTS.index("capacity")
 C_INITIAL = CFG_SLOTS.index("initial_size")
@@ -91,8 +95,8 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
     does: the pool may then reserve more than the device's capacity.
     """
     cfg = np.zeros(N_CFG, np.int64)
-    for i, slot in enumerate(SETTING_SLOTS):
-        cfg[i] = _as_int(slot, resolved[slot])
+    for slot in SETTING_SLOTS:
+        cfg[CFG_SLOTS.index(slot)] = _as_int(slot, resolved[slot])
     capacity = int(cfg[C_CAPACITY])
     cfg[C_SPAN] = SPAN_HEADROOM * capacity
     cfg[C_VSPAN] = 2 * capacity  # twice the device, as ``cupool.core.expandable`` reserves a growing region
