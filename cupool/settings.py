@@ -23,11 +23,12 @@ Everything that lists settings derives the list from ``SETTINGS``:
 | ``conf`` | a ``CUPOOL_CONF`` key |
 | ``recorded`` | a trace records it, and "recorded" replays under it |
 | ``engine`` | the numba replay engine models it (else only the pool engine does) |
-| ``slot`` | the engine's configuration slot its resolved value lands in: the ``Pool.config`` key it resolves to (``max_size`` and ``memory_fraction`` both resolve to the ``limit``); none: its own name |
+| ``slot`` | the engine slot its resolved value fills: the ``Pool.config`` key it resolves to (none: its own name) |
 
-The numba engine's configuration array has one slot per engine setting's
-``slot``, in this table's order, then the slots derived from them
-(``cupool.replay.engine_layout``), so a new engine setting gets its slot here.
+The numba engine's configuration array has the slots derived from the settings,
+then one slot per engine setting's ``slot`` in this table's order
+(``cupool.replay.engine_layout``), so a new engine setting gets its slot here;
+``max_size`` and ``memory_fraction`` share one, the ``limit`` they resolve to.
 """
 
 from __future__ import annotations

@@ -170,7 +170,8 @@ def test_the_report_says_how_far_managed_memory_went_past_the_device(tmp_path, c
         held = [pool.malloc(20 * MiB) for _ in range(3)]
         for h in held:
             h.free()
-    assert main(["report", str(path), "-o", str(tmp_path / "r.png"), "--config", "upstream=managed,capacity=32MiB"]) == 0
+    out = str(tmp_path / "r.png")
+    assert main(["report", str(path), "-o", out, "--config", "upstream=managed,capacity=32MiB"]) == 0
     err = capsys.readouterr()
     assert "managed memory, peak oversubscribed 28 MiB" in err.out + err.err
 

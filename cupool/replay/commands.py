@@ -279,11 +279,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
-    managed = summary["config"].get("upstream") == "managed"
+    over = format_bytes(summary["peak_oversubscribed"])
+    managed = f"; managed memory, peak oversubscribed {over}" if summary["config"].get("upstream") == "managed" else ""
     print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
-          f"{count(summary['ooms'], 'OOM')}"
-          + (f"; managed memory, peak oversubscribed {format_bytes(summary['peak_oversubscribed'])}" if managed else ""),
-          file=said)
+          f"{count(summary['ooms'], 'OOM')}{managed}", file=said)
     print(f"settings {_show_config(summary['config'], summary['capacity'], capacity_shown=False)}", file=said)
     return 0
 

@@ -163,7 +163,8 @@ def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
 
 
 def plain_replay_warning(trace: Trace, resolved: dict[str, Any]) -> str | None:
-    """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the settings it ran with)."""
+    """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the
+    settings it ran with)."""
     if recorded_on_vmm(trace) and not resolved.get("expandable_segments"):
         upstream = resolved.get("upstream", "device")
         if upstream != "device":
