@@ -13,7 +13,8 @@ Everything that lists settings derives the list from ``SETTINGS``:
   the numba engine models the ``engine`` ones;
 * a ``follows`` setting left unset takes the value of the one it follows,
   whether given or recorded (``resolve_derived``): an unset ``stitch`` follows
-  ``expandable_segments``.
+  ``expandable_segments``, and an unset ``expandable_segments`` the ``upstream``
+  (managed and stream-ordered memory give plain segments).
 
 | column | meaning |
 | --- | --- |
@@ -22,6 +23,12 @@ Everything that lists settings derives the list from ``SETTINGS``:
 | ``conf`` | a ``CUPOOL_CONF`` key |
 | ``recorded`` | a trace records it, and "recorded" replays under it |
 | ``engine`` | the numba replay engine models it (else only the pool engine does) |
+| ``slot`` | the engine slot its resolved value fills: the ``Pool.config`` key it resolves to (none: its own name) |
+
+The numba engine's configuration array has the slots derived from the settings,
+then one slot per engine setting's ``slot`` in this table's order
+(``cupool.replay.engine_layout``), so a new engine setting gets its slot here;
+``max_size`` and ``memory_fraction`` share one, the ``limit`` they resolve to.
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ class Setting:
     help: str
     choices: tuple[str, ...] = ()
     follows: str | None = None
+    slot: str | None = None
+
+    @property
+    def engine_slot(self) -> str | None:
+        """The engine's configuration slot this setting's resolved value fills (None: not an engine setting)."""
+        return (self.slot or self.name) if self.engine else None
 
     def parse(self, text: str) -> Any:
         """The value ``text`` (from ``CUPOOL_CONF``, a replay's ``--config``, a preload flag) stands for.
@@ -133,9 +146,9 @@ SETTINGS: tuple[Setting, ...] = (
             help="the sim device's size (default 4 GiB); an error on a GPU"),
     Setting("initial_size", "size", None, "source", conf=True, recorded=True, engine=True,
             help="bytes to reserve now, in one segment that empty_cache keeps"),
-    Setting("max_size", "size", None, "arena", conf=True, recorded=True, engine=True,
+    Setting("max_size", "size", None, "arena", conf=True, recorded=True, engine=True, slot="limit",
             help="the cap on reserved bytes (an int, 2GB, 512MiB or 50% of the device)"),
-    Setting("memory_fraction", "fraction", None, "arena", conf=True, recorded=True, engine=True,
+    Setting("memory_fraction", "fraction", None, "arena", conf=True, recorded=True, engine=True, slot="limit",
             help="the cap on reserved bytes as a fraction of the device, in (0, 1]"),
     Setting("release_threshold", "size", None, "policy", conf=True, recorded=True, engine=True,
             help="give a wholly free segment back at once while more than this is reserved"),
@@ -149,12 +162,12 @@ SETTINGS: tuple[Setting, ...] = (
             help="where unleased movable buffers go when memory runs short: host, or an .h5 path"),
     Setting("spill_policy", "choice", "lru", "scheduler", conf=True, recorded=True, engine=False,
             choices=("lru", "fifo", "adaptive"), help="the reclaim ladder's order and its spill victims' order"),
-    Setting("expandable_segments", "flag", None, "source", conf=True, recorded=True, engine=True,
+    Setting("expandable_segments", "flag", None, "source", conf=True, recorded=True, engine=True, follows="upstream",
             help="grow one virtual segment per stream and size class, 2 MiB at a time (default: where the "
-                 "device has virtual memory)"),
+                 "device has virtual memory, with the device upstream)"),
     Setting("stitch", "flag", None, "source", conf=True, recorded=True, engine=True, follows="expandable_segments",
             help="let the ladder remap free granules of holes into one range (default: with expandable segments)"),
-    Setting("upstream", "choice", "device", "source", conf=True, recorded=False, engine=False,
+    Setting("upstream", "choice", "device", "source", conf=True, recorded=True, engine=True,
             choices=("device", "managed", "async"),
             help="where plain segments come from: device (cudaMalloc), managed (cudaMallocManaged: may exceed the "
                  "device) or async (cudaMallocAsync: never synchronizes)"),
@@ -173,11 +186,22 @@ def resolve_derived(given: Mapping[str, Any], base: Mapping[str, Any] | None = N
     that ``given`` leaves out follows what it follows when ``given`` changes that.
 
     ``resolve_derived({"expandable_segments": False}, recorded)`` turns ``stitch`` off
-    with it, where keeping the recorded ``stitch=True`` would be refused by the pool.
+    with it, where keeping the recorded ``stitch=True`` would be refused by the pool;
+    restating the recorded ``expandable_segments`` keeps the recorded ``stitch``.
+    Followers chain: ``upstream="managed"`` over a recording on expandable
+    segments unsets ``expandable_segments``, and so ``stitch`` with it.
     """
-    out = dict(base or {})
+    base = base or {}
+    out = dict(base)
     out.update(given)
-    for s in SETTINGS:
-        if s.follows is not None and s.name not in given and s.follows in given:
-            out[s.name] = None  # unset: the pool resolves it from what it follows
+    # What base leaves out is its default (a trace from before a setting existed ran on it).
+    changed = {k for k, v in given.items() if base.get(k, BY_NAME[k].default if k in BY_NAME else None) != v}
+    while True:  # a follower unset is changed too: what follows it follows along
+        unset = {s.name for s in SETTINGS
+                 if s.follows in changed and s.name not in given and s.name not in changed}
+        if not unset:
+            break
+        for name in unset:
+            out[name] = None  # unset: the pool resolves it from what it follows
+        changed |= unset
     return out

@@ -14,13 +14,13 @@ from typing import Any
 
 from .._units import format_bytes
 from .._words import count
+from .. import settings
 from ..device import split_device
 from ..device.kinds import AUTO
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
-from .config import POOL_ENGINE_KEYS, check_settings, recorded_peak_reserved_of
+from .config import accepted_keys, check_settings, recorded_peak_reserved_of
 from .driver import (
-    CONFIG_KEYS,
     ENGINES,
     FRAGMENTATION_NOTE,
     ReplayResult,
@@ -50,7 +50,9 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     p = add_parser("replay", help="replay a trace on the sim device and report peak memory and fragmentation",
                    description=REPLAY_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
-    p.add_argument("--config", default=None, metavar="K=V,...", help=f"pool settings over the recorded ones; {_KEYS}")
+    p.add_argument("--config", default=None, metavar="K=V,...",
+                   help="pool settings over the recorded ones (upstream=managed replays on managed memory, which "
+                        f"may hold more than the device: the rows say how much more); {_keys()}")
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
@@ -74,15 +76,17 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                    help="image to write (default report.png; a folder gets report.png in it, a name without an "
                         "extension gets .png), '-' for standard output; a device or FIFO is written into")
     p.add_argument("--config", default=None, metavar="K=V,...",
-                   help=f"pool settings over the recorded ones: {', '.join(CONFIG_KEYS)}; a trace with movable "
-                        f"buffers also takes {', '.join(k for k in POOL_ENGINE_KEYS if k not in CONFIG_KEYS)}")
+                   help=f"pool settings over the recorded ones: {', '.join(accepted_keys('numba'))}; a trace with "
+                        "movable buffers also takes "
+                        f"{', '.join(k for k in accepted_keys('pool') if k not in accepted_keys('numba'))}")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
 
 
-#: What ``--config`` takes, exactly (``check_config`` refuses anything else).
-_KEYS = (f"the numba engine takes {', '.join(CONFIG_KEYS)}; the pool engine takes "
-         f"{', '.join(POOL_ENGINE_KEYS)}")
+def _keys() -> str:
+    """What ``--config`` takes, exactly (``check_config`` refuses anything else), from the settings registry."""
+    return (f"the numba engine takes {', '.join(accepted_keys('numba'))}; the pool engine takes "
+            f"{', '.join(accepted_keys('pool'))}")
 
 
 def _snapshot_device(text: str) -> int | None:
@@ -152,6 +156,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             ("mean fragmentation", f"{r.mean_fragmentation:.3f} (same samples)"),
             ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
             ("OOMs", str(r.ooms)),
+            ("upstream", _upstream_note(r)),
             ("peak segments", str(r.peak_segments)),
             ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started; the replay starts from "
                               "them, at their recorded offsets)"),
@@ -175,7 +180,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if not has_history(trace):
         print(_still_note(seeded_blocks(trace, seed_count(trace, len(trace)))))
     print(f"{'configuration':<{width}} {'capacity':>10} {'peak reserved':>13} {'peak alloc':>11} {'max frag':>8} "
-          f"{'mean frag':>9} {'frag@peak':>9} {'OOMs':>5} {'seeded':>7} {'unmatched':>9} {'time':>8}  ran with",
+          f"{'mean frag':>9} {'frag@peak':>9} {'OOMs':>5} {'oversub':>10} {'seeded':>7} {'unmatched':>9} "
+          f"{'time':>8}  ran with",
           flush=True)
     warned: set[str] = set()
     for name, r in zip(names, results):
@@ -185,11 +191,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 print(f"warning: {w}")
         print(f"{name:<{width}} {format_bytes(r.capacity):>10} {format_bytes(r.peak_reserved):>13} "
               f"{format_bytes(r.peak_allocated):>11} {r.max_fragmentation:>8.3f} {r.mean_fragmentation:>9.3f} "
-              f"{r.fragmentation_at_peak:>9.3f} {r.ooms:>5} {r.seeded_blocks:>7} {r.unmatched_frees:>9} "
+              f"{r.fragmentation_at_peak:>9.3f} {r.ooms:>5} {format_bytes(r.peak_oversubscribed):>10} "
+              f"{r.seeded_blocks:>7} {r.unmatched_frees:>9} "
               f"{r.seconds:>7.3f}s  {_show_config(r.config, r.capacity, capacity_shown=False)}", flush=True)
-    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; seeded: blocks alive "
-          f"before the recording started; unmatched: frees of blocks the replay never held ({engine} engine)")
+    print(f"max/mean frag: {FRAGMENTATION_NOTE}; frag@peak: when reserved memory peaked; oversub: the most "
+          "held past the device's capacity (upstream=managed); seeded: blocks alive before the recording "
+          f"started; unmatched: frees of blocks the replay never held ({engine} engine)")
     return 0
+
+
+def _upstream_note(r: ReplayResult) -> str:
+    """Where the replay's segments came from, and on managed memory how far past the device they went."""
+    if r.upstream != "managed":
+        return r.upstream
+    return (f"managed (peak oversubscribed {format_bytes(r.peak_oversubscribed)}: reserved past the device's "
+            f"{format_bytes(r.capacity)}, which a GPU pages out to the host)")
 
 
 def _still_note(blocks: int) -> str:
@@ -228,7 +244,8 @@ def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
         "recorded_peak_allocated": recorded_peak, "recorded_peak_reserved": recorded_reserved,
         "replayed": r.replayed, "max_fragmentation": r.max_fragmentation,
         "mean_fragmentation": r.mean_fragmentation, "fragmentation_at_peak": r.fragmentation_at_peak,
-        "ooms": r.ooms, "peak_segments": r.peak_segments, "segment_allocs": r.segment_allocs,
+        "ooms": r.ooms, "upstream": r.upstream, "peak_oversubscribed": r.peak_oversubscribed,
+        "peak_segments": r.peak_segments, "segment_allocs": r.segment_allocs,
         "segment_frees": r.segment_frees, "seeded_blocks": r.seeded_blocks, "unmatched_frees": r.unmatched_frees,
         "capacity": r.capacity, "capacity_source": capacity_source, "seconds": r.seconds,
         "events_per_second": r.events_per_second, "warnings": r.warnings,
@@ -238,7 +255,7 @@ def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
 def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = True) -> str:
     """The settings a replay ran with; the capacity as the sim device has it (rounded to its 2 MiB page),
     or left out where a column already shows it."""
-    sizes = ("capacity", "initial_size", "max_size", "release_threshold")
+    sizes = settings.names(kind="size")
     shown = {**cfg, "capacity": capacity} if "capacity" in cfg else dict(cfg)
     if not capacity_shown:
         shown.pop("capacity", None)
@@ -263,8 +280,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
+    over = format_bytes(summary["peak_oversubscribed"])
+    managed = f"; managed memory, peak oversubscribed {over}" if summary["config"].get("upstream") == "managed" else ""
     print(f"capacity {format_bytes(summary['capacity'])} ({_capacity_source(trace, config, args)}); "
-          f"{count(summary['ooms'], 'OOM')}", file=said)
+          f"{count(summary['ooms'], 'OOM')}{managed}", file=said)
     print(f"settings {_show_config(summary['config'], summary['capacity'], capacity_shown=False)}", file=said)
     return 0
 

@@ -1,36 +1,56 @@
-"""Replay settings: which keys each engine takes, the recorded ones, and the pool they make."""
+"""Replay settings: which keys each engine takes, the recorded ones, and the pool they make.
+
+Every list of settings here is read from the registry (``cupool.settings``) when
+it is needed: the numba engine takes the ``engine`` settings, the pool engine every
+``Pool`` argument but the device (a replay's is the sim device), and "recorded"
+means the ``recorded`` ones a trace holds.  A setting added to the registry is a
+``--config`` key, and a recorded one replays, without an edit here.
+"""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from ..device.sim import SimDevice
+import numpy as np
+
+from .. import settings
 from ..device.sim import SimDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
-import numpy as np
-
 from ..trace.importers import recorded_peak_reserved, sized_capacity
 
-#: Settings both engines model; the pool engine also takes any other ``Pool`` argument.
-CONFIG_KEYS = ("capacity", "initial_size", "max_size", "memory_fraction", "release_threshold",
-               "release_before_split", "expandable_segments", "stitch")
-#: Recorded settings that only the pool engine models (through movable buffers).
-POOL_KEYS = ("defrag_threshold", "spill", "spill_policy")
-#: Settings of virtual memory (expandable segments).
-VMM_KEYS = ("expandable_segments", "stitch")
 #: Events that only pools with movable buffers emit.
 MOVABLE_KINDS = ("alloc_movable", "free_movable", "move_out", "move_in", "compact", "spill", "restore")
 ENGINES = ("numba", "pool")
-#: Every setting the pool engine takes: ``Pool``'s arguments but the device (a replay's is the sim device).
-POOL_ENGINE_KEYS = tuple(p for p in inspect.signature(Pool).parameters if p != "device")
 
 
 def accepted_keys(engine: str) -> tuple[str, ...]:
-    """The settings ``engine`` takes (``--config`` and ``--compare`` say exactly these)."""
-    return POOL_ENGINE_KEYS if engine == "pool" else CONFIG_KEYS
+    """The settings ``engine`` takes (``--config`` and ``--compare`` say exactly these), in the registry's order:
+    the numba engine's are the registry's ``engine`` settings; the pool engine takes every ``Pool``
+    argument but the device's kind (a replay's device is the sim device)."""
+    if engine == "pool":
+        return tuple(s.name for s in settings.SETTINGS if s.kind != "device")
+    return settings.names(engine=True)
+
+
+def recorded_keys(engine: str) -> tuple[str, ...]:
+    """The recorded settings a replay on ``engine`` takes from a trace (the registry's ``recorded`` ones it models)."""
+    taken = set(accepted_keys(engine))
+    return tuple(k for k in settings.names(recorded=True) if k in taken)
+
+
+def vmm_keys() -> tuple[str, ...]:
+    """The settings of virtual memory: ``expandable_segments`` and the settings that follow it."""
+    return ("expandable_segments",) + settings.names(follows="expandable_segments")
+
+
+#: The keys as the registry had them at import (``accepted_keys`` reads it at each call): settings both
+#: engines model, those only the pool engine models among the recorded ones, and virtual memory's.
+CONFIG_KEYS = accepted_keys("numba")
+POOL_ENGINE_KEYS = accepted_keys("pool")
+POOL_KEYS = tuple(k for k in recorded_keys("pool") if k not in CONFIG_KEYS)
+VMM_KEYS = vmm_keys()
 
 
 def parse_config(spec: str | None) -> dict[str, Any]:
@@ -76,7 +96,8 @@ def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
 
 
 def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
-    """The recording allocator's settings, as replay arguments.
+    """The recording allocator's settings, as replay arguments: the registry's ``recorded`` settings
+    that ``engine`` models, as the trace holds them.
 
     A cupool trace's are the recording pool's, defaults resolved (``Pool.config``
     records what was in force).  A PyTorch snapshot's allocator ran on plain
@@ -85,64 +106,70 @@ def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:
     compare another allocator with the recording.  An RMM log says nothing.
     """
     rec = trace.config
-    cfg = {k: rec[k] for k in CONFIG_KEYS if rec.get(k) is not None}
+    # A None recorded where the default is not None is a choice (defrag_threshold=None: never compact).
+    cfg = {k: rec[k] for k in recorded_keys(engine)
+           if k in rec and (rec[k] is not None or settings.BY_NAME[k].default is not None)}
     if trace.format == "torch":
         cfg["expandable_segments"], cfg["stitch"] = recorded_on_vmm(trace), False
     if "capacity" not in cfg and rec.get("limit"):
         # Recorded on a GPU: the sim device gets the pool's limit as its size.  The
-        # limit already applies max_size and memory_fraction; applying them again
-        # to a device that small would shrink the pool twice.
+        # limit already applies the settings that resolve to it (max_size and
+        # memory_fraction); applying them again to a device that small would shrink
+        # the pool twice.
         cfg["capacity"] = rec["limit"]
-        cfg.pop("max_size", None)
-        cfg.pop("memory_fraction", None)
+        for s in settings.SETTINGS:
+            if s.engine_slot == "limit":
+                cfg.pop(s.name, None)
     if "capacity" not in cfg:
         sized = trace_capacity(trace)
         if sized is not None:
             cfg["capacity"] = sized[0]
-    if engine == "pool":
-        cfg.update({k: rec[k] for k in POOL_KEYS if k in rec})
-        if cfg.get("spill") is not None:
-            # Whatever tier the recorded run spilled to, a replay spills to host
-            # memory: a trace file must never choose where a replay writes.
-            cfg["spill"] = "host"
+    if cfg.get("spill") is not None:
+        # Whatever tier the recorded run spilled to, a replay spills to host
+        # memory: a trace file must never choose where a replay writes.
+        cfg["spill"] = "host"
     return cfg
 
 
 def replay_settings(trace: Trace, config: dict[str, Any] | None, engine: str) -> dict[str, Any]:
     """``config`` over the recorded settings (``recorded_config``): what a replay is built with.
 
-    A setting derived from another (``stitch`` from ``expandable_segments``:
-    None follows it) is taken from the recording only
-    while what it derives from is the recorded value.  Given
-    ``expandable_segments=false`` over a recording on the defaults, the recorded
-    ``stitch=True`` no longer applies (it would be refused: stitching needs
-    expandable segments); given ``expandable_segments=true`` over a plain
-    recording, stitching follows the pool's default as it would in a fresh pool.
+    A setting that follows another (``stitch`` follows ``expandable_segments``) is
+    taken from the recording only while what it follows keeps its recorded value
+    (``settings.resolve_derived``).  Given ``expandable_segments=false`` over a
+    recording on the defaults, the recorded ``stitch=True`` no longer applies (it
+    would be refused: stitching needs expandable segments); given
+    ``expandable_segments=true`` over a plain recording, stitching follows the
+    pool's default as it would in a fresh pool.
     """
-    given = config or {}
-    cfg = recorded_config(trace, engine)
-    if ("expandable_segments" in given and "stitch" not in given
-            and given["expandable_segments"] != cfg.get("expandable_segments")):
-        cfg.pop("stitch", None)
-    return {**cfg, **given}
+    cfg = settings.resolve_derived(config or {}, recorded_config(trace, engine))
+    return {k: v for k, v in cfg.items() if not (v is None and settings.BY_NAME[k].follows is not None)}
 
 
 def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
     """The settings a replay ran with: ``cfg`` with the pool's own resolution of what it left to defaults.
 
-    Whether the segments were expandable and stitched, and the release rules, are
-    the pool's to decide (None: where the device has virtual memory); a result says
-    what they came to, so that every row names the settings it really ran with.
+    The release rules (the engine settings the policy owns) and the kind of
+    segments and where they come from (the segment source's engine settings
+    that are not sizes: expandable, stitched, the upstream) are the pool's to
+    decide; a result says what they came to, so that every row names the
+    settings it really ran with.  Keys are in the registry's order.
     """
-    resolved = {**cfg, "expandable_segments": pool.config["expandable_segments"], "stitch": pool.config["stitch"],
-                "release_threshold": pool.release_threshold, "release_before_split": pool.release_before_split}
-    order = [k for k in CONFIG_KEYS if k in resolved] + [k for k in resolved if k not in CONFIG_KEYS]
+    decided = {s.name: pool.config[s.name] for s in settings.SETTINGS
+               if s.engine and (s.owner == "policy" or (s.owner == "source" and s.kind != "size"))}
+    resolved = {**cfg, **decided}
+    order = [k for k in settings.names() if k in resolved] + [k for k in resolved if k not in settings.BY_NAME]
     return {k: resolved[k] for k in order}
 
 
-def plain_replay_warning(trace: Trace, settings: dict[str, Any]) -> str | None:
-    """A warning when a recording on expandable segments is replayed on plain ones (``settings``: resolved)."""
-    if recorded_on_vmm(trace) and not settings.get("expandable_segments"):
+def plain_replay_warning(trace: Trace, resolved: dict[str, Any]) -> str | None:
+    """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the
+    settings it ran with)."""
+    if recorded_on_vmm(trace) and not resolved.get("expandable_segments"):
+        upstream = resolved.get("upstream", "device")
+        if upstream != "device":
+            return (f"the recording ran on expandable segments; this replay uses plain segments from the {upstream} "
+                    "upstream, which maps no virtual memory")
         return ("the recording ran on expandable segments; this replay uses plain segments "
                 "(--config expandable_segments=true replays like with like)")
     return None
@@ -193,15 +220,14 @@ def check_config(config: dict[str, Any], engine: str) -> None:
     """Refuse an unknown engine or a setting ``engine`` does not model, before any replay runs."""
     if engine not in ENGINES:
         raise ValueError(f"unknown replay engine {engine!r} (choose {' or '.join(ENGINES)})")
+    numba, pool = accepted_keys("numba"), accepted_keys("pool")
     for key in config:
-        if key in CONFIG_KEYS:
+        if key in (pool if engine == "pool" else numba):
             continue
-        if key in POOL_ENGINE_KEYS:
-            if engine == "pool":
-                continue
+        if key in pool:
             raise ValueError(f"configuration key {key!r} is only modelled by the pool engine: use --engine pool")
-        raise ValueError(f"unknown configuration key {key!r} (the numba engine takes {', '.join(CONFIG_KEYS)}; "
-                         f"the pool engine takes {', '.join(POOL_ENGINE_KEYS)})")
+        raise ValueError(f"unknown configuration key {key!r} (the numba engine takes {', '.join(numba)}; "
+                         f"the pool engine takes {', '.join(pool)})")
 
 
 def check_settings(trace: Trace, config: dict[str, Any] | None, engine: str) -> None:
@@ -230,10 +256,13 @@ def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None 
     return pool
 
 
-def pool_capacity(pool: Pool) -> int:
-    """The capacity of a replay's pool: its device is a sim device."""
+def replay_device(pool: Pool) -> SimDevice:
+    """The device of a replay's pool: a sim device (``sim_pool``)."""
     device = pool.device
     assert isinstance(device, SimDevice), "replays run on the sim device"
-    return device.capacity
+    return device
 
 
+def pool_capacity(pool: Pool) -> int:
+    """The capacity of a replay's pool: its device is a sim device."""
+    return replay_device(pool).capacity

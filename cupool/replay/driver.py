@@ -49,6 +49,15 @@ Two engines:
 
 The default engine is ``"pool"`` for traces with movable buffers and ``"numba"``
 otherwise.
+
+Both replay the ``upstream`` setting (recorded, or given): ``"managed"`` memory
+may hold more than the device, up to the sim device's address span, as
+``SimDevice.malloc_managed`` allows, so a trace that runs out of memory on the
+device can fit there; ``ReplayResult.peak_oversubscribed`` says by how much it
+went past the device.  ``"async"`` places as ``"device"`` does (a replay enqueues
+no work, so stream-ordered frees return at once).  Which settings a replay takes,
+and which it reads from a trace, come from the settings registry
+(``cupool.replay.config``).
 """
 
 from __future__ import annotations

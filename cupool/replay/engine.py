@@ -27,7 +27,8 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   for all streams, then releases wholly free segments; its other steps (compact,
   rehome, spill, gc) find nothing to do in a pool that never compacts;
 * the device hands out 2 MiB pages first fit in address order over a span of
-  twice its capacity, and refuses past its capacity;
+  twice its capacity, and refuses past its capacity (on managed memory, past
+  that span: ``engine_layout.config_array``'s ``holds``);
 * expandable segments and stitching (``expandable_segments``, ``stitch``): as
   ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
   after releasing, for large requests;
@@ -57,16 +58,15 @@ from numba.core.registry import CPUDispatcher
 
 from ..core import rules
 from ..core.sizes import LARGE, PAGE, pool_of, round_page, round_size
-from ..device.vmm import address_arena
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
 from . import engine_live as live
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
-    ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM, C_VSPAN,
-    DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES, F_MAX,
-    F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_CFG, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
+    ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_INITIAL, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM,
+    C_VSPAN, DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES,
+    F_MAX, F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
     PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
     S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAGS_SEEN, UNMATCHED,
 )
@@ -291,20 +291,16 @@ def compile_notice() -> Iterator[_CompileNotice]:
 
 
 # ----------------------------------------------------------------- state
-def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, initial: int,
-              expandable: bool = False, stitching: bool = False, release_before_split: bool = True) -> dict:
-    """Fresh engine state for a sim device of ``capacity`` bytes (``threshold`` None: never release).
+def new_state(n_streams: int, cfg: np.ndarray) -> dict:
+    """Fresh engine state for the configuration ``cfg`` (``engine_layout.config_array``: a sim device
+    of ``cfg[C_CAPACITY]`` bytes, and the pool's resolved settings), its preallocated segment made.
 
     The state is a dict holding the ``Engine`` tuple (``"E"``) and the live blocks by recorded address
     (``"live"``, a table of ``engine_live``).
     """
     cap = 1024
     st = np.zeros(N_ST, np.int64)
-    cfg = np.zeros(N_CFG, np.int64)
-    cfg[C_CAPACITY], cfg[C_SPAN], cfg[C_LIMIT] = capacity, capacity * 2, limit
-    cfg[C_THRESHOLD] = -1 if threshold is None else threshold
-    cfg[C_VMM], cfg[C_STITCH], cfg[C_VSPAN], cfg[C_ARENA] = expandable, stitching, 2 * capacity, address_arena(capacity)
-    cfg[C_SPLIT] = release_before_split
+    cfg = cfg.copy()
     ext = np.zeros((2, cap + 2), np.int64)
     ext[1, 0] = cfg[C_SPAN]
     st[FREE_EXTENTS] = 1
@@ -323,7 +319,8 @@ def new_state(n_streams: int, capacity: int, limit: int, threshold: int | None, 
         np.full((2, n_streams + 1), GR_NONE, np.int64), va,  # GR, VA
         np.zeros((2, cap), np.int64),  # W
     )
-    if initial:
+    initial = int(cfg[C_INITIAL])
+    if initial > 0:
         made = _initial(E, initial)
         if made < 0:
             raise ValueError(f"initial_size {initial} does not fit the sim device")

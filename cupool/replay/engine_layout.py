@@ -19,6 +19,13 @@ function that calls one of them needs counting too.
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import settings
+from ..device.vmm import address_arena
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
 #: free segment ids; IX, TG: the free index (``engine_heap``); DT: streams with frees since the last
@@ -51,11 +58,61 @@ N_ST = 28  # MOVING: 1 + the block between a move_out and its move_in (0: none),
 # PENDING: what engine._malloc returned for a request it left to stitching (see engine._fast).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
-# Configuration (entries of cfg): C_VMM expandable segments, C_STITCH stitching, C_VSPAN a growing
-# region's size (twice the device), C_ARENA the addresses regions are reserved from, C_SPLIT
-# release_before_split (Note [Release before split]).
-C_CAPACITY, C_SPAN, C_LIMIT, C_THRESHOLD, C_VMM, C_STITCH, C_VSPAN, C_ARENA, C_SPLIT = range(9)
-N_CFG = 9
+# Configuration (entries of cfg): the slots derived from the settings (``config_array``), then one slot
+# per engine setting of the registry (``cupool.settings``: a setting's ``engine_slot``, in the registry's
+# order), holding the pool's resolved value.  The engine reads them by the names below.  Numba's cache
+# is keyed on each module's own source, so it does not see these numbers change: they are kept steady
+# where they can be (the derived slots come first, and a setting appended to the registry, as
+# ``Pool``'s new arguments are, takes the next slot), and a change that renumbers them must edit the
+# engine modules that read them or clear the Numba cache (``tests/test_replay_registry.py`` pins them).
+#: The slots the registry's engine settings fill, in its order (max_size and memory_fraction share the limit's).
+SETTING_SLOTS = tuple(dict.fromkeys(s.engine_slot for s in settings.SETTINGS if s.engine_slot is not None))
+#: Slots derived from the settings (``config_array``): the plain device's address span, a growing
+#: region's size, the addresses regions are reserved from, and the bytes plain segments may take.
+DERIVED_SLOTS = ("span", "vspan", "arena", "holds")
+CFG_SLOTS = DERIVED_SLOTS + SETTING_SLOTS
+N_CFG = len(CFG_SLOTS)
+C_CAPACITY = CFG_SLOTS.index("capacity")
+C_INITIAL = CFG_SLOTS.index("initial_size")
+C_LIMIT = CFG_SLOTS.index("limit")
+C_THRESHOLD = CFG_SLOTS.index("release_threshold")  # -1: never give back at once
+C_SPLIT = CFG_SLOTS.index("release_before_split")  # Note [Release before split]
+C_VMM = CFG_SLOTS.index("expandable_segments")
+C_STITCH = CFG_SLOTS.index("stitch")
+C_UPSTREAM = CFG_SLOTS.index("upstream")  # the position of its name in the setting's choices
+C_SPAN, C_VSPAN, C_ARENA, C_HOLDS = (CFG_SLOTS.index(x) for x in DERIVED_SLOTS)
+#: The sim device's address span, in capacities (``SimDevice``'s default ``headroom``, which a replay's device has).
+SPAN_HEADROOM = 2
+
+
+def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
+    """The engine's configuration from a pool's resolved settings (``Pool.config``), the one place its
+    derived slots are computed.
+
+    A value is stored as an int: None as -1, a flag as 0 or 1, a choice as its
+    position among the setting's choices.  Managed memory (``upstream="managed"``)
+    lets plain segments take the whole address span, as ``SimDevice.malloc_managed``
+    does: the pool may then reserve more than the device's capacity.
+    """
+    cfg = np.zeros(N_CFG, np.int64)
+    for slot in SETTING_SLOTS:
+        cfg[CFG_SLOTS.index(slot)] = _as_int(slot, resolved[slot])
+    capacity = int(cfg[C_CAPACITY])
+    cfg[C_SPAN] = SPAN_HEADROOM * capacity
+    cfg[C_VSPAN] = 2 * capacity  # twice the device, as ``cupool.core.expandable`` reserves a growing region
+    cfg[C_ARENA] = address_arena(capacity)
+    cfg[C_HOLDS] = cfg[C_SPAN] if resolved["upstream"] == "managed" else capacity
+    return cfg
+
+
+def _as_int(slot: str, value: Any) -> int:
+    if value is None:
+        return -1
+    if isinstance(value, str):
+        return settings.BY_NAME[slot].choices.index(value)
+    return int(value)
+
+
 # The free index: per block id, a treap node (see engine_heap); per heap and tag + 1 in TG: free
 # block count, seen, first-seen order (by position), tree root.
 IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)

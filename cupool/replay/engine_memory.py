@@ -27,7 +27,7 @@ from ..kernels.caching import njit  # numba.njit; cache=True caches outside the 
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
 from .engine_layout import (
-    ADDR, C_CAPACITY, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
+    ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
     FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
     PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
     SEGMENT_IDS, SIZE, STITCHES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAG,
@@ -109,10 +109,11 @@ def _reserved(E, n):
 
 @njit(cache=True, _nrt=False)
 def new_segment(E, h, nbytes, tag, keep):
-    """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses."""
+    """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses
+    (``malloc``, or ``malloc_managed`` past the capacity up to the address span: ``C_HOLDS``)."""
     nbytes = round_page(nbytes)
     st = E.st
-    if st[DEV_USED] + nbytes > E.cfg[C_CAPACITY]:
+    if st[DEV_USED] + nbytes > E.cfg[C_HOLDS]:  # the capacity; with managed memory, the whole span
         return -1
     addr = ext_take(E.EXT, st, FREE_EXTENTS, nbytes)
     if addr < 0:

@@ -12,6 +12,7 @@ from ..trace import Trace
 from . import engine as eng
 from .calls import program_calls
 from .config import pool_capacity, ran_with, sim_pool, uses_movables
+from .engine_layout import config_array
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, FREE, FREE_MOVABLE, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -33,8 +34,7 @@ def replay_numba(
         sizes = np.minimum(sizes, probe.limit + PAGE)
     capacity = pool_capacity(probe)
     limit, threshold, initial = probe.limit, probe.release_threshold, probe.config["initial_size"]
-    vmm, stitching = bool(probe.config["expandable_segments"]), bool(probe.config["stitch"])
-    split = probe.release_before_split
+    engine_cfg = config_array(probe.config)  # every engine setting's slot, as the pool resolved it
     settings = ran_with(cfg, probe)
     del probe
     seeded = seed_count(trace, n)
@@ -45,7 +45,7 @@ def replay_numba(
     empties = program_calls(trace, n, seeded)  # the numba engine empties its cache at either call
     streams = int(trace.stream.max()) + 1 if len(trace) else 1
     with eng.compile_notice():
-        state = eng.new_state(streams, capacity, limit, threshold, initial, vmm, stitching, split)
+        state = eng.new_state(streams, engine_cfg)
         if seeded:
             _seed(state, seed_program(trace, seeded, limit, initial, threshold))
         # An empty range with the real arguments: compiles (or loads) the very signature the
@@ -88,6 +88,7 @@ def replay_numba(
         segment_allocs=int(st[eng.DEV_ALLOCS]), segment_frees=int(st[eng.DEV_FREES]),
         unmatched_frees=int(st[eng.UNMATCHED]), seeded_blocks=seeded_blocks(trace, seeded),
         history=has_history(trace), capacity=capacity, seconds=seconds, warnings=warnings,
+        peak_oversubscribed=max(0, int(st[eng.PEAK_RES]) - capacity),  # managed memory past the device
         timeline={"reserved": tl_res, "allocated": tl_alloc, "ooms": tl_oom} if timeline else None,
     )
     return result, state
@@ -103,8 +104,11 @@ def prepare(trace: Trace) -> None:
     """
     none = np.zeros(0, np.int64)
     codes = np.array([trace.code(k) for k in eng.CODES], np.int64)
+    probe = sim_pool({"capacity": 4 * PAGE, "initial_size": PAGE, "expandable_segments": False}, trace)
+    cfg = config_array(probe.config)  # initial_size: its function too
+    probe.close()
     with eng.compile_notice():
-        state = eng.new_state(1, 4 * PAGE, 4 * PAGE, None, PAGE)  # initial_size: its function too
+        state = eng.new_state(1, cfg)
         eng.run_range(state, trace.kind, trace.addr, trace.size, trace.stream, np.zeros(len(trace), np.int8),
                       0, 0, codes, none, none, none)
 

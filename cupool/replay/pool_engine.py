@@ -12,7 +12,7 @@ from ..errors import OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
 from .calls import COMPACT, EMPTY_CACHE, program_calls
-from .config import pool_capacity, ran_with, sim_pool
+from .config import pool_capacity, ran_with, replay_device, sim_pool
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -48,6 +48,9 @@ class _Books:
         self.allocated = int(s["allocated_bytes.all.current"])
         self.seeded = (self.reserved, self.allocated)  # after the seed, the state the replay starts from
         self.ooms = 0  # the replay's own refusals
+        self.device = replay_device(pool)
+        #: The most bytes the device held past its capacity (managed memory paged to the host).
+        self.peak_oversubscribed = self.device.oversubscribed
 
     def __call__(self, ev: tuple) -> None:
         kind, size = ev[1], ev[3]
@@ -55,6 +58,7 @@ class _Books:
             self.reserved += size
             if self.reserved > self.peak:
                 self.peak = self.reserved
+            self.peak_oversubscribed = max(self.peak_oversubscribed, self.device.oversubscribed)
         elif kind == "segment_free" or kind == "segment_unmap":
             self.reserved -= size
         elif kind == "alloc" or kind == "alloc_movable":
@@ -78,7 +82,7 @@ def replay_pool(
         seed_pool(pool, seed_program(trace, seeded, pool.limit, pool.config["initial_size"], pool.release_threshold),
                   live)
         pool.reset_peak_stats()  # the replay's peaks start from the state the seed leaves
-        books.peak = books.reserved
+        books.peak, books.peak_oversubscribed = books.reserved, books.device.oversubscribed
     books.seeded = (books.reserved, books.allocated)
     code = {k: trace.code(k) for k in ("alloc", "free", "oom", "alloc_movable", "free_movable",
                                        "move_out", "move_in")}
@@ -198,6 +202,7 @@ def replay_pool(
         segment_allocs=int(s["num_device_alloc"]), segment_frees=int(s["num_device_free"]),
         unmatched_frees=unmatched, seeded_blocks=seeded_blocks(trace, seeded), history=has_history(trace),
         capacity=pool_capacity(pool), seconds=seconds, warnings=warnings,
+        peak_oversubscribed=books.peak_oversubscribed,
         timeline={"reserved": tl_res, "allocated": tl_alloc, "ooms": tl_oom} if timeline else None,
     )
     return result, pool, live

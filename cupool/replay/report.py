@@ -35,7 +35,6 @@ from .._palette import BLOCKS, RESERVED
 from .._units import format_bytes
 from .._words import count
 from ..trace import Trace
-from .config import VMM_KEYS, recorded_on_vmm
 from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
 
 #: Recorded events marked on the memory curve: (colour, marker, legend label).
@@ -90,8 +89,8 @@ class ReportData:
 
 
 def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportData:
-    """Replay ``trace`` (with ``config`` over the recorded settings) and gather what the report shows."""
-    config = _settings(trace, config)
+    """Replay ``trace`` (with ``config`` over the recorded settings, as ``cupool replay`` takes them:
+    a PyTorch snapshot's own kind of segments included) and gather what the report shows."""
     engine = default_engine(trace)
     result = replay(trace, config, engine=engine, timeline=True, progress=False)
     tl = result.timeline
@@ -120,17 +119,6 @@ def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportDat
     replay_ooms = np.flatnonzero(tl["ooms"])
     return ReportData(result.as_dict(), engine, still, x, x_label, reserved, allocated, frag, marks, replay_ooms,
                       max(peak, 0), segments)
-
-
-def _settings(trace: Trace, config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``config``, with a PyTorch snapshot's own segment kind where ``config`` names none (see the module's note).
-
-    PyTorch's expandable segments never stitch, so neither does their replay here.
-    """
-    if trace.format != "torch" or any(k in (config or {}) for k in VMM_KEYS):
-        return config
-    vmm = recorded_on_vmm(trace)
-    return {"expandable_segments": vmm, **({"stitch": False} if vmm else {}), **(config or {})}
 
 
 def _seed_events(trace: Trace) -> int:

@@ -29,7 +29,10 @@ class ReplayResult:
     read, seed included, and ``replayed`` those replayed after the seed (what
     ``seconds`` timed); ``history`` is False for a still picture, a snapshot
     with no events to replay.  ``warnings`` says what the
-    engine could not model for this trace.
+    engine could not model for this trace.  ``peak_oversubscribed`` is the most
+    the sim device held past its capacity: on managed memory
+    (``upstream="managed"``) a pool may reserve more than the device has, and a
+    GPU would page that much out to the host; 0 on any other upstream.
     """
 
     config: dict[str, Any]
@@ -50,6 +53,7 @@ class ReplayResult:
     history: bool
     capacity: int
     seconds: float
+    peak_oversubscribed: int = 0
     warnings: list[str] = field(default_factory=list)
     timeline: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
@@ -60,6 +64,11 @@ class ReplayResult:
         Seeded blocks are the state a replay starts from, not events it replays: they are not counted.
         """
         return self.replayed / self.seconds if self.replayed and self.seconds > 0 else None
+
+    @property
+    def upstream(self) -> str:
+        """Where the replay's plain segments came from (``device``, ``managed`` or ``async``)."""
+        return str(self.config.get("upstream", "device"))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import cupool
 from cupool.core.sizes import LARGE
 from cupool.replay import engine, engine_heap, engine_memory
+from cupool.replay.engine_layout import config_array
 from cupool.replay.engine_layout import ADDR, ALIVE, FREE, NEXT, PREV, SEG, SIZE, S_ADDR, S_HEAD, S_SIZE, S_USED, TAG
 
 #: Stream tags the suite uses, as the engine's small integers (None is untagged, -1).
@@ -93,7 +95,8 @@ class EngineHeap:
         if alignment != 512:
             raise ValueError("the engine's heap works in the pool's 512-byte alignment")
         self.alignment = alignment
-        self.E = engine.new_state(STREAMS, 1 << 40, 1 << 40, None, 0)["E"]
+        config = cupool.Pool("sim", capacity="1GiB", expandable_segments=False).config
+        self.E = engine.new_state(STREAMS, config_array(config))["E"]
         self.segments: dict[int, EngineSegment] = {}
         self._blocks: dict[int, EngineBlock] = {}
         self.reserved = self.allocated = self.n_allocated = 0
