@@ -280,7 +280,7 @@ def coalesce(B, FB, S, IX, st, TG, h, b):
 @njit(cache=True, _nrt=False)
 def _absorb(B, FB, S, IX, st, TG, left, right):
     """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
-    B[left, TAG] = rules.merged_tag(B[left, TAG], B[right, TAG], -1)
+    B[left, TAG] = rules.merged_stream(B[left, TAG], B[right, TAG], -1)
     B[left, SIZE] += B[right, SIZE]
     B[left, NEXT] = B[right, NEXT]
     if B[right, NEXT] >= 0:
