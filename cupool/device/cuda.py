@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, StateError
 from .base import Capabilities, Device, HostView
 from .cuda_moves import CudaMover, NumbaMoveKernel, driver_batch_copy
 from .cuda_vmm import CudaVirtualMemory
@@ -91,7 +91,7 @@ class CudaDevice(Device):
 
     def _managed_hints(self) -> ManagedHints:
         if not self.managed_hints:
-            raise RuntimeError(f"{self.name}: managed memory takes no prefetch or advice here")
+            raise StateError(f"{self.name}: managed memory takes no prefetch or advice here")
         assert isinstance(self._hints, ManagedHints)
         return self._hints
 
