@@ -179,18 +179,25 @@ def test_a_stats_figure_is_an_int_to_mypy_strict(tmp_path: Path) -> None:
     {"expandable_segments": True},
     {"expandable_segments": False, "spill": "host"},
     {"expandable_segments": True, "spill": "host"},
-], ids=["plain", "expandable", "spill", "expandable-spill"])
+    {"expandable_segments": False, "upstream": "managed"},
+    {"expandable_segments": False, "upstream": "async"},
+], ids=["plain", "expandable", "spill", "expandable-spill", "managed", "async"])
 def test_the_stats_type_names_exactly_the_keys_stats_returns(config):
     """The ``Stats`` TypedDict is written out key by key; this keeps it equal to what the pool really returns."""
     import cupool
-    from cupool.core.figures import Stats
+    from cupool.core.figures import ExpandableStats, Stats, UpstreamStats
 
     pool = cupool.Pool("sim", capacity="64MiB", **config)
     a = pool.malloc(3 << 20)
     stats = pool.stats()
     assert type(stats) is dict  # a plain dict at run time
-    expected = Stats.__required_keys__ | (Stats.__optional_keys__ if config["expandable_segments"] else frozenset())
-    assert set(stats) == expected
+    upstream = config.get("upstream")
+    optional = {k for k in UpstreamStats.__optional_keys__ if upstream and k.startswith(f"{upstream}.")}
+    if upstream == "managed":
+        optional |= {"num_prefetches", "num_prefetches_skipped"}
+    if config["expandable_segments"]:
+        optional |= ExpandableStats.__optional_keys__
+    assert set(stats) == Stats.__required_keys__ | optional
     hints = Stats.__annotations__
     assert {k: type(v).__name__ for k, v in stats.items()} == {k: hints[k].__name__ for k in stats}
     del a
