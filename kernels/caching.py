@@ -18,6 +18,15 @@ compiled in each process, as with ``cache=False``.
 Why cache at all.  The replay engine takes about 45 s to compile on two busy cores and loads from the
 cache in well under a second; the move kernel ~2 s against 0.1 s (2-core machine).
 
+What a cached function depends on.  Numba stamps a cache entry with its own
+module's source alone, so an edit to a module its compiled code calls (the rule
+book, the size classes, first-fit ranges) or whose constants it freezes (pages,
+granules, the engine's slots) left callers loading their old code: a renamed
+rule still "ran" from the cache (issue 25).  So a function of cupool's is
+stamped with its own module's source and a hash of every file of ``SOURCES``
+too; ``tests/test_numba_cache.py`` holds ``SOURCES`` to what the compiled
+modules import.
+
 Private Numba API.  Numba has no per-function cache location: only the
 process-wide ``NUMBA_CACHE_DIR`` and (in recent versions)
 ``NUMBA_CACHE_LOCATOR_CLASSES``, which are the user's to set and win here too.
@@ -31,16 +40,61 @@ checks that every cached function's cache folder lies outside the package.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numba
+
+#: The package's files, beside the compiled function's own module, that its code reads: what it
+#: calls compiled and the constants it freezes (glob patterns, relative to the package).
+SOURCES = ("replay/engine*.py", "replay/calls.py", "kernels/*.py", "core/rules.py", "core/sizes.py", "_units.py",
+           "device/ranges.py", "device/vmm.py", "device/base.py", "settings.py")
+_PACKAGE = Path(__file__).absolute().parent.parent  # not resolved: kernels/ is linked into the checkout's package
+
+
+def source_files(package: Path = _PACKAGE, sources: tuple[str, ...] = SOURCES) -> list[Path]:
+    """Every file ``sources`` names under ``package``, in a fixed order."""
+    return [f for pattern in sources for f in sorted(package.glob(pattern))]
+
+
+def sources_stamp(package: Path = _PACKAGE, sources: tuple[str, ...] = SOURCES) -> str:
+    """A hash of the contents of every file of ``sources``: the part of a cache entry's stamp Numba's misses."""
+    files = source_files(package, sources)
+    return _hash_files(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_files(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha256()
+    for path, _, _ in stamps:  # mtime and size key the memo: an edited file is read again
+        h.update(path.encode())
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def _stamped(locator: Any) -> Any:
+    """``locator``, whose stamp for a function of cupool also covers ``SOURCES``."""
+
+    class Stamped(locator):
+        def get_source_stamp(self) -> Any:
+            own = super().get_source_stamp()
+            py_file = getattr(self, "_py_file", None)
+            if py_file is None or not Path(py_file).absolute().is_relative_to(_PACKAGE):
+                return own
+            return own, sources_stamp()
+
+    Stamped.__name__ = Stamped.__qualname__ = f"Stamped{locator.__name__}"
+    return Stamped
+
 
 try:
     from numba.core.caching import CompileResultCacheImpl, FunctionCache
 
     class _OutOfTreeCacheImpl(CompileResultCacheImpl):
-        _locator_classes = [c for c in CompileResultCacheImpl._locator_classes if "InTree" not in c.__name__]
+        _locator_classes = [_stamped(c) for c in CompileResultCacheImpl._locator_classes if "InTree" not in c.__name__]
 
     class _OutOfTreeFunctionCache(FunctionCache):
         _impl_class = _OutOfTreeCacheImpl
