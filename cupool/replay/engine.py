@@ -18,11 +18,11 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   needed size when the device refuses; a request larger than the limit on its
   own is refused before the reclaim ladder runs; movable buffers (``exact``) grow by just
   the needed size (compaction and spilling are not modelled: see ``cupool.replay``);
-* best fit by ``(size, address)`` among free blocks tagged with the request's
-  stream or untagged (-1 here, ``None`` in the heap); split; coalesce with
-  address neighbours whose tags are equal or untagged, keeping the stricter tag;
+* best fit by ``(size, address)`` among free blocks of the request's stream or
+  anyone's (-1 here, ``None`` in the heap); split; coalesce with address
+  neighbours of the same stream or anyone's, keeping the stricter stream;
 * streams on the sim device: an event recorded on a stream completes at once,
-  so a miss (when the heap has seen more than one tag) retags the free blocks
+  so a miss (when the heap has seen more than one stream) reassigns the free blocks
   of streams with frees since the last settle; the reclaim ladder then waits
   for all streams, then releases wholly free segments; its other steps (compact,
   rehome, spill, gc) find nothing to do in a pool that never compacts;
@@ -68,7 +68,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     C_VSPAN, DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES,
     F_MAX, F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
     PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
-    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAGS_SEEN, UNMATCHED,
+    S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, STREAMS_SEEN, UNMATCHED,
 )
 from .engine_memory import (
     drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
@@ -82,29 +82,29 @@ _ALLOC, _FREE, _OOM, _ALLOC_MOV, _FREE_MOV, _MOVE_OUT, _MOVE_IN = range(7)
 
 # ----------------------------------------------------------- requests
 @njit(cache=True, _nrt=False)
-def _grow(E, h, size, key, exact):
+def _grow(E, h, size, stream, exact):
     """The segment source's ``grow`` within the limit's room: a free block from new memory, or -1."""
     cfg, st = E.cfg, E.st
     room = max(0, cfg[C_LIMIT] - st[RES])
     if cfg[C_VMM]:  # map just the granules the stream's segment lacks
-        if need(E, h, size, key) <= room:
-            return grow(E, h, size, key)
+        if need(E, h, size, stream) <= room:
+            return grow(E, h, size, stream)
         return -1
     target = rules.grow_target(h, size, room, exact)
     if target == 0:
         return -1
     minimum = round_page(size)
-    b = new_segment(E, h, target, key, 0)
+    b = new_segment(E, h, target, stream, 0)
     if b < 0 and target != minimum:
-        b = new_segment(E, h, minimum, key, 0)
+        b = new_segment(E, h, minimum, stream, 0)
     return b
 
 
 @njit(cache=True, _nrt=False)
-def _find_or_grow(E, h, size, key, exact):
-    b = find(E.IX, E.TG, h, size, key)
+def _find_or_grow(E, h, size, stream, exact):
+    b = find(E.IX, E.PS, h, size, stream)
     if b < 0:
-        b = _grow(E, h, size, key, exact)
+        b = _grow(E, h, size, stream, exact)
     return b
 
 
@@ -119,11 +119,11 @@ def _releases(E, h, b, size, exact):
 
 
 @njit(cache=True, _nrt=False)
-def _serve(E, h, b, size, key):
-    """Take ``size`` bytes of free block ``b`` for stream ``key``, and count them."""
+def _serve(E, h, b, size, stream):
+    """Take ``size`` bytes of free block ``b`` for ``stream``, and count them."""
     st = E.st
-    take(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, size)
-    E.B[b, STREAM] = key
+    take(E.B, E.FB, E.S, E.IX, E.st, E.PS, h, b, size)
+    E.B[b, STREAM] = stream
     st[ALLOC] += size
     if st[ALLOC] > st[PEAK_ALLOC]:
         st[PEAK_ALLOC] = st[ALLOC]
@@ -131,7 +131,7 @@ def _serve(E, h, b, size, key):
 
 
 @njit(cache=True, _nrt=False)
-def _hit(E, n, key, exact):
+def _hit(E, n, stream, exact):
     """``_malloc``'s first step alone: a best fit that release before split leaves be, served; -1 (nothing
     changed) sends the request through the whole of ``_malloc``.
 
@@ -141,10 +141,10 @@ def _hit(E, n, key, exact):
     """
     size = round_size(n)
     h = pool_of(size)
-    b = find(E.IX, E.TG, h, size, key)
+    b = find(E.IX, E.PS, h, size, stream)
     if b < 0 or _releases(E, h, b, size, exact):
         return -1
-    return _serve(E, h, b, size, key)
+    return _serve(E, h, b, size, stream)
 
 
 #: What ``_malloc`` returns when the ladder's last rung is left to ``_last_rung``, which allocates
@@ -155,7 +155,7 @@ LAST_RUNG = STITCH
 
 
 @njit(cache=True, _nrt=False)
-def _malloc(E, n, key, exact):
+def _malloc(E, n, stream, exact):
     """A request through the whole chain: the block, -1 (out of memory, counted), or one of the
     ``LAST_RUNG`` codes when the ladder's last step is left: stitching, or a release that cuts
     holes.  They allocate scratch arrays, so ``_last_rung`` (with reference counting) takes the
@@ -163,10 +163,10 @@ def _malloc(E, n, key, exact):
     st, cfg = E.st, E.cfg
     size = round_size(n)
     h = pool_of(size)
-    b = find(E.IX, E.TG, h, size, key)
-    if b < 0 and st[TAGS_SEEN + h] > 1:
+    b = find(E.IX, E.PS, h, size, stream)
+    if b < 0 and st[STREAMS_SEEN + h] > 1:
         settle(E, False)
-        b = find(E.IX, E.TG, h, size, key)
+        b = find(E.IX, E.PS, h, size, stream)
     if b >= 0 and _releases(E, h, b, size, exact):
         drop_segment(E, E.B[b, SEG])
         b = -1
@@ -176,24 +176,24 @@ def _malloc(E, n, key, exact):
         st[OOMS] += 1
         return -1
     if b < 0:
-        b = _grow(E, h, size, key, exact)
+        b = _grow(E, h, size, stream, exact)
     # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
     if b < 0 and settle(E, True) > 0:
-        b = _find_or_grow(E, h, size, key, exact)
+        b = _find_or_grow(E, h, size, stream, exact)
     if b < 0 and cfg[C_VMM] and rules.release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
         return HOLES_EXACT if exact else HOLES  # release, holes cut too: the last rung (no stitching then)
     if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:  # release: wholly free segments and free tails
-        b = _find_or_grow(E, h, size, key, exact)
+        b = _find_or_grow(E, h, size, stream, exact)
     if b < 0 and cfg[C_STITCH] and h == LARGE:
         return STITCH_EXACT if exact else STITCH
     if b < 0:
         st[OOMS] += 1
         return -1
-    return _serve(E, h, b, size, key)
+    return _serve(E, h, b, size, stream)
 
 
 @njit(cache=True)
-def _last_rung(E, n, key, pending):
+def _last_rung(E, n, stream, pending):
     """The ladder's last step for a request ``_malloc`` left to it (``pending``: its code): stitch, or
     release with holes cut (as ``Scheduler._release`` does where stitching will not gather them);
     then serve, or count an OOM."""
@@ -204,23 +204,23 @@ def _last_rung(E, n, key, pending):
     b = -1
     if pending <= HOLES:
         if release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
-            b = _find_or_grow(E, h, size, key, exact)
-    elif stitch(E, LARGE, size, key, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
-        b = _find_or_grow(E, LARGE, size, key, exact)
+            b = _find_or_grow(E, h, size, stream, exact)
+    elif stitch(E, LARGE, size, stream, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
+        b = _find_or_grow(E, LARGE, size, stream, exact)
     if b < 0:
         st[OOMS] += 1
         return -1
-    return _serve(E, h, b, size, key)
+    return _serve(E, h, b, size, stream)
 
 
 @njit(cache=True, _nrt=False)
 def _free(E, b):
     B, S, st, cfg = E.B, E.S, E.st, E.cfg
     h = S[S_KIND, B[b, SEG]]
-    key = B[b, STREAM]
+    stream = B[b, STREAM]
     st[ALLOC] -= B[b, SIZE]
-    E.DT[key] = 1
-    merged = give(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b, key)
+    E.DT[stream] = 1
+    merged = give(E.B, E.FB, E.S, E.IX, E.st, E.PS, h, b, stream)
     if cfg[C_VMM]:
         freed(E, merged)
     else:
@@ -307,14 +307,14 @@ def new_state(n_streams: int, cfg: np.ndarray) -> dict:
     va = np.zeros((2, cap + 2), np.int64)
     va[1, 0] = cfg[C_ARENA]
     st[FREE_VA_RANGES] = 1
-    # Per heap and tag + 1: free block count, seen, first-seen order (by position), tree root.
-    tg = np.zeros((2, 4, n_streams + 1), np.int64)
-    tg[:, ROOT, :] = -1
+    # Per heap and stream + 1: free block count, seen, first-seen order (by position), tree root.
+    ps = np.zeros((2, 4, n_streams + 1), np.int64)
+    ps[:, ROOT, :] = -1
     E = Engine(
         st, np.zeros(3, np.float64), cfg,
         np.zeros((cap, NBF), np.int64), np.zeros(cap, np.int64),  # B (a row per block), FB
         np.zeros((NSF, cap), np.int64), np.zeros(cap, np.int64),  # S, FS
-        np.zeros((cap, NIX), np.int64), tg, np.zeros(n_streams + 1, np.int64), ext,  # IX, TG, DT, EXT
+        np.zeros((cap, NIX), np.int64), ps, np.zeros(n_streams + 1, np.int64), ext,  # IX, PS, DT, EXT
         np.zeros((NRF, cap), np.int64), np.zeros(cap, np.int64),  # R, FR
         np.full((2, n_streams + 1), GR_NONE, np.int64), va,  # GR, VA
         np.zeros((2, cap), np.int64),  # W
@@ -385,7 +385,7 @@ def _roomy(E):
         grew = True
     if not grew:
         return E
-    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.TG, E.DT, EXT, R, FR, E.GR, VA, W)
+    return Engine(st, E.fst, E.cfg, B, FB, S, FS, IX, E.PS, E.DT, EXT, R, FR, E.GR, VA, W)
 
 
 @njit(cache=True, _nrt=False)
@@ -424,7 +424,7 @@ def _after(st, tl_res, tl_alloc, tl_oom, i, timeline, ooms0):
 
 
 @njit(cache=True, _nrt=False)
-def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
+def _fast(kind, addr, size, streams, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
     """The events of [lo, hi) that need no allocation of the engine's own, until one does.
 
     Returns ``2 * i`` where event ``i`` is left whole for ``run`` (the state must grow first, or
@@ -449,9 +449,9 @@ def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, boo
             elif not is_alloc:
                 st[UNMATCHED] += 1
             if is_alloc:
-                b = _hit(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                b = _hit(E, size[i], streams[i], k == codes[_ALLOC_MOV])
                 if b < 0:
-                    b = _malloc(E, size[i], stream[i], k == codes[_ALLOC_MOV])
+                    b = _malloc(E, size[i], streams[i], k == codes[_ALLOC_MOV])
                 if b <= LAST_RUNG:
                     st[PENDING] = b
                     return 2 * i + 1
@@ -475,7 +475,7 @@ def _fast(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, boo
 
 
 @njit(cache=True)
-def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
+def run(kind, addr, size, streams, empties, lo, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom):
     """Replay events [lo, hi) on ``E`` and the live table ``keys, values, books`` (``engine_live``);
     returns ``E``, ``keys`` and ``values``, rebuilt if their arrays had to grow.
 
@@ -492,7 +492,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
     st = E.st
     i = lo
     while i < hi:
-        at = _fast(kind, addr, size, stream, empties, i, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom)
+        at = _fast(kind, addr, size, streams, empties, i, hi, codes, E, keys, values, books, tl_res, tl_alloc, tl_oom)
         i = at // 2
         if i >= hi:
             break
@@ -500,7 +500,7 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
         ooms0 = st[OOMS]
         if at % 2:  # all but stitching is done (peak0: nothing so far raised the peak; stitching may)
             peak0 = st[PEAK_RES]
-            b = _last_rung(E, size[i], stream[i], st[PENDING])
+            b = _last_rung(E, size[i], streams[i], st[PENDING])
             if b >= 0:
                 live.put(keys, values, books, addr[i], b)
             _sample(st, E.fst, peak0)
@@ -519,9 +519,9 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
             # The recorded run asked and was refused: ask too (the ladder's side effects
             # shape what follows), and give back at once what a roomier pool hands out.
             peak0 = st[PEAK_RES]
-            b = _malloc(E, size[i], stream[i], False)
+            b = _malloc(E, size[i], streams[i], False)
             if b <= LAST_RUNG:
-                b = _last_rung(E, size[i], stream[i], b)
+                b = _last_rung(E, size[i], streams[i], b)
             if b >= 0:
                 _free(E, b)
             _sample(st, E.fst, peak0)

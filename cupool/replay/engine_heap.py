@@ -14,13 +14,13 @@ from ..kernels.caching import njit  # numba.njit; cache=True caches outside the 
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_layout import (
     ADDR, ALIVE, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP,
-    NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, TAG, TAGS_SEEN,
+    NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, STREAMS_SEEN,
 )
 
 
 # ---------------------------------------------------------------- blocks
 @njit(cache=True, _nrt=False)
-def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
+def new_block(B, FB, S, IX, st, PS, addr, size, seg, stream):
     if st[FREE_BLOCK_IDS] > 0:
         st[FREE_BLOCK_IDS] -= 1
         b = FB[st[FREE_BLOCK_IDS]]
@@ -33,29 +33,28 @@ def new_block(B, FB, S, IX, st, TG, addr, size, seg, tag):
     B[b, NEXT] = -1
     B[b, SEG] = seg
     B[b, FREE] = 1
-    B[b, TAG] = tag
+    B[b, STREAM] = stream
     B[b, ALIVE] = 1
-    B[b, STREAM] = 0
     return b
 
 
 @njit(cache=True, _nrt=False)
-def kill_block(B, FB, S, IX, st, TG, b):
+def kill_block(B, FB, S, IX, st, PS, b):
     B[b, ALIVE] = 0
     FB[st[FREE_BLOCK_IDS]] = b
     st[FREE_BLOCK_IDS] += 1
 
 
 # ------------------------------------------------------- the free index
-# The free blocks of each heap, kept per stream tag in a treap (a binary search
+# The free blocks of each heap, kept per stream in a treap (a binary search
 # tree whose nodes also carry a random priority, so that its expected depth is
 # O(log n) whatever the order of inserts and removals).  Why this shape:
 #
-# * best fit asks for the first free block, in (size, address) order, tagged
-#   with the request's stream or untagged.  One tree per (heap, tag) answers it
-#   with two descents (the stream's tree and the untagged one, then the smaller
+# * best fit asks for the first free block, in (size, address) order, of
+#   the request's stream or anyone's.  One tree per (heap, stream) answers it
+#   with two descents (the stream's tree and anyone's, then the smaller
 #   of the two answers) instead of stepping over other streams' blocks;
-# * a settle retags all free blocks of one stream: that is an in-order walk of
+# * a settle reassigns all free blocks of one stream to anyone: that is an in-order walk of
 #   that stream's tree, O(its size), instead of a pass over the whole index;
 # * nodes are block ids, so the tree lives in IX[b, field] (a node's fields side by side, one cache line
 #   per node visited) and grows with B
@@ -69,7 +68,7 @@ def kill_block(B, FB, S, IX, st, TG, b):
 #
 # A node's key is copied into IX when it is inserted, so that the tree never
 # depends on B's size/address rows changing under it (they do not while a block
-# is indexed, but a copy makes that a non-issue).  Roots are TG[h, ROOT, tag + 1].
+# is indexed, but a copy makes that a non-issue).  Roots are PS[h, ROOT, stream + 1].
 
 
 @njit(cache=True, _nrt=False)
@@ -153,17 +152,17 @@ def _merge(IX, a, b):
 
 
 @njit(cache=True, _nrt=False)
-def ix_insert(B, IX, st, TG, h, b):
+def ix_insert(B, IX, st, PS, h, b):
     """Index free block ``b`` of heap ``h`` (hot: it takes just the tables it touches)."""
     size, addr = B[b, SIZE], B[b, ADDR]
-    t = B[b, TAG] + 1
+    t = B[b, STREAM] + 1
     pri = _priority(b)
     IX[b, IX_SIZE] = size
     IX[b, IX_ADDR] = addr
     IX[b, IX_PRI] = pri
     # Descend while the nodes outrank b, then b takes that subtree, split at its key.
     parent, right = -1, False
-    node = TG[h, ROOT, t]
+    node = PS[h, ROOT, t]
     while node >= 0 and IX[node, IX_PRI] > pri:
         parent = node
         right = _less(IX, node, size, addr)
@@ -177,26 +176,26 @@ def ix_insert(B, IX, st, TG, h, b):
     if hi >= 0:
         IX[hi, IX_UP] = b
     if parent < 0:
-        TG[h, ROOT, t] = b
+        PS[h, ROOT, t] = b
     elif right:
         IX[parent, IX_RIGHT] = b
     else:
         IX[parent, IX_LEFT] = b
     st[FREE_INDEXED + h] += 1
-    TG[h, 0, t] += 1
-    if TG[h, 1, t] == 0:  # the heap's index learns a new tag (Heap._index never forgets one)
-        TG[h, 1, t] = 1
-        TG[h, 2, st[TAGS_SEEN + h]] = t - 1
-        st[TAGS_SEEN + h] += 1
+    PS[h, 0, t] += 1
+    if PS[h, 1, t] == 0:  # the heap's index learns a new stream (Heap._index never forgets one)
+        PS[h, 1, t] = 1
+        PS[h, 2, st[STREAMS_SEEN + h]] = t - 1
+        st[STREAMS_SEEN + h] += 1
 
 
 @njit(cache=True, _nrt=False)
-def ix_remove(B, IX, st, TG, h, b):
-    t = B[b, TAG] + 1
+def ix_remove(B, IX, st, PS, h, b):
+    t = B[b, STREAM] + 1
     parent = IX[b, IX_UP]
     sub = _merge(IX, IX[b, IX_LEFT], IX[b, IX_RIGHT])
     if parent < 0:
-        TG[h, ROOT, t] = sub
+        PS[h, ROOT, t] = sub
     elif IX[parent, IX_RIGHT] == b:
         IX[parent, IX_RIGHT] = sub
     else:
@@ -204,7 +203,7 @@ def ix_remove(B, IX, st, TG, h, b):
     if sub >= 0:
         IX[sub, IX_UP] = parent
     st[FREE_INDEXED + h] -= 1
-    TG[h, 0, t] -= 1
+    PS[h, 0, t] -= 1
 
 
 @njit(cache=True, _nrt=False)
@@ -221,10 +220,10 @@ def _first_fit(IX, node, size):
 
 
 @njit(cache=True, _nrt=False)
-def find(IX, TG, h, size, key):
-    """Best fit among blocks tagged ``key`` or untagged: the first of both trees' answers."""
-    a = _first_fit(IX, TG[h, ROOT, key + 1], size) if key >= 0 else -1
-    u = _first_fit(IX, TG[h, ROOT, 0], size)
+def find(IX, PS, h, size, stream):
+    """Best fit among blocks of ``stream`` or anyone's (``rules.usable``): the first of both trees' answers."""
+    a = _first_fit(IX, PS[h, ROOT, stream + 1], size) if stream >= 0 else -1
+    u = _first_fit(IX, PS[h, ROOT, 0], size)
     if a < 0:
         return u
     if u < 0 or _less(IX, a, IX[u, IX_SIZE], IX[u, IX_ADDR]):
@@ -233,12 +232,12 @@ def find(IX, TG, h, size, key):
 
 
 @njit(cache=True, _nrt=False)
-def tagged_into(E, h, t, out, stack):
-    """The blocks of tag ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
+def of_stream_into(E, h, t, out, stack):
+    """The blocks of stream ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
     walk; ``stack`` is scratch, both at least one longer than the tree); how many."""
-    IX, TG = E.IX, E.TG
+    IX, PS = E.IX, E.PS
     sp, m = 0, 0
-    node = TG[h, ROOT, t + 1]
+    node = PS[h, ROOT, t + 1]
     while node >= 0 or sp > 0:
         while node >= 0:
             stack[sp] = node
@@ -253,49 +252,49 @@ def tagged_into(E, h, t, out, stack):
 
 
 @njit(cache=True)
-def tagged(E, h, t):
-    """``tagged_into`` in arrays of its own."""
-    n = E.TG[h, 0, t + 1]
+def of_stream(E, h, t):
+    """``of_stream_into`` in arrays of its own."""
+    n = E.PS[h, 0, t + 1]
     out = np.empty(n, np.int64)
-    tagged_into(E, h, t, out, np.empty(n + 1, np.int64))
+    of_stream_into(E, h, t, out, np.empty(n + 1, np.int64))
     return out
 
 
 # ------------------------------------------------- split and coalesce
 @njit(cache=True, _nrt=False)
-def coalesce(B, FB, S, IX, st, TG, h, b):
+def coalesce(B, FB, S, IX, st, PS, h, b):
     nxt = B[b, NEXT]
-    if nxt >= 0 and B[nxt, FREE] == 1 and rules.mergeable(B[nxt, TAG], B[b, TAG], -1):
-        ix_remove(B, IX, st, TG, h, nxt)
-        _absorb(B, FB, S, IX, st, TG, b, nxt)
+    if nxt >= 0 and B[nxt, FREE] == 1 and rules.mergeable(B[nxt, STREAM], B[b, STREAM], -1):
+        ix_remove(B, IX, st, PS, h, nxt)
+        _absorb(B, FB, S, IX, st, PS, b, nxt)
     prv = B[b, PREV]
-    if prv >= 0 and B[prv, FREE] == 1 and rules.mergeable(B[prv, TAG], B[b, TAG], -1):
-        ix_remove(B, IX, st, TG, h, prv)
-        _absorb(B, FB, S, IX, st, TG, prv, b)
+    if prv >= 0 and B[prv, FREE] == 1 and rules.mergeable(B[prv, STREAM], B[b, STREAM], -1):
+        ix_remove(B, IX, st, PS, h, prv)
+        _absorb(B, FB, S, IX, st, PS, prv, b)
         b = prv
-    ix_insert(B, IX, st, TG, h, b)
+    ix_insert(B, IX, st, PS, h, b)
     return b
 
 
 @njit(cache=True, _nrt=False)
-def _absorb(B, FB, S, IX, st, TG, left, right):
-    """Merge free block ``right`` into its free left neighbour (the stricter tag wins), as ``Heap`` does."""
-    B[left, TAG] = rules.merged_stream(B[left, TAG], B[right, TAG], -1)
+def _absorb(B, FB, S, IX, st, PS, left, right):
+    """Merge free block ``right`` into its free left neighbour (the stricter stream wins), as ``Heap`` does."""
+    B[left, STREAM] = rules.merged_stream(B[left, STREAM], B[right, STREAM], -1)
     B[left, SIZE] += B[right, SIZE]
     B[left, NEXT] = B[right, NEXT]
     if B[right, NEXT] >= 0:
         B[B[right, NEXT], PREV] = left
     else:
         S[S_TAIL, B[left, SEG]] = left
-    kill_block(B, FB, S, IX, st, TG, right)
+    kill_block(B, FB, S, IX, st, PS, right)
 
 
 @njit(cache=True, _nrt=False)
-def take(B, FB, S, IX, st, TG, h, b, size):
-    ix_remove(B, IX, st, TG, h, b)
+def take(B, FB, S, IX, st, PS, h, b, size):
+    ix_remove(B, IX, st, PS, h, b)
     rest = rules.split_rest(B[b, SIZE], size)
     if rest:
-        tail = new_block(B, FB, S, IX, st, TG, B[b, ADDR] + size, rest, B[b, SEG], B[b, TAG])
+        tail = new_block(B, FB, S, IX, st, PS, B[b, ADDR] + size, rest, B[b, SEG], B[b, STREAM])
         B[tail, PREV] = b
         B[tail, NEXT] = B[b, NEXT]
         if B[b, NEXT] >= 0:
@@ -304,18 +303,18 @@ def take(B, FB, S, IX, st, TG, h, b, size):
             S[S_TAIL, B[b, SEG]] = tail
         B[b, NEXT] = tail
         B[b, SIZE] = size
-        ix_insert(B, IX, st, TG, h, tail)
+        ix_insert(B, IX, st, PS, h, tail)
     B[b, FREE] = 0
-    B[b, TAG] = -1
+    B[b, STREAM] = -1  # the caller names the stream it serves (engine._serve)
     S[S_USED, B[b, SEG]] += size
 
 
 @njit(cache=True, _nrt=False)
-def give(B, FB, S, IX, st, TG, h, b, tag):
+def give(B, FB, S, IX, st, PS, h, b, stream):
     S[S_USED, B[b, SEG]] -= B[b, SIZE]
     B[b, FREE] = 1
-    B[b, TAG] = tag
-    return coalesce(B, FB, S, IX, st, TG, h, b)
+    B[b, STREAM] = stream
+    return coalesce(B, FB, S, IX, st, PS, h, b)
 
 
 # --------------------------------------------------------------- streams
@@ -323,27 +322,27 @@ def give(B, FB, S, IX, st, TG, h, b, tag):
 def settle(E, wait):
     """Pool._settle_streams on a sim device with no work in flight: events complete at once.
 
-    Each tag's blocks are listed first (into the scratch rows ``E.W``, so that this allocates
-    nothing), since retagging coalesces and so changes the tree being walked.  Whether a tag has
-    free blocks is read as its turn comes: retagging one tag never empties another's tree (a
-    merged block keeps the stricter tag, so a tag's count loses one block and gains the merge).
+    Each stream's blocks are listed first (into the scratch rows ``E.W``, so that this allocates
+    nothing), since reassigning coalesces and so changes the tree being walked.  Whether a stream has
+    free blocks is read as its turn comes: reassigning one stream's never empties another's tree (a
+    merged block keeps the stricter stream, so a stream's count loses one block and gains the merge).
     """
-    B, st, TG, DT, W = E.B, E.st, E.TG, E.DT, E.W
+    B, st, PS, DT, W = E.B, E.st, E.PS, E.DT, E.W
     moved = 0
     for h in range(2):
-        for k in range(st[TAGS_SEEN + h]):
-            t = TG[h, 2, k]
-            if t == -1 or TG[h, 0, t + 1] == 0:
+        for k in range(st[STREAMS_SEEN + h]):
+            t = PS[h, 2, k]
+            if t == -1 or PS[h, 0, t + 1] == 0:
                 continue
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 0
-            m = tagged_into(E, h, t, W[0], W[1])  # the order the heap visits them in
+            m = of_stream_into(E, h, t, W[0], W[1])  # the order the heap visits them in
             for j in range(m):
                 b = W[0, j]
-                if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, TAG] == t:
+                if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, STREAM] == t:
                     moved += B[b, SIZE]
-                    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
-                    B[b, TAG] = -1
-                    coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
+                    ix_remove(E.B, E.IX, E.st, E.PS, h, b)
+                    B[b, STREAM] = -1
+                    coalesce(E.B, E.FB, E.S, E.IX, E.st, E.PS, h, b)
     return moved

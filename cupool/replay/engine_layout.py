@@ -28,15 +28,16 @@ from .. import settings
 from ..device.vmm import address_arena
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
-#: free segment ids; IX, TG: the free index (``engine_heap``); DT: streams with frees since the last
+#: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: streams with frees since the last
 #: settle; EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
 #: GR: each (size class, stream)'s growing region; VA: free address ranges for regions; W: two scratch
 #: rows as long as B (a list of blocks and a walk's stack), so that a settle allocates nothing.
-Engine = namedtuple("Engine", "st fst cfg B FB S FS IX TG DT EXT R FR GR VA W")
+Engine = namedtuple("Engine", "st fst cfg B FB S FS IX PS DT EXT R FR GR VA W")
 
 # Block fields (columns of B, a row per block: the fields a visit reads share a cache line; IX likewise).
-ADDR, SIZE, PREV, NEXT, SEG, FREE, TAG, ALIVE, STREAM = range(9)
-NBF = 9
+# STREAM: a free block's stream, whose frees it holds (-1: anyone's); an allocated block's, the stream it serves.
+ADDR, SIZE, PREV, NEXT, SEG, FREE, ALIVE, STREAM = range(8)
+NBF = 8
 # Segment fields (rows of S): S_TAIL is its last block, S_REGION its region (-1: a plain segment).
 S_ADDR, S_SIZE, S_USED, S_HEAD, S_KEEP, S_KIND, S_ALIVE, S_TAIL, S_REGION = range(9)
 NSF = 9
@@ -48,9 +49,9 @@ NRF = 8
 # Scalars (entries of st).  Tables with a free list keep two counts: X_IDS, the ids handed out so far
 # (the next fresh one), and FREE_X_IDS, the released ids waiting in FB/FS/FR for reuse.  FREE_EXTENTS
 # and FREE_VA_RANGES: how many free ranges EXT and VA hold.  FREE_INDEXED + h: free blocks in heap
-# h's index; TAGS_SEEN + h: the tags heap h's index has seen (the length of its first-seen order).
+# h's index; STREAMS_SEEN + h: the streams heap h's index has seen (the length of its first-seen order).
 (BLOCK_IDS, FREE_BLOCK_IDS, SEGMENT_IDS, FREE_SEGMENT_IDS, FREE_EXTENTS, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG,
- PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, TAGS_SEEN, TAGS_SEEN_LARGE,
+ PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, STREAMS_SEEN, STREAMS_SEEN_LARGE,
  DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED,
  PENDING) = range(28)
 N_ST = 28  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
@@ -113,7 +114,7 @@ def _as_int(slot: str, value: Any) -> int:
     return int(value)
 
 
-# The free index: per block id, a treap node (see engine_heap); per heap and tag + 1 in TG: free
+# The free index: per block id, a treap node (see engine_heap); per heap and stream + 1 in PS: free
 # block count, seen, first-seen order (by position), tree root.
 IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)
 NIX = 6

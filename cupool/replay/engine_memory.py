@@ -25,12 +25,12 @@ from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
-from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, tagged
+from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream
 from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
     FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
     PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
-    SEGMENT_IDS, SIZE, STITCHES, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, TAG,
+    SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED,
 )
 
 
@@ -56,7 +56,7 @@ def ext_give(T, st, count, ptr, size):
 
 # -------------------------------------------------------------- segments
 @njit(cache=True, _nrt=False)
-def add_segment(E, h, addr, nbytes, tag, keep, region):
+def add_segment(E, h, addr, nbytes, stream, keep, region):
     """A heap segment of one free block (``Heap.add_segment``), counted; returns its head block."""
     S, st = E.S, E.st
     if st[FREE_SEGMENT_IDS] > 0:
@@ -65,7 +65,7 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     else:
         s = st[SEGMENT_IDS]
         st[SEGMENT_IDS] += 1
-    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, addr, nbytes, s, tag)
+    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, addr, nbytes, s, stream)
     S[S_ADDR, s] = addr
     S[S_SIZE, s] = nbytes
     S[S_USED, s] = 0
@@ -75,7 +75,7 @@ def add_segment(E, h, addr, nbytes, tag, keep, region):
     S[S_KIND, s] = h
     S[S_ALIVE, s] = 1
     S[S_REGION, s] = region
-    ix_insert(E.B, E.IX, E.st, E.TG, h, b)
+    ix_insert(E.B, E.IX, E.st, E.PS, h, b)
     st[NSEG] += 1
     if st[NSEG] > st[PEAK_SEG]:
         st[PEAK_SEG] = st[NSEG]
@@ -89,8 +89,8 @@ def _forget_segment(E, s):
     b = S[S_HEAD, s]
     while b >= 0:
         nxt = E.B[b, NEXT]
-        ix_remove(E.B, E.IX, E.st, E.TG, S[S_KIND, s], b)
-        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
+        ix_remove(E.B, E.IX, E.st, E.PS, S[S_KIND, s], b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, b)
         b = nxt
     st[NSEG] -= 1
     S[S_ALIVE, s] = 0
@@ -108,7 +108,7 @@ def _reserved(E, n):
 
 
 @njit(cache=True, _nrt=False)
-def new_segment(E, h, nbytes, tag, keep):
+def new_segment(E, h, nbytes, stream, keep):
     """A plain segment from the sim device (``Arena.new_segment``); its head block, or -1 if the device refuses
     (``malloc``, or ``malloc_managed`` past the capacity up to the address span: ``C_HOLDS``)."""
     nbytes = round_page(nbytes)
@@ -119,7 +119,7 @@ def new_segment(E, h, nbytes, tag, keep):
     if addr < 0:
         return -1
     st[DEV_USED] += nbytes
-    b = add_segment(E, h, addr, nbytes, tag, keep, -1)
+    b = add_segment(E, h, addr, nbytes, stream, keep, -1)
     _reserved(E, nbytes)
     return b
 
@@ -222,14 +222,14 @@ def _forget_region(E, r):
 
 
 @njit(cache=True, _nrt=False)
-def _vm_add(E, h, r, addr, n, tag, keep):
-    b = add_segment(E, h, addr, n, tag, keep, r)
+def _vm_add(E, h, r, addr, n, stream, keep):
+    b = add_segment(E, h, addr, n, stream, keep, r)
     E.R[R_NSEG, r] += 1
     return b
 
 
 @njit(cache=True, _nrt=False)
-def vm_new_segment(E, h, nbytes, tag, keep):
+def vm_new_segment(E, h, nbytes, stream, keep):
     """``Expander.new_segment``: an exact range of its own (the preallocated segment); -1 if the device refuses."""
     n = round_up(nbytes, GRANULE)
     st = E.st
@@ -239,65 +239,65 @@ def vm_new_segment(E, h, nbytes, tag, keep):
     r = _new_region(E, n, 0, 0)
     E.R[R_FRONTIER, r] += n
     _reserved(E, n)
-    b = _vm_add(E, h, r, E.R[R_BASE, r], n, tag, keep)
+    b = _vm_add(E, h, r, E.R[R_BASE, r], n, stream, keep)
     E.R[R_TAIL, r] = E.B[b, SEG]
     return b
 
 
 @njit(cache=True, _nrt=False)
-def need(E, h, size, key):
+def need(E, h, size, stream):
     """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
     R, S, B = E.R, E.S, E.B
-    r = E.GR[h, key + 1]
+    r = E.GR[h, stream + 1]
     if r < 0:
         return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)
     have = 0
     if R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
-        if B[last, FREE] == 1 and rules.usable(B[last, TAG], key, -1):
+        if B[last, FREE] == 1 and rules.usable(B[last, STREAM], stream, -1):
             have = B[last, SIZE]
     return rules.grow_need(size, have, R[R_FRONTIER, r], R[R_BASE, r] + R[R_SIZE, r], GRANULE)
 
 
 @njit(cache=True, _nrt=False)
-def grow(E, h, size, key):
-    """``Expander.grow``: map granules at the end of stream ``key``'s region; a free block, or -1 (device full)."""
+def grow(E, h, size, stream):
+    """``Expander.grow``: map granules at the end of ``stream``'s region; a free block, or -1 (device full)."""
     R, st = E.R, E.st
-    n = need(E, h, size, key)
+    n = need(E, h, size, stream)
     if st[DEV_USED] + n > E.cfg[C_CAPACITY]:
         return -1
     st[DEV_USED] += n
-    r = E.GR[h, key + 1]
+    r = E.GR[h, stream + 1]
     if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
-        E.GR[h, key + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
+        E.GR[h, stream + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
         R[R_GROW, r] = 0
         if R[R_NSEG, r] == 0:
             _forget_region(E, r)
         r = -1
     if r < 0:
         r = _new_region(E, E.cfg[C_VSPAN], 1, 0)
-        E.GR[h, key + 1] = r
+        E.GR[h, stream + 1] = r
     at = R[R_FRONTIER, r]
     R[R_FRONTIER, r] += n
     _reserved(E, n)
     if R[R_TAIL, r] < 0:
-        b = _vm_add(E, h, r, at, n, key, 0)
+        b = _vm_add(E, h, r, at, n, stream, 0)
         R[R_TAIL, r] = E.B[b, SEG]
         return b
-    return _extend(E, h, R[R_TAIL, r], n, key)
+    return _extend(E, h, R[R_TAIL, r], n, stream)
 
 
 @njit(cache=True, _nrt=False)
-def _extend(E, h, s, n, tag):
-    """``Heap.extend``: ``n`` free bytes under ``tag`` at the end of segment ``s``; the (merged) last block."""
+def _extend(E, h, s, n, stream):
+    """``Heap.extend``: ``n`` free bytes of ``stream`` at the end of segment ``s``; the (merged) last block."""
     B, S = E.B, E.S
     last = S[S_TAIL, s]
-    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, S[S_ADDR, s] + S[S_SIZE, s], n, s, tag)
+    b = new_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, S[S_ADDR, s] + S[S_SIZE, s], n, s, stream)
     B[b, PREV] = last
     B[last, NEXT] = b
     S[S_TAIL, s] = b
     S[S_SIZE, s] += n
-    return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, h, b)
+    return coalesce(E.B, E.FB, E.S, E.IX, E.st, E.PS, h, b)
 
 
 @njit(cache=True, _nrt=False)
@@ -332,15 +332,15 @@ def trim(E, s):
         return end - lo
     n = end - lo
     h = S[S_KIND, s]
-    ix_remove(E.B, E.IX, E.st, E.TG, h, last)  # Heap.trim
+    ix_remove(E.B, E.IX, E.st, E.PS, h, last)  # Heap.trim
     if n == B[last, SIZE]:
         prev = B[last, PREV]
         S[S_TAIL, s] = prev
         B[prev, NEXT] = -1
-        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, last)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, last)
     else:
         B[last, SIZE] -= n
-        ix_insert(E.B, E.IX, E.st, E.TG, h, last)
+        ix_insert(E.B, E.IX, E.st, E.PS, h, last)
     S[S_SIZE, s] -= n
     st[DEV_USED] -= n
     st[RES] -= n
@@ -372,7 +372,7 @@ def _cut(E, h, b, lo, hi):
     B, S, R, st = E.B, E.S, E.R, E.st
     s = B[b, SEG]
     r = S[S_REGION, s]
-    ix_remove(E.B, E.IX, E.st, E.TG, h, b)
+    ix_remove(E.B, E.IX, E.st, E.PS, h, b)
     end, after = B[b, ADDR] + B[b, SIZE], B[b, NEXT]
     right = -1
     if hi < S[S_ADDR, s] + S[S_SIZE, s]:
@@ -390,11 +390,11 @@ def _cut(E, h, b, lo, hi):
         S[S_ALIVE, right] = 1
         S[S_REGION, right] = r
         if hi < end:
-            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, hi, end - hi, right, B[b, TAG])
+            piece = new_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, hi, end - hi, right, B[b, STREAM])
             B[piece, NEXT] = after
             if after >= 0:
                 B[after, PREV] = piece
-            ix_insert(E.B, E.IX, E.st, E.TG, h, piece)
+            ix_insert(E.B, E.IX, E.st, E.PS, h, piece)
             after = piece
         B[after, PREV] = -1
         S[S_HEAD, right] = after
@@ -411,17 +411,17 @@ def _cut(E, h, b, lo, hi):
         B[b, SIZE] = lo - B[b, ADDR]
         B[b, NEXT] = -1
         S[S_TAIL, s] = b
-        ix_insert(E.B, E.IX, E.st, E.TG, h, b)
+        ix_insert(E.B, E.IX, E.st, E.PS, h, b)
     elif B[b, PREV] >= 0:
         B[B[b, PREV], NEXT] = -1
         S[S_TAIL, s] = B[b, PREV]
-        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, b)
     else:
         S[S_ALIVE, s] = 0
         E.FS[st[FREE_SEGMENT_IDS]] = s
         st[FREE_SEGMENT_IDS] += 1
         left = -1
-        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.TG, b)
+        kill_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, b)
     S[S_SIZE, s] = lo - S[S_ADDR, s]
     st[RES] -= hi - lo
     st[DEV_FREES] += 1
@@ -441,21 +441,21 @@ def _cut(E, h, b, lo, hi):
 
 
 @njit(cache=True)
-def stitch(E, h, size, key, room):
+def stitch(E, h, size, stream, room):
     """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side."""
     B, S, st = E.B, E.S, E.st
     want = round_up(size, GRANULE)
     n_holes = 0
     for k in range(2):
-        n_holes += E.TG[k, 0, key + 1] + E.TG[k, 0, 0]
+        n_holes += E.PS[k, 0, stream + 1] + E.PS[k, 0, 0]
     ln = np.empty(n_holes, np.int64)
     llo = np.empty(n_holes, np.int64)
     lk = np.empty(n_holes, np.int64)
     lb = np.empty(n_holes, np.int64)
     m = 0
     for k in range(2):
-        for t in (key, -1):
-            ids = tagged(E, k, t)
+        for t in (stream, -1):
+            ids = of_stream(E, k, t)
             for j in range(ids.shape[0]):
                 b = ids[j]
                 lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
@@ -475,7 +475,7 @@ def stitch(E, h, size, key, room):
         _cut(E, lk[i], lb[i], llo[i], llo[i] + ln[i])
     E.R[R_FRONTIER, r] += want
     _reserved(E, want)
-    b = _vm_add(E, h, r, E.R[R_BASE, r], want, key, 0)
+    b = _vm_add(E, h, r, E.R[R_BASE, r], want, stream, 0)
     E.R[R_TAIL, r] = B[b, SEG]
     st[STITCHES] += 1
     return True

@@ -21,13 +21,13 @@ import cupool
 from cupool.core.sizes import LARGE
 from cupool.replay import engine, engine_heap, engine_memory
 from cupool.replay.engine_layout import config_array
-from cupool.replay.engine_layout import ADDR, ALIVE, FREE, NEXT, PREV, SEG, SIZE, S_ADDR, S_HEAD, S_SIZE, S_USED, TAG
+from cupool.replay.engine_layout import ADDR, ALIVE, FREE, NEXT, PREV, SEG, SIZE, STREAM, S_ADDR, S_HEAD, S_SIZE, S_USED
 
-#: Stream tags the suite uses, as the engine's small integers (None is untagged, -1).
+#: Streams the suite uses, as the engine's small integers (None, anyone's, is -1).
 STREAMS = 9
 
 
-def _tag(t: Any) -> int:
+def _stream(t: Any) -> int:
     if t is None:
         return -1
     if not isinstance(t, int) or not 0 <= t < STREAMS:
@@ -60,7 +60,7 @@ class EngineBlock:
 
     @property
     def stream(self) -> Any:
-        t = self._row(TAG)
+        t = self._row(STREAM)
         return None if t == -1 else t
 
     epoch = 0
@@ -125,7 +125,7 @@ class EngineHeap:
             raise ValueError(f"segment [{addr:#x}, +{size}) is not aligned to {self.alignment}")
         if addr in self.segments:
             raise ValueError(f"segment at {addr:#x} already exists")
-        b = engine_memory.add_segment(self.E, LARGE, addr, size, _tag(tag), int(keep), -1)
+        b = engine_memory.add_segment(self.E, LARGE, addr, size, _stream(tag), int(keep), -1)
         seg = self.segments[addr] = EngineSegment(self, int(self.E.B[b, SEG]))
         self.reserved += size
         return seg
@@ -141,7 +141,7 @@ class EngineHeap:
 
     # -- placement
     def find(self, size: int, tag: Any) -> EngineBlock | None:
-        b = engine_heap.find(self.E.IX, self.E.TG, LARGE, size, _tag(tag))
+        b = engine_heap.find(self.E.IX, self.E.PS, LARGE, size, _stream(tag))
         return None if b < 0 else self._block(int(b))
 
     def take(self, block: EngineBlock, size: int) -> EngineBlock:
@@ -149,7 +149,7 @@ class EngineHeap:
         if not block.free or size > block.size or size % self.alignment or size <= 0:
             raise ValueError(f"cannot take {size} bytes from {block!r}")
         E = self.E
-        engine_heap.take(E.B, E.FB, E.S, E.IX, E.st, E.TG, LARGE, b, size)
+        engine_heap.take(E.B, E.FB, E.S, E.IX, E.st, E.PS, LARGE, b, size)
         self.allocated += size
         self.n_allocated += 1
         self._settle()
@@ -159,30 +159,30 @@ class EngineHeap:
         b = self._mine(block)
         if block.free:
             raise ValueError(f"{block!r} is already free")
-        t = _tag(tag)
+        t = _stream(tag)
         E = self.E
         self.allocated -= block.size
         self.n_allocated -= 1
-        merged = engine_heap.give(E.B, E.FB, E.S, E.IX, E.st, E.TG, LARGE, b, t)
+        merged = engine_heap.give(E.B, E.FB, E.S, E.IX, E.st, E.PS, LARGE, b, t)
         self._settle()
         return self._block(int(merged))
 
     def reassign(self, block: EngineBlock, tag: Any) -> EngineBlock:
         b = self._mine(block)
-        t = _tag(tag)
+        t = _stream(tag)
         E = self.E
-        engine_heap.ix_remove(E.B, E.IX, E.st, E.TG, LARGE, b)
-        E.B[b, TAG] = t
-        merged = engine_heap.coalesce(E.B, E.FB, E.S, E.IX, E.st, E.TG, LARGE, b)
+        engine_heap.ix_remove(E.B, E.IX, E.st, E.PS, LARGE, b)
+        E.B[b, STREAM] = t
+        merged = engine_heap.coalesce(E.B, E.FB, E.S, E.IX, E.st, E.PS, LARGE, b)
         self._settle()
         return self._block(int(merged))
 
     def free_blocks(self, tag: Any) -> list[EngineBlock]:
-        t = _tag(tag)
-        return [self._block(int(b)) for b in engine_heap.tagged(self.E, LARGE, t)]
+        t = _stream(tag)
+        return [self._block(int(b)) for b in engine_heap.of_stream(self.E, LARGE, t)]
 
     def streams(self) -> list[Any]:
-        counts = self.E.TG[LARGE, 0]
+        counts = self.E.PS[LARGE, 0]
         return [None if i == 0 else i - 1 for i in range(counts.shape[0]) if counts[i] > 0]
 
     def largest_free(self) -> int:

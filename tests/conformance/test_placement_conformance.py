@@ -11,7 +11,7 @@ any other private structure.
 
 A state machine drives random sequences of those calls and holds the placement
 to a reference model that knows only what the contract lets a caller know:
-which byte ranges are allocated, and, for every free byte, the stream tag it
+which byte ranges are allocated, and, for every free byte, the stream it
 was freed under (and when).  Which free blocks exist is the algorithm's
 business, so the model does not predict them; it checks the ones the placement
 reports: they tile the free bytes exactly, never hand a stream's bytes to
@@ -51,11 +51,11 @@ SLOT_UNITS = 12
 SLOTS = 4
 #: Segment and request sizes in units; a whole slot often, so that segments touch.
 UNITS = st.integers(1, SLOT_UNITS) | st.just(SLOT_UNITS)
-#: Stream tags: untagged, and two streams.
-TAGS: tuple[Hashable | None, ...] = (None, 1, 2)
+#: Streams: None (anyone's), and two streams.
+STREAMS: tuple[Hashable | None, ...] = (None, 1, 2)
 
 #: A check of an algorithm's own promise about which block ``find`` picks:
-#: ``(found, usable, size)``, where ``usable`` are the reported free blocks the tag
+#: ``(found, usable, size)``, where ``usable`` are the reported free blocks the stream
 #: may use that are large enough.  Raises AssertionError when the choice is wrong.
 FitCheck = Callable[[Any, Sequence[Any], int], None]
 
@@ -97,7 +97,7 @@ class Placement:
     name: str
     make: Callable[[int], Any]  # alignment -> a placement
     fit: FitCheck | None = None
-    #: Whether it keeps epochs (when a tagged block's bytes were freed): the replay engine's sim
+    #: Whether it keeps epochs (when the bytes of a stream's block were freed): the replay engine's sim
     #: streams finish at once, so it never asks, and has none.
     epochs: bool = True
 
@@ -119,18 +119,18 @@ def placement(request: pytest.FixtureRequest) -> Placement:
     return request.param
 
 
-def _usable(block_tag: Hashable | None, tag: Hashable | None) -> bool:
-    """Whether a request for stream ``tag`` may take a free block tagged ``block_tag`` (the contract)."""
-    return block_tag is None or block_tag == tag
+def _usable(block_stream: Hashable | None, stream: Hashable | None) -> bool:
+    """Whether a request for ``stream`` may take a free block of ``block_stream`` (the contract)."""
+    return block_stream is None or block_stream == stream
 
 
 def _mergeable(a: Hashable | None, b: Hashable | None) -> bool:
-    """Two adjacent free blocks with these tags must have been coalesced (the contract's rule)."""
+    """Two adjacent free blocks of these streams must have been coalesced (the contract's rule)."""
     return a is None or b is None or a == b
 
 
 def reported_free_blocks(heap: Any) -> list[Any]:
-    """Every free block the placement reports, in address order, through ``tags`` and ``free_blocks``."""
+    """Every free block the placement reports, in address order, through ``streams`` and ``free_blocks``."""
     blocks = [b for t in heap.streams() for b in heap.free_blocks(t)]
     blocks.sort(key=lambda b: b.addr)
     return blocks
@@ -153,8 +153,8 @@ class PlacementMachine(RuleBasedStateMachine):
     """Random calls against the placement contract, checked against a byte-range model.
 
     The model: ``segments`` (slot -> (addr, units, handle)), ``allocated`` (addr ->
-    (units, block handle)) and ``free_units`` (unit address -> (tag, epoch)), the
-    tag and epoch of the ``give`` or ``reassign`` that last freed each free unit.
+    (units, block handle)) and ``free_units`` (unit address -> (stream, epoch)), the
+    stream and epoch of the ``give`` or ``reassign`` that last freed each free unit.
     """
 
     def __init__(self, placement: Placement) -> None:
@@ -190,25 +190,25 @@ class PlacementMachine(RuleBasedStateMachine):
         self.heap.check()
 
     # ------------------------------------------------------------------- rules
-    @initialize(first=UNITS, second=UNITS, tags=st.tuples(st.sampled_from(TAGS), st.sampled_from(TAGS)))
-    def two_segments(self, first: int, second: int, tags: tuple[Hashable | None, Hashable | None]) -> None:
+    @initialize(first=UNITS, second=UNITS, streams=st.tuples(st.sampled_from(STREAMS), st.sampled_from(STREAMS)))
+    def two_segments(self, first: int, second: int, streams: tuple[Hashable | None, Hashable | None]) -> None:
         """Start from two segments side by side (when the first fills its slot), as a pool soon has."""
-        self._add(0, first, tags[0])
-        self._add(1, second, tags[1])
+        self._add(0, first, streams[0])
+        self._add(1, second, streams[1])
 
     @precondition(lambda self: len(self.segments) < SLOTS)
-    @rule(i=st.integers(0, SLOTS), units=UNITS, tag=st.sampled_from(TAGS))
-    def add_segment(self, i: int, units: int, tag: Hashable | None) -> None:
+    @rule(i=st.integers(0, SLOTS), units=UNITS, stream=st.sampled_from(STREAMS))
+    def add_segment(self, i: int, units: int, stream: Hashable | None) -> None:
         empty = [slot for slot in range(SLOTS) if slot not in self.segments]
-        self._add(empty[i % len(empty)], units, tag)
+        self._add(empty[i % len(empty)], units, stream)
 
-    def _add(self, slot: int, units: int, tag: Hashable | None) -> None:
+    def _add(self, slot: int, units: int, stream: Hashable | None) -> None:
         addr = _slot_addr(slot)
-        seg = self.heap.add_segment(addr, units * ALIGN, tag)
+        seg = self.heap.add_segment(addr, units * ALIGN, stream)
         assert (seg.addr, seg.size, seg.used) == (addr, units * ALIGN, 0)
         self.segments[slot] = (addr, units, seg)
         for u in range(units):
-            self.free_units[addr + u * ALIGN] = (tag, 0)
+            self.free_units[addr + u * ALIGN] = (stream, 0)
 
     @precondition(lambda self: any(not self._in_use(slot) for slot in self.segments))
     @rule(i=st.integers(0, 10**6))
@@ -220,10 +220,10 @@ class PlacementMachine(RuleBasedStateMachine):
         for u in range(units):
             del self.free_units[addr + u * ALIGN]
 
-    @rule(units=UNITS, tag=st.sampled_from(TAGS), frac=st.integers(1, 4))
-    def find_and_take(self, units: int, tag: Hashable | None, frac: int) -> None:
+    @rule(units=UNITS, stream=st.sampled_from(STREAMS), frac=st.integers(1, 4))
+    def find_and_take(self, units: int, stream: Hashable | None, frac: int) -> None:
         """The arena's way: ``find`` a block for the request, then ``take`` part or all of it."""
-        block = self.heap.find(units * ALIGN, tag)
+        block = self.heap.find(units * ALIGN, stream)
         if block is None:
             return  # whether None was right is the invariants' business
         self._take(block, max(units, block.size // ALIGN // frac) * ALIGN)
@@ -231,7 +231,7 @@ class PlacementMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.free_units)
     @rule(i=st.integers(0, 10**6), units=UNITS)
     def take_any(self, i: int, units: int) -> None:
-        """``take`` does not care about tags (the arena checks them through ``find``): any free block will do."""
+        """``take`` does not care about streams (the arena checks them through ``find``): any free block will do."""
         blocks = self._free_blocks()
         block = blocks[i % len(blocks)]
         self._take(block, min(units * ALIGN, block.size))
@@ -253,13 +253,13 @@ class PlacementMachine(RuleBasedStateMachine):
             assert rest and rest[0].size >= tail, "the rest of a taken block must stay free"
 
     @precondition(lambda self: self.allocated)
-    @rule(i=st.integers(0, 10**6), tag=st.sampled_from(TAGS), epoch=st.integers(0, 3))
-    def give(self, i: int, tag: Hashable | None, epoch: int) -> None:
+    @rule(i=st.integers(0, 10**6), stream=st.sampled_from(STREAMS), epoch=st.integers(0, 3))
+    def give(self, i: int, stream: Hashable | None, epoch: int) -> None:
         addr = sorted(self.allocated)[i % len(self.allocated)]
         units, block = self.allocated.pop(addr)
-        merged = self.heap.give(block, tag, epoch)
+        merged = self.heap.give(block, stream, epoch)
         for u in range(units):
-            self.free_units[addr + u * ALIGN] = (tag, epoch if tag is not None else 0)
+            self.free_units[addr + u * ALIGN] = (stream, epoch if stream is not None else 0)
         self.given.append(block)
         assert merged.free and merged.addr <= addr and addr + units * ALIGN <= merged.addr + merged.size, (
             f"give returned {merged!r}, which does not hold the freed bytes at {addr:#x}"
@@ -267,16 +267,16 @@ class PlacementMachine(RuleBasedStateMachine):
         assert any(b is merged for b in self.heap.free_blocks(merged.stream)), "give returned an unreported block"
 
     @precondition(lambda self: self.free_units)
-    @rule(i=st.integers(0, 10**6), tag=st.sampled_from(TAGS))
-    def reassign(self, i: int, tag: Hashable | None) -> None:
-        """What the arena does once a stream is done with its frees (to None), or a move to another tag."""
+    @rule(i=st.integers(0, 10**6), stream=st.sampled_from(STREAMS))
+    def reassign(self, i: int, stream: Hashable | None) -> None:
+        """What the arena does once a stream is done with its frees (to None), or a move to another stream."""
         blocks = self._free_blocks()
         block = blocks[i % len(blocks)]
         addr, size = block.addr, block.size
-        merged = self.heap.reassign(block, tag)
+        merged = self.heap.reassign(block, stream)
         for u in range(size // ALIGN):
             _, epoch = self.free_units[addr + u * ALIGN]
-            self.free_units[addr + u * ALIGN] = (tag, epoch if tag is not None else 0)
+            self.free_units[addr + u * ALIGN] = (stream, epoch if stream is not None else 0)
         assert merged.free and merged.addr <= addr and addr + size <= merged.addr + merged.size
 
     @rule(kind=st.sampled_from(BAD_INPUT), i=st.integers(0, 10**6), units=UNITS)
@@ -353,18 +353,18 @@ class PlacementMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_stream_gets_bytes_it_may_not_use(self) -> None:
-        """A free block tagged T holds only bytes freed under T or untagged, and says when they were freed.
+        """A free block of stream T holds only bytes freed on T or anyone's, and says when they were freed.
 
         This is what makes reuse across streams safe: a request for T may take any
-        block tagged T or untagged, so bytes freed on another stream must never sit
-        in one (a merge keeps the stricter tag).  And a tagged block's epoch must be
+        block of T or anyone's, so bytes freed on another stream must never sit
+        in one (a merge keeps the stricter stream).  And a stream's block's epoch must be
         no earlier than any of its bytes' frees, or the arena would release it to all
         streams before the stream that freed those bytes is done with them.
         """
         for b in self._free_blocks():
             for u in range(b.size // ALIGN):
-                tag, epoch = self.free_units[b.addr + u * ALIGN]
-                assert tag is None or tag == b.stream, f"{b!r} holds bytes freed on stream {tag!r}"
+                stream, epoch = self.free_units[b.addr + u * ALIGN]
+                assert stream is None or stream == b.stream, f"{b!r} holds bytes freed on stream {stream!r}"
                 if b.stream is not None and self.placement.epochs:
                     assert b.epoch >= epoch, f"{b!r} has epoch {b.epoch}, but a byte was freed at epoch {epoch}"
 
@@ -379,35 +379,35 @@ class PlacementMachine(RuleBasedStateMachine):
     @invariant()
     def runs_of_a_streams_bytes_are_found(self) -> None:
         """Bytes freed on stream T in one contiguous run are one block, which ``find`` for T must see."""
-        runs: list[list[Any]] = []  # [tag, end address, units] of maximal runs of one stream's free bytes
+        runs: list[list[Any]] = []  # [stream, end address, units] of maximal runs of one stream's free bytes
         for addr in sorted(self.free_units):
-            tag, _ = self.free_units[addr]
-            if tag is None:
+            stream, _ = self.free_units[addr]
+            if stream is None:
                 continue
             last = runs[-1] if runs else None
-            if last and last[0] == tag and last[1] == addr and self._segment_of(addr - ALIGN, 2 * ALIGN) is not None:
+            if last and last[0] == stream and last[1] == addr and self._segment_of(addr - ALIGN, 2 * ALIGN) is not None:
                 last[1] += ALIGN
                 last[2] += 1
             else:
-                runs.append([tag, addr + ALIGN, 1])
-        for tag, _, units in runs:
-            assert self.heap.find(units * ALIGN, tag) is not None, f"{units} units freed on {tag!r} not found"
+                runs.append([stream, addr + ALIGN, 1])
+        for stream, _, units in runs:
+            assert self.heap.find(units * ALIGN, stream) is not None, f"{units} units freed on {stream!r} not found"
 
     @invariant()
     def find_honours_the_contract(self) -> None:
-        """``find`` returns a reported free block usable by the tag and large enough, or None only if none is."""
+        """``find`` returns a reported free block usable by the stream and large enough, or None only if none is."""
         blocks = self._free_blocks()
         sizes = sorted({b.size for b in blocks} | {b.size + ALIGN for b in blocks} | {ALIGN})
-        for tag in TAGS:
+        for stream in STREAMS:
             for size in sizes:
-                usable = [b for b in blocks if _usable(b.stream, tag) and b.size >= size]
-                found = self.heap.find(size, tag)
+                usable = [b for b in blocks if _usable(b.stream, stream) and b.size >= size]
+                found = self.heap.find(size, stream)
                 if found is None:
-                    assert not usable, f"find({size}, {tag!r}) found nothing, but {usable[0]!r} fits"
+                    assert not usable, f"find({size}, {stream!r}) found nothing, but {usable[0]!r} fits"
                     continue
                 assert any(b is found for b in blocks), f"find returned {found!r}, which is not a free block"
-                assert found.free and found.size >= size and _usable(found.stream, tag), (
-                    f"find({size}, {tag!r}) returned {found!r}"
+                assert found.free and found.size >= size and _usable(found.stream, stream), (
+                    f"find({size}, {stream!r}) returned {found!r}"
                 )
                 if self.placement.fit is not None:
                     self.placement.fit(found, usable, size)
@@ -469,7 +469,7 @@ def test_a_streams_free_bytes_stay_its_own_until_reassigned(placement: Placement
     heap = placement.make(ALIGN)
     heap.add_segment(ALIGN, 4 * ALIGN)
     a = heap.take(heap.find(2 * ALIGN, None), 2 * ALIGN)
-    heap.give(a, 7, epoch=3)  # merges with the untagged rest: the whole segment is stream 7's
+    heap.give(a, 7, epoch=3)  # merges with anyone's rest: the whole segment is stream 7's
     assert heap.find(ALIGN, None) is None and heap.find(ALIGN, 8) is None
     (block,) = reported_free_blocks(heap)
     assert heap.find(4 * ALIGN, 7) is block and block.stream == 7 and (block.epoch >= 3 or not placement.epochs)
