@@ -109,8 +109,8 @@ class Pool:
         None (the default): both wherever the device has virtual memory (the sim device on Linux, a GPU
         with cuda-bindings), which is what meets the real traces' targets (docs/benchmarks.md).
 
-    ``malloc_key(n, key)`` is ``malloc`` for a validated size and a key from
-    ``device.stream_key``: the hooks' hot path.  It is the arena's bound method and
+    ``malloc_key(n, stream)`` is ``malloc`` for a validated size and a stream already named by its
+    key (``device.stream_key``): the hooks' hot path.  It is the arena's bound method and
     does not keep the pool alive: whoever keeps it keeps the pool too.  A pool is closed by ``close()``,
     by leaving a ``with`` block, or by being dropped (Note [Lifetimes]).
     """
@@ -543,12 +543,12 @@ class Pool:
             raise StateError(f"{caller}() needs a pool made with Pool(..., track_sites=True)")
         return self._arena.sites
 
-    def _admit(self, n: int, key: Any, what: str) -> None:
+    def _admit(self, n: int, stream: Any, what: str) -> None:
         check = self._admission
         reason = None if check is None or self._arena.closed else check(n, what)
         if reason is not None:
             with self.hold():
-                raise self._arena.out_of_memory(round_size(n), key, reason)
+                raise self._arena.out_of_memory(round_size(n), stream, reason)
 
 
 class PinnedPool(Pool):
@@ -609,11 +609,11 @@ def _spill_pinned_pool(dev: Device) -> PinnedPool:
 
 def _admitted(ref: weakref.ref[Pool], malloc: Callable[[int, Any], Allocation]) -> Callable[[int, Any], Allocation]:
     """``malloc_key`` behind the pool's admission check; holds the pool weakly (Note [Lifetimes])."""
-    def malloc_key(n: int, key: Any) -> Allocation:
+    def malloc_key(n: int, stream: Any) -> Allocation:
         pool = ref()
         if pool is not None:
-            pool._admit(n, key, "malloc")
-        return malloc(n, key)
+            pool._admit(n, stream, "malloc")
+        return malloc(n, stream)
 
     return malloc_key
 
