@@ -169,7 +169,7 @@ class Expander:
         """The bytes ``grow(kind, size, stream)`` would map: what the tail's free block lacks, in granules."""
         region = self.regions.get((kind, stream))
         if region is None:
-            return grow_need(size, 0, 0, 1 << 62, self.granule)
+            return grow_need(size, 0, 0, 1 << 62, self.granule)  # no region yet: no end to run past
         have = 0
         if region.tail is not None:
             last = region.tail.tail

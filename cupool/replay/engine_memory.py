@@ -250,7 +250,7 @@ def need(E, h, size, stream):
     R, S, B = E.R, E.S, E.B
     r = E.GR[h, stream + 1]
     if r < 0:
-        return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)
+        return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)  # no region yet: no end to run past
     have = 0
     if R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
