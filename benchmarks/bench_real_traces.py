@@ -1,17 +1,22 @@
 """Real traces against the allocator that recorded them: peak reserved and the smallest device that works.
 
-    python benchmarks/bench_real_traces.py FOLDER [--engine numba|pool] [--json] [--window 64]
+    python benchmarks/bench_real_traces.py FOLDER [--engine numba|pool] [--json] [--window N]
 
 For each trace in FOLDER (PyTorch snapshots ``*.pickle``, cupool ``*.h5`` traces,
 RMM logs ``*.csv``) it prints: the events and the live (allocated) peak; the
 recorded allocator's peak reserved, reconstructed from the snapshot
 (``recorded_peak_reserved``; PyTorch snapshots only); cupool's peak reserved with
 each setting of ``SETTINGS`` (Pool's defaults, plain segments with and without
-``release_threshold=0`` and without release before split, expandable segments, with stitching, and with both), each on a device sized from the trace
-(``trace_capacity``); for each setting, the smallest device on which the replay
-has zero OOMs; and whether issue 19's targets are met (peak reserved no more
-than the recording's; smallest device within 1.02x the live peak or 4 MiB
-above it; no capacity above it with OOMs).
+``release_threshold=0`` and without release before split, expandable segments,
+with stitching, and with both) on two devices: one sized from the trace
+(``trace_capacity``: 1.25x the recorded peak reserved) and one of exactly the
+recorded peak reserved (``at_recorded``: the snapshots do not record the
+device's size, and the recording fitted in that much); for each setting, the
+smallest device on which the replay has zero OOMs, and how many capacities
+above it still have OOMs; and whether issue 19's and issue 25's targets are
+met (peak reserved no more than the recording's on the recorded device;
+smallest device within 1.02x the live peak or 4 MiB above it; no capacity
+above it with OOMs).
 
 The smallest device is searched in 2 MiB steps.  OOMs are not monotone in
 capacity (a caching allocator given more room caches more, and the cache it
@@ -20,10 +25,11 @@ capacity above a smaller one that works, or on one with a failing capacity
 above it.  The search bisects to a working capacity, then replays every
 capacity below it down to the live peak (below which nothing can work), so the
 answer is the true smallest zero-OOM device, however far below the bisection
-it lies; then ``--window`` steps above the bisection's answer, to report
-whether any capacity above the answer has OOMs ("non-monotone").  A snapshot
-with no history is a still picture: its peaks are the picture, and its
-smallest device is the one that holds its live blocks.
+it lies; then every capacity above the bisection's answer up to the sized
+device (or ``--window`` steps, if given), counting those with OOMs
+("non-monotone": ``failing_above``).  A snapshot with no history is a still
+picture: its peaks are the picture, and its smallest device is the one that
+holds its live blocks.
 
 The numba engine is the default (about 10 ms a replay on a 15k-event trace);
 ``--engine pool`` replays through the real ``Pool`` (slower, same numbers on
@@ -66,22 +72,24 @@ class Search:
 
     smallest: int | None  # bytes; None when no capacity up to the search's ceiling works
     bisected: int | None  # the bisection's answer, before the scan
-    non_monotone: bool  # some capacity above ``smallest`` in the scanned window had OOMs
+    non_monotone: bool  # some capacity above ``smallest`` in the scanned range had OOMs
     failing_above: list[int]  # those capacities (bytes)
     window: tuple[int, int]  # the scanned capacities, lowest and highest
     replays: int
 
 
-def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 64, step: int = PAGE) -> Search:
-    """Smallest capacity (a multiple of ``step``) with ``ooms(capacity) == 0``: bisected, then scanned down.
+def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int | None = None,
+                    step: int = PAGE) -> Search:
+    """Smallest capacity (a multiple of ``step``) with ``ooms(capacity) == 0``: bisected, then scanned.
 
     ``lo`` is a capacity known to fail (below the live peak every capacity
     does), never replayed; ``hi`` a first guess that works (doubled until it
     does, at most 20 times).  Bisection keeps ``ooms(lo) > 0`` and
     ``ooms(hi) == 0``; then every capacity from the bisection's answer down to
     just above ``lo`` is replayed (OOMs are not monotone: a smaller one may
-    work), and ``window`` steps above it; the smallest zero-OOM capacity seen is
-    the answer, and those above it that failed say the OOMs are not monotone.
+    work), and above it up to the first guess ``hi`` (or ``window`` steps above
+    the answer, when given); the smallest zero-OOM capacity seen is the answer,
+    and those above it that failed say the OOMs are not monotone.
     """
     calls = 0
     results: dict[int, int] = {}
@@ -94,7 +102,7 @@ def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 
         return results[p]
 
     lo_p = floor_p = max(lo // step, 0)
-    hi_p = max(math.ceil(hi / step), lo_p + 1)
+    hi_p = guess_p = max(math.ceil(hi / step), lo_p + 1)
     for _ in range(20):
         if f(hi_p) == 0:
             break
@@ -107,7 +115,8 @@ def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 
             hi_p = mid
         else:
             lo_p = mid
-    first, last = max(1, floor_p + 1), hi_p + window
+    first = max(1, floor_p + 1)
+    last = hi_p + window if window is not None else max(hi_p, guess_p)
     for p in range(hi_p, last + 1):
         f(p)
     for p in range(hi_p - 1, first - 1, -1):  # down to the floor: the true smallest may lie far below
@@ -117,7 +126,7 @@ def smallest_device(ooms: Callable[[int], int], lo: int, hi: int, window: int = 
     return Search(best * step, hi_p * step, bool(failing), failing, (first * step, last * step), calls)
 
 
-def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
+def trace_row(path: Path, engine: str = "numba", window: int | None = None) -> dict:
     """Every figure of the table for one trace file."""
     from cupool.replay import replay
     from cupool.replay.driver import CONFIG_KEYS, trace_capacity
@@ -127,12 +136,14 @@ def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
     t0 = time.perf_counter()
     trace = load_trace(path)
     sized = trace_capacity(trace)
+    recorded = recorded_peak_reserved(trace)
     row: dict = {"trace": path.name, "events": len(trace), "engine": engine,
-                 "recorded_peak_reserved": recorded_peak_reserved(trace),
-                 "recorded_peak_allocated": recorded_peak_allocated(trace)}
+                 "recorded_peak_reserved": recorded, "recorded_peak_allocated": recorded_peak_allocated(trace)}
     base = {} if sized is None else {"capacity": sized[0]}
     row["capacity"] = None if sized is None else int(sized[0])
     row["capacity_source"] = "the sim device's default" if sized is None else sized[1]
+    # A device no larger than the recording's peak reserved: whole 2 MiB pages, as the sim's are.
+    row["recorded_capacity"] = None if recorded is None else recorded // PAGE * PAGE
     for label, cfg in SETTINGS.items():
         eng = engine if all(k in CONFIG_KEYS for k in cfg) else "pool"  # both engines model all of them
         r = replay(trace, {**base, **cfg}, engine=eng, progress=False)
@@ -146,6 +157,9 @@ def trace_row(path: Path, engine: str = "numba", window: int = 64) -> dict:
         def ooms(cap: int, cfg=cfg, eng=eng) -> int:
             return replay(trace, {"capacity": cap, **cfg}, engine=eng, progress=False).ooms
 
+        if row["recorded_capacity"]:
+            at = replay(trace, {**cfg, "capacity": row["recorded_capacity"]}, engine=eng, progress=False)
+            row[label]["at_recorded"] = {"peak_reserved": at.peak_reserved, "ooms": at.ooms}
         # Below the live peak every capacity fails; the replay is not asked about those (a
         # device smaller than a seeded snapshot's segments is not a question it answers).
         floor = max(r.peak_allocated, 1) - 1
@@ -164,37 +178,55 @@ def _ratio(a: int | None, b: int | None) -> str:
 
 
 def meets(row: dict, label: str) -> dict[str, bool]:
-    """Whether ``label``'s figures meet issue 19's targets on this trace."""
-    x, live, rec = row[label], row["peak_allocated"], row["recorded_peak_reserved"]
+    """Whether ``label``'s figures meet issue 19's and 25's targets on this trace.
+
+    Peak reserved is judged on a device of the recorded peak reserved (where it
+    cannot be above it): the target is met when the replay runs there with
+    zero OOMs.  Without a recorded peak there is nothing to compare.
+    """
+    x, live = row[label], row["peak_allocated"]
+    at = x.get("at_recorded")
     smallest = x["smallest_device"]["smallest"]
     return {
-        "reserved": rec is None or x["peak_reserved"] <= rec,
+        "reserved": at is None or (at["ooms"] == 0 and at["peak_reserved"] <= row["recorded_peak_reserved"]),
         "device": smallest is not None and (smallest <= live * LIVE_RATIO or smallest <= live + LIVE_SLACK),
         "monotone": not x["smallest_device"]["non_monotone"],
     }
 
 
+def failing_summary(s: dict) -> str:
+    """How many capacities above the smallest zero-OOM one, of those scanned, have OOMs, and where."""
+    if s["smallest"] is None:
+        return "—"
+    scanned = (s["window"][1] - s["smallest"]) // PAGE
+    if not s["non_monotone"]:
+        return f"0 of {scanned}"
+    f = s["failing_above"]
+    return f"{len(f)} of {scanned} ({_gib(min(f))}–{_gib(max(f))})"
+
+
 def table(rows: list[dict]) -> str:
     """One line per trace and setting: peak reserved against the recording's, smallest device against the live peak."""
     lines = [
-        "| trace | events | live peak | recorded peak reserved | setting | peak reserved (OOMs) | / recorded | "
-        "smallest zero-OOM device | / live peak | more OOMs above it | targets met |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trace | events | live peak | recorded peak reserved | setting | "
+        "on the recorded device: peak reserved (OOMs) | on the sized device: peak reserved (OOMs) | / recorded | "
+        "smallest zero-OOM device | / live peak | capacities above it with OOMs | targets met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         events = f"{r['events']:,}" + ("" if r["history"] else " (still picture)")
         for label in SETTINGS:
             x = r[label]
             s = x["smallest_device"]
-            failing = (f"at {len(s['failing_above'])} capacities ({_gib(min(s['failing_above']))}–"
-                       f"{_gib(max(s['failing_above']))})" if s["non_monotone"] else "none seen")
+            at = x.get("at_recorded")
+            on_recorded = "—" if at is None else f"{_gib(at['peak_reserved'])} ({at['ooms']})"
             ok = meets(r, label)
             met = "all" if all(ok.values()) else "not " + ", ".join(k for k, v in ok.items() if not v)
             lines.append(
                 f"| {r['trace']} | {events} | {_gib(r['peak_allocated'])} | {_gib(r['recorded_peak_reserved'])} | "
-                f"{label} | {_gib(x['peak_reserved'])} ({x['ooms']}) | "
+                f"{label} | {on_recorded} | {_gib(x['peak_reserved'])} ({x['ooms']}) | "
                 f"{_ratio(x['peak_reserved'], r['recorded_peak_reserved'])} | {_gib(s['smallest'])} | "
-                f"{_ratio(s['smallest'], r['peak_allocated'])} | {failing} | {met} |")
+                f"{_ratio(s['smallest'], r['peak_allocated'])} | {failing_summary(s)} | {met} |")
     return "\n".join(lines)
 
 
@@ -203,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder", help="folder of traces (*.pickle, *.h5, *.csv)")
     ap.add_argument("--engine", choices=("numba", "pool"), default="numba")
     ap.add_argument("--json", action="store_true", help="one JSON object per trace")
-    ap.add_argument("--window", type=int, default=64,
-                    help="2 MiB steps scanned above the bisection's answer (default 64); below it, every step "
-                         "down to the live peak is scanned")
+    ap.add_argument("--window", type=int, default=None,
+                    help="2 MiB steps scanned above the bisection's answer (default: every step up to the sized "
+                         "device); below it, every step down to the live peak is scanned")
     args = ap.parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
@@ -222,13 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
     if not args.json:
-        print(f"engine {args.engine}; devices sized from each trace; smallest device: bisection, then every "
-              f"2 MiB step down to the live peak and {args.window} steps above")
+        above = "up to the sized device" if args.window is None else f"{args.window} steps above"
+        print(f"engine {args.engine}; the recorded device holds the recorded peak reserved, the sized one 1.25x "
+              f"it; smallest device: bisection, then every 2 MiB step down to the live peak and {above}")
         print(table(rows))
         for r in rows:
-            print(f"{r['trace']}: sized {_gib(r['capacity'])} ({r['capacity_source']}); "
-                  f"{r['seeded_blocks']} seeded blocks, {r['unmatched_frees']} unmatched frees; "
-                  "replays: " + " + ".join(str(r[k]["smallest_device"]["replays"]) for k in SETTINGS)
+            print(f"{r['trace']}: sized {_gib(r['capacity'])} ({r['capacity_source']}); recorded device "
+                  f"{_gib(r['recorded_capacity'])}; {r['seeded_blocks']} seeded blocks, {r['unmatched_frees']} "
+                  "unmatched frees; replays: " + " + ".join(str(r[k]["smallest_device"]["replays"]) for k in SETTINGS)
                   + f"; {r['seconds']:.1f} s")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,26 @@ def test_the_issues_synthetic_case_a_split_cache_needs_virtual_memory_or_release
         assert row[label]["smallest_device"]["smallest"] == 1036 * MiB
         assert bench.meets(row, label) == {"reserved": True, "device": True, "monotone": True}
     assert "split_before_big.pickle | 8 | 1,036.0 MiB | 2,048.0 MiB | expandable+stitch" in bench.table([row])
+
+
+def test_the_scan_above_reaches_the_first_guess_and_counts_every_failing_capacity(bench):
+    # Zero OOMs from 50 pages on, but OOMs at 70-79 and at 120: far above the answer, past any small window.
+    def ooms(cap: int) -> int:
+        p = cap // PAGE
+        return 0 if p >= 50 and not 70 <= p < 80 and p != 120 else 1
+
+    s = bench.smallest_device(ooms, 10 * PAGE, 128 * PAGE)
+    assert s.smallest == 50 * PAGE and s.window == (11 * PAGE, 128 * PAGE)
+    assert s.failing_above == [p * PAGE for p in [*range(70, 80), 120]]
+    assert bench.failing_summary(asdict(s)) == "11 of 78 (140.0 MiB–240.0 MiB)"
+
+
+def test_a_row_replays_each_setting_on_a_device_of_the_recorded_peak_reserved(bench, tmp_path):
+    _snapshot(tmp_path / "two.pickle")
+    row = bench.trace_row(tmp_path / "two.pickle", window=8)
+    assert row["recorded_capacity"] == 96 * MiB
+    for label in bench.SETTINGS:
+        assert row[label]["at_recorded"] == {"peak_reserved": 96 * MiB, "ooms": 0}
+        assert bench.meets(row, label)["reserved"]
+    row["plain"]["at_recorded"]["ooms"] = 1  # a replay that runs out on the recorded device misses the target
+    assert not bench.meets(row, "plain")["reserved"]

@@ -517,13 +517,15 @@ def run(kind, addr, size, streams, empties, lo, hi, codes, E, keys, values, book
             continue
         if k == codes[_OOM]:
             # The recorded run asked and was refused: ask too (the ladder's side effects
-            # shape what follows), and give back at once what a roomier pool hands out.
-            peak0 = st[PEAK_RES]
+            # shape what follows), and give back at once what a roomier pool hands out: the
+            # program never held it, so it is not in the allocated peak.
+            peak0, held = st[PEAK_RES], st[PEAK_ALLOC]
             b = _malloc(E, size[i], streams[i], False)
             if b <= LAST_RUNG:
                 b = _last_rung(E, size[i], streams[i], b)
             if b >= 0:
                 _free(E, b)
+            st[PEAK_ALLOC] = held
             _sample(st, E.fst, peak0)
         elif empties[i]:
             settle(E, True)

@@ -39,13 +39,16 @@ class _Books:
     """Reserved and allocated bytes of a replay pool, kept from its own events.
 
     Subscribing also makes the replay pool run as the recorded one did: a pool
-    with an observer does not park small frees on its fast path.
+    with an observer does not park small frees on its fast path.  The allocated
+    peak is kept here, not read from the pool's statistics, because it leaves out
+    a recorded OOM's request that the replay served and freed at once: the
+    program never held it (the numba engine leaves it out too).
     """
 
     def __init__(self, pool: Pool) -> None:
         s = pool.stats()  # the preallocated segment came before any subscriber
         self.reserved = self.peak = int(s["reserved_bytes.all.current"])
-        self.allocated = int(s["allocated_bytes.all.current"])
+        self.allocated = self.allocated_peak = int(s["allocated_bytes.all.current"])
         self.seeded = (self.reserved, self.allocated)  # after the seed, the state the replay starts from
         self.ooms = 0  # the replay's own refusals
         self.device = replay_device(pool)
@@ -63,6 +66,8 @@ class _Books:
             self.reserved -= size
         elif kind == "alloc" or kind == "alloc_movable":
             self.allocated += size
+            if self.allocated > self.allocated_peak:
+                self.allocated_peak = self.allocated
         elif kind == "free" or kind == "free_movable":
             self.allocated -= size
         elif kind == "oom":
@@ -82,7 +87,8 @@ def replay_pool(
         seed_pool(pool, seed_program(trace, seeded, pool.limit, pool.config["initial_size"], pool.release_threshold),
                   live)
         pool.reset_peak_stats()  # the replay's peaks start from the state the seed leaves
-        books.peak, books.peak_oversubscribed = books.reserved, books.device.oversubscribed
+        books.peak, books.allocated_peak = books.reserved, books.allocated
+        books.peak_oversubscribed = books.device.oversubscribed
     books.seeded = (books.reserved, books.allocated)
     code = {k: trace.code(k) for k in ("alloc", "free", "oom", "alloc_movable", "free_movable",
                                        "move_out", "move_in")}
@@ -158,10 +164,12 @@ def replay_pool(
                 tl_res[i], tl_alloc[i] = books.reserved, books.allocated
             continue
         elif k == code["oom"]:
+            held = books.allocated_peak  # the program never held what a roomier pool hands out
             try:
                 pool.malloc(size[i], stream[i]).free()
             except OutOfMemoryError:
                 pass
+            books.allocated_peak = held
         else:
             if calls[i] == EMPTY_CACHE:
                 pool.empty_cache()
@@ -195,7 +203,7 @@ def replay_pool(
     warnings: list[str] = []
     result = ReplayResult(
         config=ran_with(cfg, pool), engine="pool", events=n, replayed=n - seeded,
-        peak_reserved=int(s["reserved_bytes.all.peak"]), peak_allocated=int(s["allocated_bytes.all.peak"]),
+        peak_reserved=int(s["reserved_bytes.all.peak"]), peak_allocated=books.allocated_peak,
         max_fragmentation=frag_max, mean_fragmentation=frag_sum / samples if samples else 0.0,
         fragmentation_at_peak=frag_peak,
         ooms=int(s["num_ooms"]), peak_segments=int(s["segment.all.peak"]),

@@ -13,16 +13,18 @@ calls (``seed_program``), so that they start from the same stated state:
    the recorded preallocated segment is the replay pool's own ``initial_size``
    one when their sizes agree;
 2. it is filled from its start, in address order: the live blocks at their
-   recorded offsets, with *filler* blocks over the free gaps between them (the
-   segment's free remainder is the only free block of its size class, so each
-   request lands right after the previous one);
-3. once every segment is filled, the fillers are freed, which leaves the
+   recorded offsets, with *filler* blocks over the free gaps between them and
+   over its free tail (the segment's free remainder is the only free block of
+   its size class, so each request lands right after the previous one);
+3. once every segment is filled, each block that a *placeholder* stood for
+   (below) takes its place, and the fillers are freed, which leaves the
    recorded free space; blocks whose segment did not fit the replay's limit are
    then allocated the ordinary way;
 4. with a ``release_threshold`` below what is then reserved, the cache is
    emptied, as ``empty_cache()`` does: a policy that gives free segments back
    would never have kept the inherited ones;
-5. the peaks start from the state this leaves (fillers never count).
+5. the peaks start from the state this leaves (fillers never count), so each
+   block counts its recorded bytes, as ``recorded_peak_allocated`` counts them.
 
 The pool's own giving back (``release_threshold``, Note [Release before
 split]) is switched off while the seed is built, and back on after it, so that
@@ -32,11 +34,19 @@ the one release, and it takes only wholly free segments (and, on expandable
 segments, free tails).  A free block's stream is not recorded: the free space
 left by fillers belongs to its segment's stream.
 
-Placing a block requires what the pool's placement allows: in a large
-segment, a free gap of 1 MiB or less cannot be filled by a large request, so it
-joins the block before it (PyTorch leaves such remainders unsplit, so that is
-the block's real size) or, at the segment's start, the block after it; a block
-whose size class does not match its segment is allocated the ordinary way.
+Placing a block requires what the pool's placement allows.  In a large
+segment, a free gap of 1 MiB or less cannot be filled: a request that small
+goes to the small heap.  (In a PyTorch snapshot such a gap is the unsplit tail
+of the block before it, part of that block's ``size`` but not of its request;
+in a cupool trace it is a free block.)  So the block before the gap is first
+requested over both, as a placeholder filler on the block's stream (at the
+segment's start, the block starts there and the gap follows it); in step 3
+each placeholder is freed and its block requested at its own size, which takes
+the hole's first bytes (the hole is the only free block it fits) and leaves the
+gap free, split off as the pool splits every remainder.  Growing the block over
+the gap instead would count the gap as allocated: the replay's peak allocated
+would exceed the recording's by the tails (issue 25).  A block whose size class
+does not match its segment is allocated the ordinary way.
 """
 
 from __future__ import annotations
@@ -117,11 +127,13 @@ def _segments(trace: Trace, seeded: int) -> list[dict[str, Any]]:
     return segs
 
 
-def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, bool]], list]:
-    """The requests that fill ``seg`` from its start (its free tail too with ``tail``), and its blocks
-    that cannot be placed in it.
+def _fill(seg: dict[str, Any]) -> tuple[list[tuple[int, int, int, bool, int]], list]:
+    """The requests that fill ``seg`` from its start, its free tail included, and its blocks that
+    cannot be placed in it.
 
-    Each request: (size, stream, id or -1 for a filler, movable).
+    Each request: (size, stream, id or -1 for a filler, movable, the block's own size).  A block
+    followed by a free gap that no request can fill is requested over both (a placeholder: its
+    size is then above the block's own; ``seed_program`` puts the block in its place later).
     """
     size, small, stream = seg["size"], seg["small"], seg["stream"]
     blocks = sorted(seg["blocks"], key=lambda b: b[0])
@@ -134,25 +146,26 @@ def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, bo
             continue
         fits.append([off, n, b[2], b[3], b[4]])
         at = off + n
-    out: list[tuple[int, int, int, bool]] = []
+    out: list[tuple[int, int, int, bool, int]] = []
     at = 0  # bytes the requests so far cover
     for off, n, strm, addr, mov in fits:
         end = off + n
         gap = off - at
         if gap and not small and gap <= SMALL_MAX:
-            if out:  # the block before takes the remainder it was not split from
+            if out:  # the block before holds the gap's place until its placeholder is swapped
                 last = out.pop()
                 out.append((last[0] + gap, *last[1:]))
-            else:  # at the segment's start: the block starts there
-                n += gap
-            gap = 0
-        out += [(piece, stream, -1, False) for piece in _pieces(gap, small)]
-        out.append((n, strm, addr, mov))
+                out.append((n, strm, addr, mov, n))
+            else:  # at the segment's start: the block starts there, the gap follows it
+                out.append((n + gap, strm, addr, mov, n))
+        else:
+            out += [(piece, stream, -1, False, piece) for piece in _pieces(gap, small)]
+            out.append((n, strm, addr, mov, n))
         at = end
-    rest = size - at if tail else 0
+    rest = size - at
     if not small and rest <= SMALL_MAX:
         rest = 0  # left free: no large request fits it, so nothing filled later lands there
-    out += [(piece, stream, -1, False) for piece in _pieces(rest, small)]
+    out += [(piece, stream, -1, False, piece) for piece in _pieces(rest, small)]
     return out, other
 
 
@@ -187,33 +200,37 @@ def seed_program(trace: Trace, seeded: int, limit: int, initial: int, threshold:
         elif segs[j]["size"] % PAGE == 0 and reserved + segs[j]["size"] <= limit:
             reserved += segs[j]["size"]
             made.append(j)
-    rank = {j: r for r, j in enumerate(made)}
-    last = {seg_small: max((r for r, j in enumerate(made) if segs[j]["small"] == seg_small), default=-1)
-            for seg_small in (False, True)}
     if initial and kept is None and any(not segs[j]["small"] for j in made):
         # The replay pool's own preallocated segment stays out of the way while segments are filled.
         ops.append((ALLOC, fid, initial, 0))
         fillers.append((fid, FREE))
         fid -= 1
+    swaps: list[tuple[int, tuple[int, int, int, int]]] = []  # (placeholder's id, the block's op)
     for j in order:
         seg = segs[j]
-        if j not in rank:
+        if j not in made:
             later += seg["blocks"]
             continue
         if j != kept:
             ops.append((MOVABLE, fid, ALIGNMENT if seg["small"] else seg["size"], seg["stream"]))
             ops.append((FREE_MOVABLE, fid, 0, 0))
             fid -= 1
-        # A free tail needs filling only while another segment of its size class is still to be filled.
-        requests, other = _fill(seg, rank[j] < last[seg["small"]])
+        requests, other = _fill(seg)
         later += other
-        for n, strm, ident, mov in requests:
-            if ident < 0:
+        for n, strm, ident, mov, own in requests:
+            if ident < 0 or own < n:  # a filler, or a placeholder over a block and the gap after it
                 ops.append((ALLOC, fid, n, strm))
-                fillers.append((fid, FREE))
+                if ident < 0:
+                    fillers.append((fid, FREE))
+                else:
+                    swaps.append((fid, (MOVABLE if mov else ALLOC, ident, own, strm)))
                 fid -= 1
             else:
                 ops.append((MOVABLE if mov else ALLOC, ident, n, strm))
+    # Each placeholder's hole is then the only free block its block fits (every segment is full,
+    # but for gaps no large request fits); last first, so that no hole merges with a gap before it.
+    for ident, op in reversed(swaps):
+        ops += [(FREE, ident, 0, 0), op]
     ops += [(code, ident, 0, 0) for ident, code in fillers]
     for b in sorted(later, key=lambda b: b[3]):
         ops.append((MOVABLE if b[4] else ALLOC, b[3], b[1], b[2]))

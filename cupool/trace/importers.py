@@ -145,10 +145,16 @@ def recorded_peak_allocated(trace: Trace) -> int | None:
     Allocated bytes are the sum of live blocks, each request rounded up to 512
     bytes as PyTorch's allocator (and cupool) rounds it, counting the blocks
     already alive when recording started; the peak is their maximum over the
-    recorded window.  PyTorch's own statistic can be higher by the unsplit tails
-    of blocks, which the trace does not record.  A cupool trace records every
-    block at its size, from the seed (the blocks alive at the start) on, so its
-    peak is the pool's ``allocated_bytes.all.peak`` over the recording; one
+    recorded window, with a block freed at ``free_completed`` (when it can be
+    reused, which is when the replay frees it).  PyTorch's own
+    ``allocated_bytes`` differs in two ways that the trace cannot follow: it
+    counts the unsplit tail of a block (up to 1 MiB in a large segment; events
+    give only the request, and the seed, which could know it from the final
+    segments, leaves it free as cupool splits it off), and it drops a block at
+    ``free_requested``.  Both engines count as this does, so a replay reproduces
+    this peak exactly (``tests/test_snapshot_fidelity.py``).  A cupool trace
+    records every block at its size, from the seed (the blocks alive at the
+    start) on, so its peak is the pool's ``allocated_bytes.all.peak`` over the recording; one
     without a seed (a ring buffer that dropped its start) has no record of it.
     """
     if trace.format == FORMAT:
