@@ -111,3 +111,13 @@ def test_recordings_that_once_replayed_otherwise_replay_to_themselves(config, op
     trace, want = _run(settings_, ops, config["capacity"])
     for engine in ("numba", "pool"):
         assert _replayed(replay(trace, engine=engine)) == want, engine
+
+
+def test_a_preallocated_segment_left_free_stays_anyones_in_the_seed():
+    """The seed once filled every free tail with fillers and freed them on the segment's stream, so the
+    preallocated segment's free space, anyone's in the recording, became stream 0's: a request on
+    stream 1 grew a new segment in both replays (3 device allocations, 8 MiB, against 2 and 6)."""
+    ops = [(0, 0, 0), (1, 0, 0), (0, 0, 0), (0, MiB + 1, 1)]
+    trace, want = _run({"initial_size": 4 * MiB}, ops, 16 * MiB)
+    for engine in ("numba", "pool"):
+        assert _replayed(replay(trace, engine=engine)) == want, engine

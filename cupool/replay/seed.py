@@ -13,9 +13,10 @@ calls (``seed_program``), so that they start from the same stated state:
    the recorded preallocated segment is the replay pool's own ``initial_size``
    one when their sizes agree;
 2. it is filled from its start, in address order: the live blocks at their
-   recorded offsets, with *filler* blocks over the free gaps between them and
-   over its free tail (the segment's free remainder is the only free block of
-   its size class, so each request lands right after the previous one);
+   recorded offsets, with *filler* blocks over the free gaps between them and,
+   where a later request could land there instead, over its free tail (the
+   segment's free remainder is the only free block of its size class, so each
+   request lands right after the previous one);
 3. once every segment is filled, each block that a *placeholder* stood for
    (below) takes its place, and the fillers are freed, which leaves the
    recorded free space; blocks whose segment did not fit the replay's limit are
@@ -127,9 +128,9 @@ def _segments(trace: Trace, seeded: int) -> list[dict[str, Any]]:
     return segs
 
 
-def _fill(seg: dict[str, Any]) -> tuple[list[tuple[int, int, int, bool, int]], list]:
-    """The requests that fill ``seg`` from its start, its free tail included, and its blocks that
-    cannot be placed in it.
+def _fill(seg: dict[str, Any], tail: bool) -> tuple[list[tuple[int, int, int, bool, int]], list]:
+    """The requests that fill ``seg`` from its start (its free tail too with ``tail``), and its blocks
+    that cannot be placed in it.
 
     Each request: (size, stream, id or -1 for a filler, movable, the block's own size).  A block
     followed by a free gap that no request can fill is requested over both (a placeholder: its
@@ -162,7 +163,7 @@ def _fill(seg: dict[str, Any]) -> tuple[list[tuple[int, int, int, bool, int]], l
             out += [(piece, stream, -1, False, piece) for piece in _pieces(gap, small)]
             out.append((n, strm, addr, mov, n))
         at = end
-    rest = size - at
+    rest = size - at if tail else 0
     if not small and rest <= SMALL_MAX:
         rest = 0  # left free: no large request fits it, so nothing filled later lands there
     out += [(piece, stream, -1, False, piece) for piece in _pieces(rest, small)]
@@ -205,6 +206,14 @@ def seed_program(trace: Trace, seeded: int, limit: int, initial: int, threshold:
         ops.append((ALLOC, fid, initial, 0))
         fillers.append((fid, FREE))
         fid -= 1
+    # A free tail is filled only where a later request could land in it instead of where it belongs:
+    # while another segment of its size class is still to be filled, or where a placeholder of its
+    # class is swapped for its block.  Otherwise it is left free, as recorded: a filler freed there
+    # would give the free space its stream, where the recording's may be anyone's.
+    rank = {j: r for r, j in enumerate(made)}
+    last = {cls: max((r for r, j in enumerate(made) if segs[j]["small"] == cls), default=-1) for cls in (False, True)}
+    swapped = {cls: any(ident >= 0 and own < n for j in made if segs[j]["small"] == cls
+                        for n, _, ident, _, own in _fill(segs[j], True)[0]) for cls in (False, True)}
     swaps: list[tuple[int, tuple[int, int, int, int]]] = []  # (placeholder's id, the block's op)
     for j in order:
         seg = segs[j]
@@ -215,7 +224,7 @@ def seed_program(trace: Trace, seeded: int, limit: int, initial: int, threshold:
             ops.append((MOVABLE, fid, ALIGNMENT if seg["small"] else seg["size"], seg["stream"]))
             ops.append((FREE_MOVABLE, fid, 0, 0))
             fid -= 1
-        requests, other = _fill(seg)
+        requests, other = _fill(seg, rank[j] < last[seg["small"]] or swapped[seg["small"]])
         later += other
         for n, strm, ident, mov, own in requests:
             if ident < 0 or own < n:  # a filler, or a placeholder over a block and the gap after it
