@@ -35,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+from numba.core import types
+from numba.core.registry import CPUDispatcher
 
 try:
     from numba.core.caching import CompileResultCacheImpl, FunctionCache
@@ -50,12 +52,31 @@ except (ImportError, AttributeError, TypeError):  # pragma: no cover - a Numba l
     _cache_class = None
 
 
+class _OneSignature(CPUDispatcher):
+    """A dispatcher that compiles one version per argument *type*, never one per constant.
+
+    Called from compiled code with a constant argument (a module's ``LARGE``, a
+    literal ``0``, ``True``), a plain Numba dispatcher first compiles a version
+    specialised to that value (``Literal[int](1)``), and each such version is a
+    whole compile of the function and of everything it calls.  The replay engine
+    passes constants in many places, which made 26 of its 73 compiles duplicates
+    (2026-11-26, ``benchmarks/bench_replay.py --cold``).  Typing the call with the
+    constants' plain types (``int64``, ``bool``) reuses the one version; Numba
+    converts the constant at the call.
+    """
+
+    def get_call_template(self, args: tuple, kws: dict) -> Any:
+        return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                         {k: types.unliteral(v) for k, v in kws.items()})
+
+
 def njit(**options: Any) -> Callable[[Callable], Any]:
-    """``numba.njit(**options)``; ``cache=True`` caches outside the package (see the module's doc)."""
+    """``numba.njit(**options)``, one version per argument types (``_OneSignature``); ``cache=True`` caches
+    outside the package (see the module's doc)."""
     cache = options.pop("cache", False)
 
     def decorate(fn: Callable) -> Any:
-        dispatcher = numba.njit(**options)(fn)
+        dispatcher = _OneSignature(py_func=fn, locals={}, targetoptions={**options, "nopython": True})
         if cache:
             _enable_caching(dispatcher)
         return dispatcher
