@@ -15,7 +15,7 @@ packages installed read-only), one subfolder per source folder, so that two
 environments never share entries.  Where no folder is writable the function is
 compiled in each process, as with ``cache=False``.
 
-Why cache at all.  The replay engine takes about 45 s to compile on two busy cores and loads from the
+Why cache at all.  The replay engine takes about 40 s of CPU to compile on two busy cores and loads from the
 cache in well under a second; the move kernel ~2 s against 0.1 s (2-core machine).
 
 Private Numba API.  Numba has no per-function cache location: only the
@@ -27,6 +27,9 @@ dispatcher's ``_cache`` exactly as ``Dispatcher.enable_caching`` does.  These ar
 the same from Numba 0.59 to 0.68.  Should they go, the function falls back to
 Numba's plain ``cache=True``; ``tests/test_install.py`` fails then, because it
 checks that every cached function's cache folder lies outside the package.
+``_OneSignature`` (one compiled version per argument types, see it) overrides the
+dispatcher's ``get_call_template``, which Numba's typing calls for every call from
+compiled code (numba 0.68.1); ``tests/test_one_signature.py`` fails should that change.
 """
 
 from __future__ import annotations
