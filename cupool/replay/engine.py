@@ -547,7 +547,15 @@ def run(kind, addr, size, stream, empties, lo, hi, codes, E, keys, values, books
 def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
               empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
               tl_alloc: np.ndarray, tl_oom: np.ndarray) -> None:
-    """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
+    """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew.
+
+    The trace's columns go in as contiguous ``uint8`` kinds, ``int8`` marks and ``int64`` addresses,
+    sizes and streams (a copy only where they are not already): ``run`` is compiled for one set of
+    argument types, and another (an ``int32`` column, a strided view) would compile the whole
+    engine again, tens of seconds (docs/benchmarks.md, "Replay engine speed").
+    """
+    kind, empties = np.ascontiguousarray(kind, np.uint8), np.ascontiguousarray(empties, np.int8)
+    addr, size, stream = (np.ascontiguousarray(a, np.int64) for a in (addr, size, stream))
     keys, values, books = state["live"]
     state["E"], keys, values = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], keys, values, books,
                                    tl_res, tl_alloc, tl_oom)
