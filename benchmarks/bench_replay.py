@@ -1,8 +1,10 @@
 """Replay throughput: the compiled engine in every configuration, against the real Pool; and its cold compile.
 
-    python benchmarks/bench_replay.py [--events 2000000] [--repeat 5] [--live 2000] [--streams 2]
-    python benchmarks/bench_replay.py --traces ../shared/traces [--repeat 21]
-    python benchmarks/bench_replay.py --cold
+    python -m benchmarks.bench_replay [--events 2000000] [--repeat 5] [--live 2000] [--streams 2]
+    python -m benchmarks.bench_replay --traces ../shared/traces [--repeat 21]
+    python -m benchmarks.bench_replay --cold [--repeat 3]
+
+(Run from the checkout's root with ``-m``, so that ``cupool`` is the checkout's.)
 
 The trace mixes small (< 1 MiB) and large (1-64 MiB) requests.  It allocates
 until ``--live`` blocks are live, then allocations and frees are equally likely
@@ -21,8 +23,13 @@ traces, RMM logs) instead, on its sized device, in every configuration of
 (events replayed, seeds left out).
 
 With ``--cold`` it times the engine's first compile in a fresh process with an
-empty Numba cache (``NUMBA_CACHE_DIR`` in a temporary folder), then the same
-process's load from the cache that run filled.
+empty Numba cache (``NUMBA_CACHE_DIR`` in a temporary folder), then a second
+fresh process's load from the cache that run filled, ``--repeat`` times each on a
+new empty cache, and prints each run and the medians (wall and CPU seconds).
+
+The ``max_size=80%`` rows cap the pool at 80% of the device: on a trace's sized
+device (1.25x its recorded peak) that is its recorded peak, so the reclaim
+ladder and its OOMs run; on the synthetic trace's roomy device they change nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +80,32 @@ SETTINGS = {
     "expandable": {"expandable_segments": True, "stitch": False},
     "expandable+stitch (the defaults)": {"expandable_segments": True, "stitch": True},
     "expandable+stitch, release_threshold=0": {"expandable_segments": True, "stitch": True, "release_threshold": 0},
+    "plain, max_size=80%": {"expandable_segments": False, "max_size": "80%"},
+    "expandable+stitch, max_size=80%": {"expandable_segments": True, "stitch": True, "max_size": "80%"},
 }
+
+
+def numba_rates(trace: Trace, cfg: dict, repeat: int) -> tuple[float | None, float | None, Any]:
+    """The numba engine's median events/s over ``repeat`` replays, by wall clock and by CPU time; the last result.
+
+    Wall clock is the result's own ``events_per_second`` (the engine's loop alone).  On a machine
+    shared with other jobs it measures the load as much as the engine, so each replay is also
+    timed by this thread's CPU time, less that of the same replay stopped before its first event
+    (``stop=0``: settings, state and the compile check), run right after it.
+    """
+    walls, cpus, r = [], [], None
+    for _ in range(repeat):
+        c0 = time.thread_time()
+        r = replay(trace, cfg, progress=False)
+        c1 = time.thread_time()
+        replay(trace, cfg, stop=0, progress=False)
+        c2 = time.thread_time()
+        if r.replayed:
+            walls.append(r.events_per_second)
+            cpus.append(r.replayed / max((c1 - c0) - (c2 - c1), 1e-9))
+    if not walls:
+        return None, None, r
+    return statistics.median(walls), statistics.median(cpus), r
 
 
 def real_traces(folder: Path, repeat: int) -> None:
@@ -83,17 +116,16 @@ def real_traces(folder: Path, repeat: int) -> None:
     for path in paths:
         trace = load_trace(path)
         for label, cfg in SETTINGS.items():
-            rates = {}
-            for engine in ("numba", "pool"):
-                runs = [replay(trace, cfg, engine=engine, progress=False) for _ in range(repeat if engine == "numba"
-                                                                                        else max(1, repeat // 4))]
-                per_s = [r.events_per_second for r in runs if r.events_per_second is not None]
-                rates[engine] = statistics.median(per_s) if per_s else None
-            r = runs[0]
-            shown = ", ".join(f"{e} {v / 1e6:.2f} M events/s" if v else f"{e}: nothing replayed"
-                              for e, v in rates.items())
+            wall, cpu, r = numba_rates(trace, cfg, repeat)
+            runs = [replay(trace, cfg, engine="pool", progress=False) for _ in range(max(1, repeat // 4))]
+            per_s = [p.events_per_second for p in runs if p.events_per_second is not None]
+            if wall is None:
+                shown = "nothing replayed"
+            else:
+                shown = (f"numba {cpu / 1e6:.2f} M events/s by CPU time, {wall / 1e6:.2f} by wall clock; "
+                         f"pool {statistics.median(per_s) / 1e6:.3f} (wall)")
             print(f"{path.name} [{label}]: {r.replayed} events replayed; median of {repeat}: {shown} "
-                  f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)")
+                  f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)", flush=True)
 
 
 def main() -> None:
@@ -109,7 +141,7 @@ def main() -> None:
                     help="sim device size; about 8 MiB per live allocation avoids OOMs (default 64GiB)")
     args = ap.parse_args()
     if args.cold:
-        cold()
+        cold(args.repeat)
         return
     if args.traces is not None:
         replay(synthetic(1000)[0], stop=1000)  # load the compiled engine once
@@ -119,43 +151,51 @@ def main() -> None:
     trace, mean_live = synthetic(args.events, live_target=args.live, streams=args.streams)
     print(f"trace: {args.events} events, {args.streams} stream(s), mean {mean_live:.0f} live allocations")
     replay(trace, base, stop=1000)  # load the compiled engine once
-    rate = 0.0
     for label, setting in SETTINGS.items():
         cfg = {**base, **setting}
-        fast = [replay(trace, cfg, progress=False) for _ in range(args.repeat)]
-        rate = statistics.median(r.events_per_second for r in fast)
-        print(f"numba engine [{label}]: {args.events} events, median of {args.repeat} "
-              f"{statistics.median(r.seconds for r in fast):.3f} s = {rate / 1e6:.2f} M events/s "
-              f"(peak reserved {fast[0].peak_reserved >> 20} MiB, {fast[0].ooms} OOMs)", flush=True)
+        wall, cpu, r = numba_rates(trace, cfg, args.repeat)
+        print(f"numba engine [{label}]: {args.events} events, median of {args.repeat}: {cpu / 1e6:.2f} M events/s "
+              f"by CPU time, {wall / 1e6:.2f} by wall clock "
+              f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)", flush=True)
     cfg = {**base, **SETTINGS["expandable+stitch (the defaults)"]}
-    rate = statistics.median(replay(trace, cfg, progress=False).events_per_second for _ in range(args.repeat))
+    rate = numba_rates(trace, cfg, args.repeat)[0] or 0.0
     small = replay(trace, cfg, stop=args.pool_events)
     exact = [replay(trace, cfg, engine="pool", stop=args.pool_events) for _ in range(max(1, args.repeat // 2))]
     prate = statistics.median(r.events_per_second for r in exact)
     same = all(getattr(small, k) == getattr(exact[0], k) for k in ("peak_reserved", "peak_allocated", "peak_segments"))
     print(f"pool engine [expandable+stitch (the defaults)]: {args.pool_events} events, {prate / 1e6:.3f} M events/s "
           f"({1e6 / prate:.2f} us/event); same peaks as numba on this prefix: {same}")
-    print(f"ratio numba / pool: {rate / prate:.0f}x")
+    print(f"ratio numba / pool (wall clock): {rate / prate:.0f}x")
 
 
-def cold() -> None:
-    """The engine's compile in a fresh process on an empty cache, and its load from that cache."""
+def cold(repeat: int) -> None:
+    """The engine's compile in a fresh process on an empty cache, and its load from that cache; medians."""
     import os
     import subprocess
     import sys
     import tempfile
 
-    code = ("import time; t = time.perf_counter(); from benchmarks.bench_replay import synthetic; "
+    code = ("import time; t, c = time.perf_counter(), time.process_time(); "
+            "from benchmarks.bench_replay import synthetic; "
             "from cupool.replay import replay; replay(synthetic(1000)[0], {'capacity': '64GiB'}); "
-            "print(time.perf_counter() - t)")
+            "print(time.perf_counter() - t, time.process_time() - c)")
     root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
-        for what in ("cold compile (empty cache)", "load from the cache"):
-            out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, capture_output=True,
-                                 text=True).stdout
-            print(f"{what}: {float(out.split()[-1]):.1f} s (import, synthetic trace and a 1000-event replay)",
-                  flush=True)
+    whats = ("cold compile (empty cache)", "load from the cache")
+    runs: dict[str, list[tuple[float, float]]] = {w: [] for w in whats}
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+            for what in whats:
+                out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True,
+                                     capture_output=True, text=True).stdout
+                wall, cpu = (float(x) for x in out.split()[-2:])
+                runs[what].append((wall, cpu))
+                print(f"{what}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+    for what in whats:
+        walls, cpus = zip(*runs[what])
+        print(f"{what}, median of {repeat}: {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU "
+              "(import, synthetic trace and a 1000-event replay)")
+
 
 if __name__ == "__main__":
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ packages installed read-only), one subfolder per source folder, so that two
 environments never share entries.  Where no folder is writable the function is
 compiled in each process, as with ``cache=False``.
 
-Why cache at all.  The replay engine takes about 45 s to compile on two busy cores and loads from the
+Why cache at all.  The replay engine takes about 40 s of CPU to compile on two busy cores and loads from the
 cache in well under a second; the move kernel ~2 s against 0.1 s (2-core machine).
 
 What a cached function depends on.  Numba stamps a cache entry with its own
@@ -36,6 +36,9 @@ dispatcher's ``_cache`` exactly as ``Dispatcher.enable_caching`` does.  These ar
 the same from Numba 0.59 to 0.68.  Should they go, the function falls back to
 Numba's plain ``cache=True``; ``tests/test_install.py`` fails then, because it
 checks that every cached function's cache folder lies outside the package.
+``_OneSignature`` (one compiled version per argument types, see it) overrides the
+dispatcher's ``get_call_template``, which Numba's typing calls for every call from
+compiled code (numba 0.68.1); ``tests/test_one_signature.py`` fails should that change.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import numba
+from numba.core import types
+from numba.core.registry import CPUDispatcher
 
 #: The package's files, beside the compiled function's own module, that its code reads: what it
 #: calls compiled and the constants it freezes (glob patterns, relative to the package).
@@ -104,12 +109,31 @@ except (ImportError, AttributeError, TypeError):  # pragma: no cover - a Numba l
     _cache_class = None
 
 
+class _OneSignature(CPUDispatcher):
+    """A dispatcher that compiles one version per argument *type*, never one per constant.
+
+    Called from compiled code with a constant argument (a module's ``LARGE``, a
+    literal ``0``, ``True``), a plain Numba dispatcher first compiles a version
+    specialised to that value (``Literal[int](1)``), and each such version is a
+    whole compile of the function and of everything it calls.  The replay engine
+    passes constants in many places, which made 26 of its 73 compiles duplicates
+    (2026-11-26, ``benchmarks/bench_replay.py --cold``).  Typing the call with the
+    constants' plain types (``int64``, ``bool``) reuses the one version; Numba
+    converts the constant at the call.
+    """
+
+    def get_call_template(self, args: tuple, kws: dict) -> Any:
+        return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                         {k: types.unliteral(v) for k, v in kws.items()})
+
+
 def njit(**options: Any) -> Callable[[Callable], Any]:
-    """``numba.njit(**options)``; ``cache=True`` caches outside the package (see the module's doc)."""
+    """``numba.njit(**options)``, one version per argument types (``_OneSignature``); ``cache=True`` caches
+    outside the package (see the module's doc)."""
     cache = options.pop("cache", False)
 
     def decorate(fn: Callable) -> Any:
-        dispatcher = numba.njit(**options)(fn)
+        dispatcher = _OneSignature(py_func=fn, locals={}, targetoptions={**options, "nopython": True})
         if cache:
             _enable_caching(dispatcher)
         return dispatcher

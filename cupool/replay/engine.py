@@ -240,7 +240,7 @@ class _CompileNotice(event.Listener):
 
     Numba raises ``numba:compile`` only when it really compiles, after its
     cache had no entry, so a load from the cache (well under a second) stays
-    quiet and a compile (~14 s) is announced before the wait, not after it.
+    quiet and a compile (about 40 s of CPU) is announced before the wait, not after it.
     Only the engine's functions count (this module's and its ``engine_*``
     parts'): Numba's own helpers that some process compiles (typed
     containers, never cached) are no news to the user.  On a
@@ -540,7 +540,15 @@ def run(kind, addr, size, streams, empties, lo, hi, codes, E, keys, values, book
 def run_range(state: dict, kind: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
               empties: np.ndarray, lo: int, hi: int, codes: np.ndarray, tl_res: np.ndarray,
               tl_alloc: np.ndarray, tl_oom: np.ndarray) -> None:
-    """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew."""
+    """``run`` over events [lo, hi) on ``state`` (from ``new_state``), keeping the arrays it regrew.
+
+    The trace's columns go in as contiguous ``uint8`` kinds, ``int8`` marks and ``int64`` addresses,
+    sizes and streams (a copy only where they are not already): ``run`` is compiled for one set of
+    argument types, and another (an ``int32`` column, a strided view) would compile the whole
+    engine again, tens of seconds (docs/benchmarks.md, "Replay engine speed").
+    """
+    kind, empties = np.ascontiguousarray(kind, np.uint8), np.ascontiguousarray(empties, np.int8)
+    addr, size, stream = (np.ascontiguousarray(a, np.int64) for a in (addr, size, stream))
     keys, values, books = state["live"]
     state["E"], keys, values = run(kind, addr, size, stream, empties, lo, hi, codes, state["E"], keys, values, books,
                                    tl_res, tl_alloc, tl_oom)
