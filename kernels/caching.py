@@ -116,13 +116,13 @@ class _OneSignature(CPUDispatcher):
     literal ``0``, ``True``), a plain Numba dispatcher first compiles a version
     specialised to that value (``Literal[int](1)``), and each such version is a
     whole compile of the function and of everything it calls.  The replay engine
-    passes constants in many places, which made 26 of its 73 compiles duplicates
-    (2026-11-26, ``benchmarks/bench_replay.py --cold``).  Typing the call with the
+    passes constants in many places, which made 20 extra versions of its functions
+    (2026-11-26, ``benchmarks/bench_replay.py --cold``; docs/benchmarks.md).  Typing the call with the
     constants' plain types (``int64``, ``bool``) reuses the one version; Numba
     converts the constant at the call.
     """
 
-    def get_call_template(self, args: tuple, kws: dict) -> Any:
+    def get_call_template(self, args: Any, kws: Any) -> Any:
         return super().get_call_template(tuple(types.unliteral(a) for a in args),
                                          {k: types.unliteral(v) for k, v in kws.items()})
 
