@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,25 +123,48 @@ def test_the_two_set_up_commands_are_unchanged():
     assert bash[:2] == ["pip install . && cupool demo", 'pip install -e ".[test,cuda12]" && python -m pytest -q']
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"line{s.line}" for s in SNIPPETS])
-def test_the_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
-    if snippet.marker:
-        assert snippet.marker in MARKERS, f"README line {snippet.line - 1}: unknown marker {snippet.marker!r}"
-        if snippet.marker == "gpu" and not cuda_available():
-            pytest.skip(f"README line {snippet.line}: {MARKERS['gpu']}")
-    path = tmp_path / "snippet.py"
+def _run_snippet(snippet: Snippet, folder: Path) -> subprocess.CompletedProcess[str] | str:
+    """``snippet`` run by a fresh interpreter in the empty ``folder``; its process, or why it did not end."""
+    path = folder / "snippet.py"
     path.write_text(snippet.code)
     if snippet.script:
         argv = [sys.executable, str(path)]
     else:
-        (tmp_path / "driver.py").write_text(DRIVER)
-        argv = [sys.executable, str(tmp_path / "driver.py"), str(path)]
+        (folder / "driver.py").write_text(DRIVER)
+        argv = [sys.executable, str(folder / "driver.py"), str(path)]
     env = {k: v for k, v in os.environ.items() if k != "CUPOOL_CONF"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's cupool
     try:
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"README line {snippet.line} ({snippet.section}) ran over {TIMEOUT_S} s:\n{e.stderr}")
+        return f"README line {snippet.line} ({snippet.section}) ran over {TIMEOUT_S} s:\n{e.stderr}"
+
+
+def _runs_here(snippet: Snippet) -> bool:
+    return not snippet.marker or (snippet.marker in MARKERS and (snippet.marker != "gpu" or cuda_available()))
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(request, tmp_path_factory) -> dict[int, subprocess.CompletedProcess[str] | str]:
+    """Every selected snippet that runs here, two at a time (each in its own process and empty folder, as
+    before: the test run's own process waits on them, so the second core would otherwise idle), by line."""
+    chosen = [item.callspec.params["snippet"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_the_snippet_runs" and item.module is request.module]
+    chosen = [s for s in chosen if _runs_here(s)]
+    folders = [tmp_path_factory.mktemp(f"line{s.line}") for s in chosen]
+    with ThreadPoolExecutor(2) as workers:
+        return dict(zip([s.line for s in chosen], workers.map(_run_snippet, chosen, folders)))
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"line{s.line}" for s in SNIPPETS])
+def test_the_snippet_runs(snippet: Snippet, snippet_runs) -> None:
+    if snippet.marker:
+        assert snippet.marker in MARKERS, f"README line {snippet.line - 1}: unknown marker {snippet.marker!r}"
+        if snippet.marker == "gpu" and not cuda_available():
+            pytest.skip(f"README line {snippet.line}: {MARKERS['gpu']}")
+    done = snippet_runs[snippet.line]
+    if isinstance(done, str):
+        pytest.fail(done)
     assert done.returncode == 0, (
         f"README line {snippet.line} ({snippet.section}) failed:\n{snippet.code}\n--- stderr:\n{done.stderr[-4000:]}"
     )
