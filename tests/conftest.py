@@ -39,3 +39,14 @@ def pytest_collection_finish(session):
     the state machines.  What the tests themselves make is collected as before."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The same, before each test: what earlier tests imported lazily (the move kernel's Numba objects, some
+    60,000; the replay engine, h5py, matplotlib) and what module-scoped fixtures hold would otherwise be
+    walked by every full collection in every later test.  The garbage of earlier tests is collected first,
+    so nothing collectable is frozen; what this test and its own fixtures make stays in the collector's
+    sight, and frozen objects still die by reference counting."""
+    gc.collect()
+    gc.freeze()

@@ -8,6 +8,7 @@ a cycle in the design.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,15 @@ def _target(name: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once for all of this module's tests (they walk every module: parsing was most of their time)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(mod: str, path: Path):
     """(imported module, imported names) for every cupool import in ``mod``, lazy ones included."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             src = _resolve(mod, path, node)
@@ -154,7 +161,7 @@ def _own_private_names(tree: ast.AST) -> set[str]:
 
 def _private_attribute_uses(path: Path) -> list[str]:
     """``x._name`` where ``_name`` is not one this module defines (it belongs to another module)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     own = _own_private_names(tree)
     out = []
     for node in ast.walk(tree):

@@ -3,6 +3,7 @@ doing meanwhile, on a terminal and through a pipe (issue 28)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import logging
@@ -40,30 +41,11 @@ def test_bad_arguments_are_one_line_before_any_output(capsys, argv, message):
 SHORT = ("--steps", "6", "--seed", "28")
 
 
-def test_a_device_too_small_says_what_would_fit(capsys):
-    assert main(["demo", "--device", "sim", "--capacity", "64MiB", *SHORT]) == 2
-    out, err = capsys.readouterr()
-    *said, error = err.splitlines()  # what it was doing (stderr is no terminal here), then one line of error
-    assert out == "" and all(re.match(r"cupool demo \[\d+/\d+\]: ", line) for line in said), err
-    m = re.fullmatch(r"cupool: error: --capacity 64 MiB is too small for the demo with --steps 6 --seed 28: it needs "
-                     r"at least (\d+) MiB \(give --capacity (\d+)MiB or more\)", error)
-    assert m and m[1] == m[2], err
-    need = int(m[1])
-    assert need > 64 and (need << 20) % demo.STEP == 0
-    # What it names does fit: the whole demo runs there.
-    assert main(["demo", "--device", "sim", "--capacity", f"{need}MiB", *SHORT]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("cupool demo: weight streaming on sim") and "extreme" in out
-
-
-
-def test_a_device_too_small_is_refused_before_any_run_at_that_size(monkeypatch, capsys):
-    """Issue 28: the refusal came after 24-46 s of runs at the given capacity, each out of memory in the end.
-
-    The demo's own runs write and check every layer (``fill=True``); the search for the
-    smallest device does not.  None of the former may start on a device too small.
-    """
-    runs = []
+@pytest.fixture(scope="module")
+def refused() -> tuple[str, list[int]]:
+    """``cupool demo --capacity 64MiB`` with SHORT, run once: (its stderr, the capacities of the runs that wrote
+    and checked their layers (``fill=True``) before the refusal)."""
+    runs: list[int] = []
     streaming_run = workloads.weight_streaming
 
     def spy(pool, shapes, **kw):
@@ -71,9 +53,41 @@ def test_a_device_too_small_is_refused_before_any_run_at_that_size(monkeypatch, 
             runs.append(pool.device.capacity)
         return streaming_run(pool, shapes, **kw)
 
-    monkeypatch.setattr(workloads, "weight_streaming", spy)
-    assert main(["demo", "--device", "sim", "--capacity", "64MiB", *SHORT]) == 2
-    assert "is too small for the demo" in capsys.readouterr().err
+    err, out = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        mp.setattr(workloads, "weight_streaming", spy)
+        assert main(["demo", "--device", "sim", "--capacity", "64MiB", *SHORT]) == 2
+    assert out.getvalue() == ""
+    return err.getvalue(), runs
+
+
+def _named_capacity(err: str) -> int:
+    """The MiB a refusal says would fit."""
+    m = re.search(r"give --capacity (\d+)MiB or more", err)
+    assert m, err
+    return int(m[1])
+
+
+def test_a_device_too_small_says_what_would_fit(refused):
+    """What it names does fit: ``test_on_a_pipe_lines_say_what_is_running_as_it_runs`` runs the whole demo there."""
+    err, _ = refused
+    *said, error = err.splitlines()  # what it was doing (stderr is no terminal here), then one line of error
+    assert all(re.match(r"cupool demo \[\d+/\d+\]: ", line) for line in said), err
+    m = re.fullmatch(r"cupool: error: --capacity 64 MiB is too small for the demo with --steps 6 --seed 28: it needs "
+                     r"at least (\d+) MiB \(give --capacity (\d+)MiB or more\)", error)
+    assert m and m[1] == m[2], err
+    need = int(m[1])
+    assert need > 64 and (need << 20) % demo.STEP == 0
+
+
+def test_a_device_too_small_is_refused_before_any_run_at_that_size(refused):
+    """Issue 28: the refusal came after 24-46 s of runs at the given capacity, each out of memory in the end.
+
+    The demo's own runs write and check every layer (``fill=True``); the search for the
+    smallest device does not.  None of the former may start on a device too small.
+    """
+    err, runs = refused
+    assert "is too small for the demo" in err
     assert runs == []
 
 
@@ -147,10 +161,13 @@ def test_on_a_terminal_the_notice_comes_first_and_the_bar_leaves_nothing_behind(
         screen[:report + 1]
 
 
-@needs_no_gpu
-def test_on_a_pipe_lines_say_what_is_running_as_it_runs():
-    """Issue 28: through a pipe the demo said nothing for 30 s; now a plain line per stage, as it starts."""
-    proc = subprocess.Popen([sys.executable, "-m", "cupool", *DEMO_ARGS], cwd=ROOT, stdout=subprocess.PIPE,
+def test_on_a_pipe_lines_say_what_is_running_as_it_runs(refused):
+    """Issue 28: through a pipe the demo said nothing for 30 s; now a plain line per stage, as it starts.
+
+    It runs on the sim device of the capacity a refusal named (``test_a_device_too_small_says_what_would_fit``),
+    which shows that the whole demo fits there."""
+    fits = ["--device", "sim", "--capacity", f"{_named_capacity(refused[0])}MiB"]
+    proc = subprocess.Popen([sys.executable, "-m", "cupool", *DEMO_ARGS, *fits], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     first = proc.stderr.readline()
     while first.startswith("cupool: ") or "uncompiled" in first or first.startswith(" "):  # notices, warnings

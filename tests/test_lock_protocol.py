@@ -23,12 +23,12 @@ _WAITER = textwrap.dedent("""
     import os, signal, threading, time
     import cupool
     pool = cupool.Pool("sim", capacity="64MiB")
-    held, released = threading.Event(), []
+    held, done, released = threading.Event(), threading.Event(), []
 
     def holder():
         with pool.hold():
             held.set()
-            time.sleep(4.0)
+            done.wait(4.0)  # until the waiter is through (interrupted, it says so first), or 4 s
             released.append(time.monotonic())
 
     t = threading.Thread(target=holder)
@@ -40,6 +40,7 @@ _WAITER = textwrap.dedent("""
         print("ALLOCATED")
     except KeyboardInterrupt:
         interrupted = time.monotonic()
+        done.set()
         t.join()
         print("INTERRUPTED", "BEFORE" if interrupted < released[0] else "AFTER")
     from cupool.core.fast import COMPILED

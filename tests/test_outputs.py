@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -123,15 +124,29 @@ def _cupool(cwd: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.Complet
                           stderr=subprocess.PIPE, timeout=120, check=False)
 
 
-@pytest.mark.parametrize("name", ["-", "/dev/stdout", "/dev/fd/1"])
+STANDARD = ["-", "/dev/stdout", "/dev/fd/1"]
+
+
+@pytest.fixture(scope="module")
+def standard_runs(trace, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, subprocess.CompletedProcess]]:
+    """``cupool`` writing each kind of output to each name of standard output, each in a process and an empty
+    folder of its own, two at a time (the test run only waits on them): {(kind, name): (folder, process)}."""
+    cases = [(kind, name) for kind in sorted(OUTPUTS) for name in STANDARD]
+    folders = [tmp_path_factory.mktemp("standard") for _ in cases]
+    with ThreadPoolExecutor(2) as workers:
+        runs = workers.map(lambda case, folder: _cupool(folder, *_argv(case[0], trace, case[1])), cases, folders)
+        return {case: (folder, r) for case, folder, r in zip(cases, folders, runs)}
+
+
+@pytest.mark.parametrize("name", STANDARD)
 @pytest.mark.parametrize("kind", sorted(OUTPUTS))
-def test_standard_output(tmp_path, trace, kind, name):
+def test_standard_output(tmp_path, trace, standard_runs, kind, name):
     """The output is on standard output, bytes as they are; what was written is said on standard error."""
-    r = _cupool(tmp_path, *_argv(kind, trace, name))
+    folder, r = standard_runs[kind, name]
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.startswith(OUTPUTS[kind][1]) and b"wrote" not in r.stdout
     assert r.stderr.decode().startswith(f"wrote {name}")
-    assert list(tmp_path.iterdir()) == []  # no file named "-" (or anything else)
+    assert list(folder.iterdir()) == []  # no file named "-" (or anything else)
     if kind == "snapshot":
         file = tmp_path / "s.pickle"
         assert main(_argv(kind, trace, file)) == 0

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,25 +123,48 @@ def test_the_two_set_up_commands_are_unchanged():
     assert bash[:2] == ["pip install . && cupool demo", 'pip install -e ".[test,cuda12]" && python -m pytest -q']
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"line{s.line}" for s in SNIPPETS])
-def test_the_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
-    if snippet.marker:
-        assert snippet.marker in MARKERS, f"README line {snippet.line - 1}: unknown marker {snippet.marker!r}"
-        if snippet.marker == "gpu" and not cuda_available():
-            pytest.skip(f"README line {snippet.line}: {MARKERS['gpu']}")
-    path = tmp_path / "snippet.py"
+def _run_snippet(snippet: Snippet, folder: Path) -> subprocess.CompletedProcess[str] | str:
+    """``snippet`` run by a fresh interpreter in the empty ``folder``; its process, or why it did not end."""
+    path = folder / "snippet.py"
     path.write_text(snippet.code)
     if snippet.script:
         argv = [sys.executable, str(path)]
     else:
-        (tmp_path / "driver.py").write_text(DRIVER)
-        argv = [sys.executable, str(tmp_path / "driver.py"), str(path)]
+        (folder / "driver.py").write_text(DRIVER)
+        argv = [sys.executable, str(folder / "driver.py"), str(path)]
     env = {k: v for k, v in os.environ.items() if k != "CUPOOL_CONF"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's cupool
     try:
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"README line {snippet.line} ({snippet.section}) ran over {TIMEOUT_S} s:\n{e.stderr}")
+        return f"README line {snippet.line} ({snippet.section}) ran over {TIMEOUT_S} s:\n{e.stderr}"
+
+
+def _runs_here(snippet: Snippet) -> bool:
+    return not snippet.marker or (snippet.marker in MARKERS and (snippet.marker != "gpu" or cuda_available()))
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(request, tmp_path_factory) -> dict[int, subprocess.CompletedProcess[str] | str]:
+    """Every selected snippet that runs here, two at a time (each in its own process and empty folder, as
+    before: the test run's own process waits on them, so the second core would otherwise idle), by line."""
+    chosen = [item.callspec.params["snippet"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_the_snippet_runs" and item.module is request.module]
+    chosen = [s for s in chosen if _runs_here(s)]
+    folders = [tmp_path_factory.mktemp(f"line{s.line}") for s in chosen]
+    with ThreadPoolExecutor(2) as workers:
+        return dict(zip([s.line for s in chosen], workers.map(_run_snippet, chosen, folders)))
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"line{s.line}" for s in SNIPPETS])
+def test_the_snippet_runs(snippet: Snippet, snippet_runs) -> None:
+    if snippet.marker:
+        assert snippet.marker in MARKERS, f"README line {snippet.line - 1}: unknown marker {snippet.marker!r}"
+        if snippet.marker == "gpu" and not cuda_available():
+            pytest.skip(f"README line {snippet.line}: {MARKERS['gpu']}")
+    done = snippet_runs[snippet.line]
+    if isinstance(done, str):
+        pytest.fail(done)
     assert done.returncode == 0, (
         f"README line {snippet.line} ({snippet.section}) failed:\n{snippet.code}\n--- stderr:\n{done.stderr[-4000:]}"
     )
@@ -168,19 +192,50 @@ def _markdown_table(section: str) -> list[list[str]]:
     return [[c.strip().replace("**", "") for c in ln.strip().strip("|").split("|")] for ln in rows if "---" not in ln]
 
 
-def _demo_output() -> str:
+def _smallest_devices(shapes: list[tuple[int, int]], ratios: dict[str, str]) -> dict[str, int]:
+    """``demo.smallest_devices(shapes)``, found cheaply where the README's ratios (``{setting: "1.05×"}``) hold.
+
+    The demo bisects each setting's least capacity over [live peak, 4x the live peak] in ``demo.STEP`` steps,
+    about eleven runs a setting, and success is monotone in the capacity (the demo relies on that).  So the
+    least capacity prints the README's ratio exactly when the run completes at the largest capacity printing
+    it and fails just below the smallest one (or that is below where the demo's search starts); the least
+    capacity is then found by bisecting those few capacities.  Where a ratio does not hold, the demo's own
+    search runs, so that the comparison shows what it prints.
+    """
+    live = workloads.peak_live_bytes(shapes)
+    first, last = -(-live // demo.STEP), 4 * live // demo.STEP  # the demo's first search, in steps
+    found = {}
+    for name, pool_kw, kw in demo.SETTINGS:
+        ratio = ratios.get(name, "").rstrip("×")
+        steps = [k for k in range(first, last + 1) if f"{k * demo.STEP / live:.2f}" == ratio]
+
+        def make(capacity: int, pool_kw: dict = pool_kw) -> cupool.Pool:
+            return cupool.Pool("sim", capacity=capacity, **pool_kw)
+
+        least = steps and workloads.smallest_capacity(make, shapes, steps[0] * demo.STEP, steps[-1] * demo.STEP,
+                                                      demo.STEP, **kw)
+        below = (steps[0] - 1) * demo.STEP if steps else 0
+        if not least or (steps[0] > first and workloads.smallest_capacity(make, shapes, below, below, demo.STEP,
+                                                                             **kw) is not None):
+            return demo.smallest_devices(shapes)
+        found[name] = least
+    return found
+
+
+def _demo_output(ratios: dict[str, str]) -> str:
     """What ``cupool demo --device sim`` prints above its streaming table, computed in this process.
 
     The demo's own functions with its arguments (sim, its default capacity, steps and seed), which are the
     figures it prints; only the streaming table and the check of the capacity (which change none of these) are
-    left out, to keep this quick.
+    left out, and the smallest devices are found from the README's ratios (``_smallest_devices``), to keep this
+    quick.
     """
     def make(**pool_kw):
         return cupool.Pool("sim", **pool_kw)
 
     shapes = workloads.mixed_shapes(DEMO_STEPS, seed=DEMO_SEED)
     rows = [demo.mixed_run(make(**pool_kw), name, shapes, kw) for name, pool_kw, kw in demo.SETTINGS]
-    smallest = demo.smallest_devices(shapes)
+    smallest = _smallest_devices(shapes, ratios)
     for row in rows:
         row.smallest = smallest[row.name]
     first = make()
@@ -214,6 +269,6 @@ def test_the_demo_table_is_what_the_demo_prints():
     head, *rows = _markdown_table("The demo")
     assert [DEMO_COLUMNS.get(c) for c in head[1:]] == list(DEMO_COLUMNS.values()), head
     readme = {r[0]: dict(zip(DEMO_COLUMNS.values(), r[1:], strict=True)) for r in rows}
-    out = _demo_output()
+    out = _demo_output(readme.get(f"{DEMO_STEPS} mixed layers: smallest device / live peak", {}))
     assert readme == _printed_figures(out), out
     assert "'plain, off' reproduces the source's fragmentation and segments at every step." in out

@@ -64,6 +64,14 @@ _NOT_COPIED = shutil.ignore_patterns(
 _USER_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
 
 
+@pytest.fixture(scope="module")
+def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One mypy cache for this module's user files: each run outside the checkout's cache reads typeshed and
+    numpy's stubs afresh, most of a cold run's time.  mypy keys its cache entries by module, file and options,
+    so a run never reuses another's results for cupool read from elsewhere or under other flags."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
 def _mypy(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mypy", *args], cwd=cwd, capture_output=True, text=True, timeout=600, check=False,
@@ -72,7 +80,7 @@ def _mypy(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subp
 
 
 @NEEDS_MYPY
-def test_an_editable_install_is_visible_to_mypy_strict(tmp_path: Path) -> None:
+def test_an_editable_install_is_visible_to_mypy_strict(tmp_path: Path, user_cache: Path) -> None:
     """``pip install -e .`` as the README does it, into a fresh venv, then ``mypy --strict`` on a user's file."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT, repo, ignore=_NOT_COPIED)
@@ -99,7 +107,7 @@ def test_an_editable_install_is_visible_to_mypy_strict(tmp_path: Path) -> None:
     )
     assert install.returncode == 0, install.stdout + install.stderr
     (tmp_path / "app.py").write_text(USER_CODE)
-    run = _mypy(["--strict", "--python-executable", str(python), "--cache-dir", str(tmp_path / "cache"), "app.py"],
+    run = _mypy(["--strict", "--python-executable", str(python), "--cache-dir", str(user_cache), "app.py"],
                 tmp_path)
     assert run.returncode == 0, f"mypy --strict on a user's file:\n{run.stdout}{run.stderr}"
 
@@ -125,11 +133,11 @@ REVEALED = (
 
 
 @NEEDS_MYPY
-def test_the_pools_arrays_and_recorder_have_real_types(tmp_path: Path) -> None:
+def test_the_pools_arrays_and_recorder_have_real_types(tmp_path: Path, user_cache: Path) -> None:
     """``reveal_type`` in a user's ``mypy --strict`` run, cupool read from this checkout's source."""
     (tmp_path / "app.py").write_text(REVEALS)
     env = dict(_USER_ENV, MYPYPATH=str(ROOT))
-    run = _mypy(["--strict", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"), "app.py"],
+    run = _mypy(["--strict", "--follow-imports=silent", "--cache-dir", str(user_cache), "app.py"],
                 tmp_path, env)
     revealed = [line.split("Revealed type is ", 1)[1].strip('"') for line in run.stdout.splitlines()
                 if "Revealed type is" in line]
@@ -161,12 +169,12 @@ typo = pool.stats()["allocated_bytes.all.peek"]
 
 
 @NEEDS_MYPY
-def test_a_stats_figure_is_an_int_to_mypy_strict(tmp_path: Path) -> None:
+def test_a_stats_figure_is_an_int_to_mypy_strict(tmp_path: Path, user_cache: Path) -> None:
     """``peak: int = pool.stats()[...]`` failed ``mypy --strict`` while stats() was ``dict[str, int | float]``."""
     env = dict(_USER_ENV, MYPYPATH=str(ROOT))
     (tmp_path / "good.py").write_text(STATS_CODE)
     (tmp_path / "bad.py").write_text(STATS_WRONG)
-    args = ["--strict", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache")]
+    args = ["--strict", "--follow-imports=silent", "--cache-dir", str(user_cache)]
     good = _mypy([*args, "good.py"], tmp_path, env)
     assert good.returncode == 0, f"mypy --strict on stats() figures:\n{good.stdout}{good.stderr}"
     bad = _mypy([*args, "bad.py"], tmp_path, env)

@@ -200,7 +200,7 @@ def test_a_clean_suite_passes(suite, tmp_path):
 def test_a_suite_killed_at_its_time_limit_fails_and_says_so(suite, tmp_path):
     slow = "import pytest, time\n\n@pytest.mark.gpu\ndef test_slow():\n    time.sleep(60)\n"
     (suite / "test_gpu.py").write_text(slow)
-    r = suites.gpu_tests(sim(tmp_path, tests=suite, timeout=3))
+    r = suites.gpu_tests(sim(tmp_path, tests=suite, timeout=1))  # its one test sleeps 60 s: any limit kills it
     assert r.status == FAILED and "killed at its time limit" in r.details
 
 

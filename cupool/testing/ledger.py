@@ -123,13 +123,12 @@ class Ledger:
     def _write(self, entry: Entry) -> None:
         if not entry.requested:
             return
-        data = np.full(entry.requested, entry.pattern, dtype=np.uint8)
         if isinstance(entry.obj, Movable):  # writing through a lease is what users do
             view = entry.obj.array(dtype=np.uint8)
             view[...] = entry.pattern
             del view
         else:
-            self.pool.device.from_host(entry.address, data)
+            self.pool.device.from_host(entry.address, np.full(entry.requested, entry.pattern, dtype=np.uint8))
 
     def entry(self, obj: Any) -> Entry:
         return self.entries[id(obj)]

@@ -11,6 +11,7 @@ file, and a quiet program killed a second and a half after its last event.
 from __future__ import annotations
 
 import os
+import queue
 import random
 import shutil
 import signal
@@ -35,48 +36,101 @@ TRIALS = [(seed, random.Random(seed).randint(*((90_000, 110_000) if seed < LONG 
 # Pair i allocates and frees 512 * (1 + i % 97) bytes; the child prints rec.flushed whenever it changes.
 _CHILD = textwrap.dedent(
     """
-    import sys
+    def trial(path, batch):
+        pool = cupool.Pool("sim", capacity="64MiB")
+        rec = pool.record(path, batch=batch, flush_interval=3600)
+        rec.start()
+        reported = -1
+        for i in range(10**9):
+            pool.malloc(512 * (1 + i % 97)).free()
+            if rec.flushed != reported:
+                reported = rec.flushed
+                print(reported, flush=True)
+    """
+)
+#: Starts each recording process: a fork of one interpreter that has imported cupool, so that the thirty
+#: recordings do not each pay for starting Python and importing cupool (most of their time).  For each line
+#: "path batch" it forks a recording, says "pid N", relays what the recording prints, and once the recording
+#: is dead (its output closed) says "exit CODE" (negative: the signal that ended it).
+_FORKER = _CHILD + textwrap.dedent(
+    """
+    import os, sys
     import cupool
-    pool = cupool.Pool("sim", capacity="64MiB")
-    rec = pool.record(sys.argv[1], batch=int(sys.argv[2]), flush_interval=3600)
-    rec.start()
-    reported = -1
-    for i in range(10**9):
-        pool.malloc(512 * (1 + i % 97)).free()
-        if rec.flushed != reported:
-            reported = rec.flushed
-            print(reported, flush=True)
+    for line in sys.stdin:
+        path, batch = line.split()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.dup2(w, 1)
+            sys.stdout = os.fdopen(1, "w")
+            try:
+                trial(path, int(batch))
+            finally:
+                os._exit(1)
+        os.close(w)
+        print("pid", pid, flush=True)
+        with os.fdopen(r, "rb") as out:
+            for chunk in iter(lambda: out.read1(65536), b""):
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+        print("exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
     """
 )
 
 
-def _kill_at(path: Path, events: int, seed: int) -> int:
+def _kill_at(forker: subprocess.Popen, path: Path, events: int, seed: int) -> int:
     """Kill a recording once it has flushed ``events`` events (plus up to a flush's time); the last flush it reported."""
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(BATCH)], stdout=subprocess.PIPE, text=True)
+    forker.stdin.write(f"{path} {BATCH}\n")
+    forker.stdin.flush()
+    pid = int(forker.stdout.readline().removeprefix("pid "))
     try:
         reported = 0
-        for line in proc.stdout:
+        for line in forker.stdout:
+            assert not line.startswith("exit"), f"the recording ended by itself: {line}"
             reported = int(line)
             if reported >= events:
                 break
         time.sleep(random.Random(seed).uniform(0, 0.002))  # anywhere in the next flush or so, flushes included
-        proc.send_signal(signal.SIGKILL)
-        rest = proc.stdout.read().split()
+        os.kill(pid, signal.SIGKILL)
+        rest = []
+        for line in forker.stdout:
+            if line.startswith("exit"):
+                break
+            rest.append(line)
         reported = int(rest[-1]) if rest else reported
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    assert int(line.split()[1]) == -signal.SIGKILL
     return reported
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> list[tuple[Path, int]]:
     folder = tmp_path_factory.mktemp("killed")
+    forkers: queue.Queue[subprocess.Popen] = queue.Queue()
+    for _ in range(2):  # two at a time: the processes wait on each other's kills
+        forkers.put(subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True))
+
+    def kill_at(path: Path, events: int, seed: int) -> int:
+        forker = forkers.get()
+        try:
+            return _kill_at(forker, path, events, seed)
+        finally:
+            forkers.put(forker)
+
     paths = [folder / f"killed-{seed}.h5" for seed, _ in TRIALS]
-    with ThreadPoolExecutor(2) as workers:  # two at a time: the processes wait on each other's kills
-        flushed = workers.map(_kill_at, paths, [events for _, events in TRIALS], [seed for seed, _ in TRIALS])
-        return list(zip(paths, flushed))
+    try:
+        with ThreadPoolExecutor(2) as workers:
+            flushed = workers.map(kill_at, paths, [events for _, events in TRIALS], [seed for seed, _ in TRIALS])
+            return list(zip(paths, flushed))
+    finally:
+        while not forkers.empty():
+            forker = forkers.get()
+            forker.stdin.close()
+            forker.wait(timeout=60)
 
 
 def test_killed_traces_open_with_plain_h5py(killed):
