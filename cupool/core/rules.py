@@ -2,9 +2,11 @@
 
 Charter: integers and booleans in, an answer out; no state, no device, no Numba.
 The pool calls these functions as they are; the numba replay engine compiles the
-very same functions (``njit(rule)`` in ``cupool.replay.engine*``), so a rule
-changed here changes in the pool and in its replay together, and
-``tests/test_rules.py`` checks each one exhaustively over small integers.
+very same functions inline wherever it calls them (``cupool.replay.engine_rules``
+registers each with ``register_jitable``), so a rule changed here changes in the
+pool and in its replay together (and recompiles the engine: ``SOURCES`` in
+``cupool.kernels.caching``), and ``tests/test_rules.py`` checks each one
+exhaustively over small integers.
 
 What stays outside: the data structures the rules decide over (the pool's
 linked blocks and sorted index in ``core/heap.py``, the engine's arrays and
@@ -21,7 +23,7 @@ free block's stream is the one whose frees it holds.
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
 | ``fits_before`` | best fit's order: which of two free blocks a request takes | ``Heap.find`` (and its index's order) | ``engine_heap._less`` |
-| ``usable`` | may a request on one stream take a block freed on another? | ``Heap.find``, ``Expander.need``/``stitch`` | ``engine_heap.find``, ``engine_memory.need``/``stitch`` |
+| ``usable`` | may a request on one stream take a block freed on another? | ``Expander.need``/``stitch`` (``Heap.find`` searches just the indexes of the streams it allows) | ``engine_memory.need`` (``engine_heap.find`` and ``stitch`` walk just those streams' trees) |
 | ``split_rest`` | what stays free when a request takes the front of a block | ``Heap.take`` | ``engine_heap.take`` |
 | ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
@@ -29,7 +31,7 @@ free block's stream is the one whose frees it holds.
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
-| ``after_free`` | what a free gives back at once: nothing, the segment, or its free tail (eager release) | ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
+| ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
 
 The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
