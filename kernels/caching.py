@@ -12,7 +12,10 @@ What.  Numba's own search for a cache folder, minus the in-tree one:
 ``NUMBA_CACHE_DIR`` when the user set it, else Numba's user-wide folder
 (``$XDG_CACHE_HOME/numba`` or ``~/.cache/numba``, where Numba already caches
 packages installed read-only), one subfolder per source folder, so that two
-environments never share entries.  Where no folder is writable the function is
+environments never share entries.  The folder is the source's real one: an editable
+install imports each file by two paths (``src/cupool/...`` from elsewhere,
+``cupool/...`` inside the checkout, and ``kernels/`` through a link), which would
+otherwise compile the engine once for each.  Where no folder is writable the function is
 compiled in each process, as with ``cache=False``.
 
 Why cache at all.  The replay engine takes about 40 s of CPU to compile on two busy cores and loads from the
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,17 +70,22 @@ def source_files(package: Path = _PACKAGE, sources: tuple[str, ...] = SOURCES) -
 
 
 def sources_stamp(package: Path = _PACKAGE, sources: tuple[str, ...] = SOURCES) -> str:
-    """A hash of the contents of every file of ``sources``: the part of a cache entry's stamp Numba's misses."""
+    """A hash of the contents of every file of ``sources``: the part of a cache entry's stamp Numba's misses.
+
+    Files are named relative to ``package``, so the stamp is the same wherever the package is
+    imported from (see ``_stamped``).
+    """
     files = source_files(package, sources)
-    return _hash_files(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    return _hash_files(str(package), tuple((str(f.relative_to(package)), f.stat().st_mtime_ns, f.stat().st_size)
+                                           for f in files))
 
 
 @functools.lru_cache(maxsize=8)
-def _hash_files(stamps: tuple[tuple[str, int, int], ...]) -> str:
+def _hash_files(package: str, stamps: tuple[tuple[str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for path, _, _ in stamps:  # mtime and size key the memo: an edited file is read again
-        h.update(path.encode())
-        h.update(Path(path).read_bytes())
+    for name, _, _ in stamps:  # mtime and size key the memo: an edited file is read again
+        h.update(name.encode())
+        h.update(Path(package, name).read_bytes())
     return h.hexdigest()
 
 
@@ -84,6 +93,14 @@ def _stamped(locator: Any) -> Any:
     """``locator``, whose stamp for a function of cupool also covers ``SOURCES``."""
 
     class Stamped(locator):
+        @classmethod
+        def get_suitable_cache_subpath(cls, py_file: str) -> str:
+            # The real file's folder: an editable install imports the same file as
+            # src/cupool/replay/engine.py from elsewhere and as cupool/replay/engine.py inside the
+            # checkout (and kernels/ through a link), and Numba's folder per path compiled the
+            # engine once for each (tests/test_numba_cache.py).
+            return str(super().get_suitable_cache_subpath(os.path.realpath(py_file)))
+
         def get_source_stamp(self) -> Any:
             own = super().get_source_stamp()
             py_file = getattr(self, "_py_file", None)

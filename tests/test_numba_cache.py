@@ -74,3 +74,26 @@ def test_the_engine_is_stamped_with_the_rule_book_too():
     own, rest = engine_heap.coalesce._cache._impl.locator.get_source_stamp()
     assert rest == caching.sources_stamp()
     assert "core/rules.py" in {str(f.relative_to(PACKAGE)) for f in caching.source_files()}
+
+
+def test_one_cache_whichever_path_imports_the_file(tmp_path, monkeypatch):
+    """An editable install imports each file as ``src/cupool/...`` from elsewhere and as ``cupool/...``
+    inside the checkout (``src/cupool`` is a link): both must find the same cache entries, or the
+    engine compiles once per path (40 s each; found running ``cupool replay`` outside the checkout
+    after the tests had filled the cache inside it)."""
+    real = tmp_path / "pkg"
+    (real / "replay").mkdir(parents=True)
+    (real / "replay" / "engine.py").write_text("def f(a):\n    return a\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "pkg").symlink_to(real, target_is_directory=True)
+    linked = tmp_path / "src" / "pkg"
+
+    monkeypatch.setattr(caching.numba.config, "CACHE_DIR", str(tmp_path / "cache"))
+    locator = next(c for c in caching._OutOfTreeCacheImpl._locator_classes if "UserProvided" in c.__name__)  # noqa: SLF001
+
+    def f(a):
+        return a
+
+    paths = {locator(f, str(base / "replay" / "engine.py")).get_cache_path() for base in (real, linked)}
+    assert len(paths) == 1
+    assert caching.sources_stamp(real, ("replay/*.py",)) == caching.sources_stamp(linked, ("replay/*.py",))
