@@ -66,7 +66,7 @@ from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_INITIAL, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM,
     C_VSPAN, DEV_ALLOCS, DEV_FREES, Engine, FREE, FREE_EXTENTS, FREE_INDEXED, FREE_INDEXED_LARGE, FREE_VA_RANGES,
-    F_MAX, F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NRF, NSEG, NSF, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
+    F_MAX, F_PEAK, F_SUM, GR_NONE, MOVING, NBF, NEXT, NIX, NPS, NRF, NSEG, NSF, N_ST, OOMS, PEAK_ALLOC, PEAK_RES,
     PEAK_SAMPLED, PEAK_SEG, PENDING, REGION_IDS, RES, ROOT, SAMPLES, SEG, SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR,
     S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, STREAMS_SEEN, UNMATCHED,
 )
@@ -307,9 +307,10 @@ def new_state(n_streams: int, cfg: np.ndarray) -> dict:
     va = np.zeros((2, cap + 2), np.int64)
     va[1, 0] = cfg[C_ARENA]
     st[FREE_VA_RANGES] = 1
-    # Per heap and stream + 1: free block count, seen, first-seen order (by position), tree root.
-    ps = np.zeros((2, 4, n_streams + 1), np.int64)
-    ps[:, ROOT, :] = -1
+    # Per heap and stream + 1: free block count, seen, first-seen order (by position), the bands'
+    # bitmap and their tree roots (engine_layout).
+    ps = np.zeros((2, NPS, n_streams + 1), np.int64)
+    ps[:, ROOT:, :] = -1
     E = Engine(
         st, np.zeros(3, np.float64), cfg,
         np.zeros((cap, NBF), np.int64), np.zeros(cap, np.int64),  # B (a row per block), FB

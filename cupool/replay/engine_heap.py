@@ -8,13 +8,14 @@ engine models and why.
 from __future__ import annotations
 
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 from ..core import rules
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_layout import (
-    ADDR, ALIVE, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE, IX_UP,
-    NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, STREAMS_SEEN,
+    ADDR, ALIVE, BITS, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE,
+    IX_UP, NBITS, NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, STREAMS_SEEN,
 )
 
 
@@ -51,11 +52,11 @@ def kill_block(B, FB, S, IX, st, PS, b):
 # O(log n) whatever the order of inserts and removals).  Why this shape:
 #
 # * best fit asks for the first free block, in (size, address) order, of
-#   the request's stream or anyone's.  One tree per (heap, stream) answers it
-#   with two descents (the stream's tree and anyone's, then the smaller
+#   the request's stream or anyone's.  Trees per (heap, stream) answer it
+#   with two searches (the stream's trees and anyone's, then the smaller
 #   of the two answers) instead of stepping over other streams' blocks;
 # * a settle reassigns all free blocks of one stream to anyone: that is an in-order walk of
-#   that stream's tree, O(its size), instead of a pass over the whole index;
+#   that stream's trees, O(their size), instead of a pass over the whole index;
 # * nodes are block ids, so the tree lives in IX[b, field] (a node's fields side by side, one cache line
 #   per node visited) and grows with B
 #   (``run`` keeps IX at least as long as B; ``replay`` grows both to the same
@@ -68,7 +69,44 @@ def kill_block(B, FB, S, IX, st, PS, b):
 #
 # A node's key is copied into IX when it is inserted, so that the tree never
 # depends on B's size/address rows changing under it (they do not while a block
-# is indexed, but a copy makes that a non-issue).  Roots are PS[h, ROOT, stream + 1].
+# is indexed, but a copy makes that a non-issue).
+#
+# Each (heap, stream) has one treap per size band (``band``), not one in all:
+# bands split the (size, address) order into consecutive runs, so a best fit is
+# a descent of the request's band and, if nothing there is large enough, the
+# first block of the next band that has any (a bitmap of the bands in use says
+# which).  A tree of about a thousand free blocks made every insert descend about
+# twelve levels, 40% of a replay's time; a band's tree holds a few dozen
+# (docs/benchmarks.md, "Replay engine speed").  Band b's root is
+# PS[h, ROOT + b, stream + 1], its bit in PS[h, BITS + b // 64, stream + 1].
+
+
+@njit(cache=True, _nrt=False)
+def band(size):
+    """The size band of ``size``: non-decreasing in size, which is all best fit needs of it.
+
+    A band per 512-byte unit below 8 KiB, then eight per doubling (the unit's leading four bits).
+    """
+    u = size >> 9
+    if u < 16:
+        return u
+    o = 63 - leading_zeros(u)  # floor(log2(u)) >= 4
+    return 16 + (o - 4) * 8 + ((u >> (o - 3)) & 7)
+
+
+@njit(cache=True, _nrt=False)
+def _next_band(PS, h, t, c):
+    """The first band from ``c`` on whose tree (heap ``h``, column ``t``) is not empty; -1: none."""
+    w = c >> 6
+    if w >= NBITS:
+        return -1
+    bits = PS[h, BITS + w, t] & (np.int64(-1) << (c & 63))
+    while bits == 0:
+        w += 1
+        if w >= NBITS:
+            return -1
+        bits = PS[h, BITS + w, t]
+    return (w << 6) + trailing_zeros(bits)
 
 
 @njit(cache=True, _nrt=False)
@@ -161,8 +199,9 @@ def ix_insert(B, IX, st, PS, h, b):
     IX[b, IX_ADDR] = addr
     IX[b, IX_PRI] = pri
     # Descend while the nodes outrank b, then b takes that subtree, split at its key.
+    c = band(size)
     parent, right = -1, False
-    node = PS[h, ROOT, t]
+    node = PS[h, ROOT + c, t]
     while node >= 0 and IX[node, IX_PRI] > pri:
         parent = node
         right = _less(IX, node, size, addr)
@@ -176,7 +215,8 @@ def ix_insert(B, IX, st, PS, h, b):
     if hi >= 0:
         IX[hi, IX_UP] = b
     if parent < 0:
-        PS[h, ROOT, t] = b
+        PS[h, ROOT + c, t] = b
+        PS[h, BITS + (c >> 6), t] |= np.int64(1) << (c & 63)
     elif right:
         IX[parent, IX_RIGHT] = b
     else:
@@ -195,7 +235,10 @@ def ix_remove(B, IX, st, PS, h, b):
     parent = IX[b, IX_UP]
     sub = _merge(IX, IX[b, IX_LEFT], IX[b, IX_RIGHT])
     if parent < 0:
-        PS[h, ROOT, t] = sub
+        c = band(IX[b, IX_SIZE])
+        PS[h, ROOT + c, t] = sub
+        if sub < 0:
+            PS[h, BITS + (c >> 6), t] &= ~(np.int64(1) << (c & 63))
     elif IX[parent, IX_RIGHT] == b:
         IX[parent, IX_RIGHT] = sub
     else:
@@ -220,10 +263,26 @@ def _first_fit(IX, node, size):
 
 
 @njit(cache=True, _nrt=False)
+def _best_fit(IX, PS, h, t, size):
+    """The first block of column ``t``'s trees in (size, address) order with at least ``size`` bytes; -1: none."""
+    c = band(size)
+    b = _first_fit(IX, PS[h, ROOT + c, t], size)
+    if b >= 0:
+        return b
+    c = _next_band(PS, h, t, c + 1)  # every block there is larger than any of band c
+    if c < 0:
+        return -1
+    node = PS[h, ROOT + c, t]
+    while IX[node, IX_LEFT] >= 0:
+        node = IX[node, IX_LEFT]
+    return node
+
+
+@njit(cache=True, _nrt=False)
 def find(IX, PS, h, size, stream):
-    """Best fit among blocks of ``stream`` or anyone's (``rules.usable``): the first of both trees' answers."""
-    a = _first_fit(IX, PS[h, ROOT, stream + 1], size) if stream >= 0 else -1
-    u = _first_fit(IX, PS[h, ROOT, 0], size)
+    """Best fit among blocks of ``stream`` or anyone's (``rules.usable``): the first of both columns' answers."""
+    a = _best_fit(IX, PS, h, stream + 1, size) if stream >= 0 else -1
+    u = _best_fit(IX, PS, h, 0, size)
     if a < 0:
         return u
     if u < 0 or _less(IX, a, IX[u, IX_SIZE], IX[u, IX_ADDR]):
@@ -236,18 +295,22 @@ def of_stream_into(E, h, t, out, stack):
     """The blocks of stream ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
     walk; ``stack`` is scratch, both at least one longer than the tree); how many."""
     IX, PS = E.IX, E.PS
-    sp, m = 0, 0
-    node = PS[h, ROOT, t + 1]
-    while node >= 0 or sp > 0:
-        while node >= 0:
-            stack[sp] = node
-            sp += 1
-            node = IX[node, IX_LEFT]
-        sp -= 1
-        node = stack[sp]
-        out[m] = node
-        m += 1
-        node = IX[node, IX_RIGHT]
+    m = 0
+    c = _next_band(PS, h, t + 1, 0)
+    while c >= 0:  # the bands in order, each tree in order
+        sp = 0
+        node = PS[h, ROOT + c, t + 1]
+        while node >= 0 or sp > 0:
+            while node >= 0:
+                stack[sp] = node
+                sp += 1
+                node = IX[node, IX_LEFT]
+            sp -= 1
+            node = stack[sp]
+            out[m] = node
+            m += 1
+            node = IX[node, IX_RIGHT]
+        c = _next_band(PS, h, t + 1, c + 1)
     return m
 
 

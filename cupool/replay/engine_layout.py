@@ -115,10 +115,16 @@ def _as_int(slot: str, value: Any) -> int:
 
 
 # The free index: per block id, a treap node (see engine_heap); per heap and stream + 1 in PS: free
-# block count, seen, first-seen order (by position), tree root.
+# block count, seen, first-seen order (by position), then NBITS words of a bitmap of the size bands
+# whose tree is not empty, then a tree root per size band (NBANDS of them).
 IX_SIZE, IX_ADDR, IX_LEFT, IX_RIGHT, IX_PRI, IX_UP = range(6)
 NIX = 6
-ROOT = 3
+#: Size bands (``engine_heap.band``): 16 of one 512-byte unit each, then 8 per doubling up to 2**63 bytes.
+NBANDS = 16 + 50 * 8
+NBITS = (NBANDS + 63) // 64
+BITS = 3
+ROOT = BITS + NBITS
+NPS = ROOT + NBANDS
 #: An empty entry of GR (no growing region for that size class and stream).
 GR_NONE = -1
 
