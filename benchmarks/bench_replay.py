@@ -10,8 +10,9 @@ The trace mixes small (< 1 MiB) and large (1-64 MiB) requests.  It allocates
 until ``--live`` blocks are live, then allocations and frees are equally likely
 while the live count stays between half of ``--live`` and ``--live`` (the mean
 is printed).  Throughput falls slowly as the live count grows: the compiled
-engine keeps its free index in per-stream treaps, O(log free blocks) per insert,
-removal or best-fit search, and more live blocks mean more cache misses.  Each
+engine keeps its free index in treaps per stream and size band, O(log free blocks
+in a band) per insert, removal or best-fit search, and more live blocks mean more
+cache misses.  Each
 row of ``SETTINGS`` is replayed on the numba engine and named for what it runs
 (``{}`` would be whatever the trace recorded, and for a synthetic trace the
 pool's defaults, expandable segments with stitching); the pool engine runs the
