@@ -8,7 +8,7 @@ engine models and why.
 from __future__ import annotations
 
 import numpy as np
-from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros  # LLVM's ctlz and cttz: no public name
 
 from ..core import rules
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
@@ -75,8 +75,8 @@ def kill_block(B, FB, S, IX, st, PS, b):
 # bands split the (size, address) order into consecutive runs, so a best fit is
 # a descent of the request's band and, if nothing there is large enough, the
 # first block of the next band that has any (a bitmap of the bands in use says
-# which).  A tree of about a thousand free blocks made every insert descend about
-# twelve levels, 40% of a replay's time; a band's tree holds a few dozen
+# which).  One tree of several hundred free blocks made every insert descend a
+# dozen levels, 40% of a replay's time; a band's tree holds a few dozen
 # (docs/benchmarks.md, "Replay engine speed").  Band b's root is
 # PS[h, ROOT + b, stream + 1], its bit in PS[h, BITS + b // 64, stream + 1].
 
@@ -292,8 +292,8 @@ def find(IX, PS, h, size, stream):
 
 @njit(cache=True, _nrt=False)
 def of_stream_into(E, h, t, out, stack):
-    """The blocks of stream ``t``'s tree in (size, address) order, written to ``out`` (an iterative in-order
-    walk; ``stack`` is scratch, both at least one longer than the tree); how many."""
+    """The blocks of stream ``t``'s trees in (size, address) order, written to ``out`` (the bands in order,
+    an iterative in-order walk of each; ``stack`` is scratch, both at least one longer than the trees); how many."""
     IX, PS = E.IX, E.PS
     m = 0
     c = _next_band(PS, h, t + 1, 0)
