@@ -266,16 +266,12 @@ def _first_fit(IX, node, size):
 def _best_fit(IX, PS, h, t, size):
     """The first block of column ``t``'s trees in (size, address) order with at least ``size`` bytes; -1: none."""
     c = band(size)
-    b = _first_fit(IX, PS[h, ROOT + c, t], size)
-    if b >= 0:
-        return b
-    c = _next_band(PS, h, t, c + 1)  # every block there is larger than any of band c
-    if c < 0:
-        return -1
-    node = PS[h, ROOT + c, t]
-    while IX[node, IX_LEFT] >= 0:
-        node = IX[node, IX_LEFT]
-    return node
+    while c >= 0:  # past the request's band every block is larger than the request: the first band in use answers
+        b = _first_fit(IX, PS[h, ROOT + c, t], size)
+        if b >= 0:
+            return b
+        c = _next_band(PS, h, t, c + 1)
+    return -1
 
 
 @njit(cache=True, _nrt=False)
