@@ -115,10 +115,26 @@ def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
               _event("free_completed", A, 12 * MiB, 3)]
     path = tmp_path / "vmm.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
-    assert main(["replay", str(path), "--config", "expandable_segments=false"]) == 0
-    assert "warning: the recording ran on expandable segments; this replay uses plain segments" in \
-        capsys.readouterr().out
+    assert main(["replay", str(path), "--config", "upstream=managed"]) == 0
+    assert "warning: the recording ran on expandable segments; this replay uses plain segments from the managed" \
+        in capsys.readouterr().out
     assert not replay(load_trace(path), {"expandable_segments": True}, engine="pool").warnings
+
+
+def test_plain_segments_asked_for_are_not_warned_of(tmp_path, capsys):
+    """Before: ``--compare recorded expandable_segments=false`` warned, on its second row, that the replay
+    used plain segments, which is what that row asked for (issue 36, item 18)."""
+    events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
+              _event("free_completed", A, 12 * MiB, 3)]
+    path = tmp_path / "vmm.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    for engine in ("numba", "pool"):
+        r = replay(load_trace(path), {"expandable_segments": False}, engine=engine)
+        assert r.config["expandable_segments"] is False and not r.warnings
+    for args in (["--config", "expandable_segments=false"], ["--compare", "recorded", "expandable_segments=false"]):
+        assert main(["replay", str(path), *args]) == 0
+        out = capsys.readouterr().out
+        assert "expandable_segments=False" in out and "warning" not in out, out
 
 
 def test_the_plain_segments_warning_reads_the_settings_the_pool_resolved(tmp_path, capsys):

@@ -162,10 +162,12 @@ def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
     return {k: resolved[k] for k in order}
 
 
-def plain_replay_warning(trace: Trace, resolved: dict[str, Any]) -> str | None:
+def plain_replay_warning(trace: Trace, resolved: dict[str, Any], given: dict[str, Any] | None) -> str | None:
     """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the
-    settings it ran with)."""
-    if recorded_on_vmm(trace) and not resolved.get("expandable_segments"):
+    settings it ran with) that the caller did not ask for: ``given`` (the caller's settings) holding
+    ``expandable_segments=False`` asked for plain segments, and is told nothing it does not know."""
+    asked = given is not None and given.get("expandable_segments") is False
+    if recorded_on_vmm(trace) and not resolved.get("expandable_segments") and not asked:
         upstream = resolved.get("upstream", "device")
         if upstream != "device":
             return (f"the recording ran on expandable segments; this replay uses plain segments from the {upstream} "

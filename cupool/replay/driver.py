@@ -129,7 +129,7 @@ def replay(
         from .numba_engine import replay_numba  # imports numba: only when it is used
 
         result = replay_numba(trace, cfg, n, timeline, progress, config)[0]
-    warning = plain_replay_warning(trace, result.config)  # the settings the pool resolved, not the given ones
+    warning = plain_replay_warning(trace, result.config, config)  # the settings the pool resolved
     if warning:
         result.warnings.append(warning)
     return result
