@@ -169,7 +169,7 @@ def test_a_still_picture_compared_says_so(tmp_path, capsys):
     _still(path, None)
     assert main(["replay", str(path), "--compare", "recorded", "expandable_segments=true", "release_threshold=0"]) == 0
     out = capsys.readouterr().out
-    assert "no history to replay: this snapshot records no events, only the 2 blocks alive" in out
+    assert "no history to replay: the events above are only the 2 blocks alive" in out
     assert out.index("no history") < out.index("configuration")
 
 

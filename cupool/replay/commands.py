@@ -209,8 +209,10 @@ def _upstream_note(r: ReplayResult) -> str:
 
 
 def _still_note(blocks: int) -> str:
-    return (f"no history to replay: this snapshot records no events, only the {blocks} blocks alive when it was "
-            "taken; what follows is that still picture, allocated on a fresh pool")
+    return (f"no history to replay: the events above are only the {blocks} blocks alive when this snapshot was "
+            "taken, and their segments; what follows is that still picture, allocated on a fresh pool.  It records "
+            "no request either: if it was taken at an out-of-memory error, the request that failed is not in it "
+            "(a request over the largest free block below needed a new segment)")
 
 
 def _warn(r: ReplayResult) -> None:
