@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupool
-from cupool.replay import recorded_segments, replay
+from cupool.replay import layout, recorded_segments, replay
 from cupool.trace import Trace, load_trace
 
 MiB = 1 << 20
@@ -61,6 +61,8 @@ def _counts_agree(trace: Trace, stats: dict) -> None:
         r = replay(trace, engine=engine)
         assert (r.peak_segments, r.segment_allocs, r.segment_frees) == segments, engine
         assert (r.device_allocs, r.device_frees) == calls, engine
+        # The report's segment map (``layout``) draws the segments the pool holds at the end.
+        assert len(layout(trace, engine=engine)) == stats["segment.all.current"], engine
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["malloc", "malloc", "free", "empty_cache"]), st.sampled_from(SIZES),
