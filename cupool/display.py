@@ -9,7 +9,11 @@ The map draws one bar per segment, blocks to scale within it and coloured by
 state.  A notebook must stay responsive for a pool of 100k blocks, so the number
 of SVG elements is capped (``MAX_ELEMENTS``): blocks too narrow to see are drawn
 together as one "many blocks" run, at most ``MAX_ROWS`` segments are drawn, and
-the output says how much was coalesced or left out.  Every text that reaches the
+the output says how much was coalesced or left out.  A run fills the height of
+its bar in proportion to the bytes in use in it, so that free blocks too narrow
+to draw still show, as low runs: a 2 GiB segment of 800 blocks with a third of
+its bytes free in holes between them reads as a third lower, not as a solid
+comb.  Tooltips count the blocks in use and the free ones apart.  Every text that reaches the
 HTML goes through ``html.escape``.
 """
 
@@ -37,7 +41,8 @@ STATES: dict[str, tuple[str, str]] = {
     "movable": (BLOCKS["movable"], "a movable buffer: compaction may move it, the ladder may spill it"),
     "leased": (BLOCKS["leased"], "a movable buffer pinned by a live array from .array()"),
     "free": (BLOCKS["free"], "free space in a segment, ready for reuse"),
-    "many": (BLOCKS["many"], "many blocks too narrow to draw one by one; darker: more of them in use (hover for counts)"),
+    "many": (BLOCKS["many"], "many blocks too narrow to draw one by one, as high as the share of their bytes in use "
+                             "(hover for counts)"),
 }
 #: Segments drawn at most, in address order; the rest are counted in a note.
 MAX_ROWS = 100
@@ -188,7 +193,7 @@ class _Piece:
     state: str
     tip: str
     blocks: int = 1
-    opacity: float = 1.0  # a run of many blocks: the share of its bytes in use, shown as depth of shade
+    used: float = 1.0  # a run of many blocks: the share of its bytes in use, drawn as the share of the bar's height
 
 
 def _segment_map(picture: Picture) -> tuple[str, list[str]]:
@@ -207,7 +212,10 @@ def _segment_map(picture: Picture) -> tuple[str, list[str]]:
         label = f"{seg.addr:#x} {format_bytes(seg.size)} {'small' if seg.small else 'large'}"
         label += " kept" if seg.keep else ""
         label += f" stream {seg.stream}" if seg.stream else ""
-        tip = f"segment {label}: {format_bytes(seg.used)} used in {count(len(seg.blocks), 'block')}"
+        free = [b for b in seg.blocks if picture.state(b) == "free"]
+        tip = f"segment {label}: {format_bytes(seg.used)} used in {count(len(seg.blocks) - len(free), 'block')}"
+        if free:
+            tip += f", {format_bytes(sum(b.size for b in free))} free in {count(len(free), 'block')}"
         parts.append(f'<text x="0" y="{y + _ROW_H - 2}">{e(label)}</text>')
         parts.append(
             f'<rect x="{_LABEL_W}" y="{y}" width="{_BAR_W}" height="{_ROW_H}" fill="{STATES["free"][0]}" '
@@ -222,9 +230,10 @@ def _segment_map(picture: Picture) -> tuple[str, list[str]]:
             if piece.state == "many":
                 runs += 1
                 coalesced += piece.blocks
+            h = _ROW_H * piece.used  # from the bar's foot up; the rest of the height is the bar's free colour
             parts.append(
-                f'<rect x="{_LABEL_W + piece.x:.1f}" y="{y}" width="{piece.w:.2f}" height="{_ROW_H}" '
-                f'fill="{STATES[piece.state][0]}" fill-opacity="{piece.opacity:.2f}" stroke="#fff" stroke-width="0.3">'
+                f'<rect x="{_LABEL_W + piece.x:.1f}" y="{y + _ROW_H - h:.2f}" width="{piece.w:.2f}" height="{h:.2f}" '
+                f'fill="{STATES[piece.state][0]}" stroke="#fff" stroke-width="0.3">'
                 f"<title>{e(piece.tip)}</title></rect>"
             )
     height = len(drawn) * (_ROW_H + _GAP)
@@ -265,13 +274,7 @@ def _pieces(seg: SegmentInfo, picture: Picture, min_px: float) -> list[_Piece]:
         if len(run) == 1:
             out.append(_block_piece(run[0], picture, x, w))
         else:
-            states = Counter(picture.state(b) for b in run)
-            if set(states) != {"free"}:
-                counts = ", ".join(f"{n} {s}" for s, n in states.most_common())
-                nbytes = sum(b.size for b in run)
-                used = sum(b.size for b in run if not b.free) / nbytes
-                tip = f"{len(run)} blocks, {format_bytes(nbytes)} from {run[0].addr:#x}: {counts}"
-                out.append(_Piece(x, w, "many", tip, len(run), 0.25 + 0.75 * used))
+            out.append(_run_piece(run, picture, x, w))
         run.clear()
 
     for b in seg.blocks:
@@ -283,7 +286,19 @@ def _pieces(seg: SegmentInfo, picture: Picture, min_px: float) -> list[_Piece]:
             if (b.addr + b.size - run[0].addr) * scale >= min_px:
                 flush()
     flush()
-    return [p for p in out if p.state != "free"]
+    return [p for p in out if p.state != "free" and p.used > 0]
+
+
+def _run_piece(run: list[BlockInfo], picture: Picture, x: float, w: float) -> _Piece:
+    """Blocks too narrow to draw one by one, as one piece: its tooltip counts those in use apart from the free."""
+    in_use = [b for b in run if picture.state(b) != "free"]
+    free = len(run) - len(in_use)
+    nbytes = sum(b.size for b in run)
+    used = sum(b.size for b in in_use)
+    states = ", ".join(f"{n} {s}" for s, n in Counter(picture.state(b) for b in in_use).most_common())
+    tip = (f"{format_bytes(nbytes)} from {run[0].addr:#x}: {count(len(in_use), 'block')} in use "
+           f"({format_bytes(used)}: {states or 'none'}), {count(free, 'block')} free ({format_bytes(nbytes - used)})")
+    return _Piece(x, w, "many", tip, len(run), used / nbytes)
 
 
 def _block_piece(b: BlockInfo, picture: Picture, x: float, w: float) -> _Piece:

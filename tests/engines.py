@@ -13,8 +13,8 @@ from cupool.replay import replay
 from cupool.trace import Trace
 
 #: Peaks and counts: the numba engine must equal the pool engine on these for every trace.
-COUNTS = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "ooms",
-          "unmatched_frees")
+COUNTS = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "device_allocs",
+          "device_frees", "ooms", "unmatched_frees")
 #: ... and on these too, wherever both lay blocks out alike (not where the numba engine follows
 #: recorded moves that the pool engine, compacting by itself, makes its own way).
 AGREED = (*COUNTS, "max_fragmentation", "mean_fragmentation", "fragmentation_at_peak")

@@ -215,3 +215,64 @@ def test_counts_in_the_map_are_singular_when_one():
     notes = " ".join(p.text or "" for p in root.iter("p"))
     assert "drawn as 1 run of many blocks" in notes, notes
     del whole, tiny
+
+
+def _large_fragmented_pool() -> tuple[cupool.Pool, list]:
+    """About 800 blocks of 1-5 MiB in one expandable segment of about 2 GiB, every third freed: a third of the
+    bytes free in holes a pixel or less wide (issue 36, item 15)."""
+    rng = np.random.default_rng(1)
+    pool = cupool.Pool("sim", capacity="4GiB", defrag_threshold=None)
+    held = [pool.malloc(int(rng.integers(1, 5)) * MiB + int(rng.integers(0, 1000)) * 512) for _ in range(800)]
+    for a in held[::3]:
+        a.free()
+    return pool, [a for i, a in enumerate(held) if i % 3]
+
+
+def test_the_map_of_a_large_pool_shows_its_holes():
+    """Before: every run of narrow blocks filled its bar's height, so a segment with a third of its bytes in
+    holes was drawn as a solid comb.  The drawn height now holds the bytes in use: the dark area is the
+    segment's used share, run by run."""
+    pool, held = _large_fragmented_pool()
+    with pool.hold() as view:
+        (seg,) = view.segments()
+    frag = pool.stats()["fragmentation"]
+    assert 0.3 < frag < 0.4 and seg.size > (1 << 30)
+    _, root = parse(pool)
+    rects = list(the_svg(root).iter(f"{SVG}rect"))[1:]  # the first is the bar itself, drawn in the free colour
+    assert len(rects) > 100
+    area = sum(float(r.get("width")) * float(r.get("height")) for r in rects)
+    bar_w, row_h = display._BAR_W, display._ROW_H
+    # Pieces are placed to 0.1 px and sized to 0.01 px: their area matches the bytes in use to a few px.
+    assert area / (bar_w * row_h) == pytest.approx(seg.used / seg.size, abs=0.01)
+    assert abs(area / (bar_w * row_h) - (1 - frag)) < 0.02
+    heights = {round(float(r.get("height")), 1) for r in rects}
+    assert len(heights) > 10  # runs differ: where the holes are shows
+    for r in rects:  # every piece stands on the bar's foot
+        assert float(r.get("y")) + float(r.get("height")) == pytest.approx(row_h, abs=0.01)
+    del held
+
+
+def test_a_runs_tooltip_counts_the_free_blocks_apart_from_those_in_use():
+    """Before: "3 blocks, 7 MiB from 0x...: 2 allocated, 1 free" counted free blocks among the run's blocks,
+    and the segment's "used in 801 blocks" counted them among the used ones (issue 36, item 15)."""
+    pool, held = _large_fragmented_pool()
+    with pool.hold() as view:
+        (seg,) = view.segments()
+    _, root = parse(pool)
+    runs = [t for t in tips(root) if " in use (" in t]
+    assert runs
+    pattern = re.compile(r"^(\S+ \S+) from 0x[0-9a-f]+: (\d+) blocks? in use \((\S+ \S+): (.+)\), "
+                         r"(\d+) blocks? free \((\S+ \S+)\)$")
+    in_use = free = 0
+    for tip in runs:
+        m = pattern.match(tip)
+        assert m, tip
+        named = sum(int(part.split()[0]) for part in m.group(4).split(", "))
+        assert named == int(m.group(2)) and "free" not in m.group(4), tip
+        in_use, free = in_use + int(m.group(2)), free + int(m.group(5))
+    n_free = sum(b.free for b in seg.blocks)
+    assert in_use <= len(seg.blocks) - n_free and 0 < free <= n_free
+    (tip,) = [t for t in tips(root) if t.startswith("segment ")]
+    assert tip.endswith(f"used in {len(seg.blocks) - n_free} blocks, "
+                        f"{cupool.format_bytes(seg.size - seg.used)} free in {n_free} blocks"), tip
+    del held

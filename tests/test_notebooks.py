@@ -138,8 +138,8 @@ def test_quickstart_shows_its_holes(executed):
     cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("small = "))
     svg = next(o["data"]["text/html"] for o in cell.outputs if "text/html" in o.get("data", {}))
     rows: dict[str, list[tuple[float, float]]] = {}  # a bar's blocks; free space is the bar showing between them
-    for x, y, w in re.findall(r'<rect x="([\d.]+)" y="(\d+)" width="([\d.]+)"', svg):
-        rows.setdefault(y, []).append((float(x), float(w)))
+    for x, y, w, h in re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg):
+        rows.setdefault(round(float(y) + float(h)), []).append((float(x), float(w)))  # pieces stand on the bar's foot
     holes = []
     for bar, *blocks in rows.values():  # the first rect of a row is its segment's whole bar
         blocks.sort()

@@ -49,7 +49,8 @@ def test_the_recorded_calls_replay_to_the_recorded_peaks():
         for engine in ("numba", "pool"):
             r = replay(trace, engine=engine)
             assert r.peak_reserved == stats["reserved_bytes.all.peak"], (config, engine)
-            assert (r.segment_allocs, r.segment_frees) == (stats["num_device_alloc"], stats["num_device_free"])
+            assert (r.device_allocs, r.device_frees) == (stats["num_device_alloc"], stats["num_device_free"])
+            assert (r.segment_allocs, r.segment_frees) == (stats["segment.all.allocated"], stats["segment.all.freed"])
 
 
 def test_a_compact_call_is_an_event_and_marked():

@@ -287,7 +287,7 @@ def test_a_cupool_trace_is_not_given_extra_empty_caches(tmp_path):
             pool.malloc(30 * MiB).free()
     trace = load_trace(tmp_path / "t.h5")
     for engine in ("numba", "pool"):
-        assert replay(trace, engine=engine).segment_frees == pool.stats()["num_device_free"] == 3
+        assert replay(trace, engine=engine).device_frees == pool.stats()["num_device_free"] == 3
 
 
 def _shared(name: str) -> Path:

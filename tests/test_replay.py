@@ -25,8 +25,8 @@ def _recorded(pool_stats, r):
     assert r.peak_reserved == pool_stats["reserved_bytes.all.peak"]
     assert r.peak_allocated == pool_stats["allocated_bytes.all.peak"]
     assert r.peak_segments == pool_stats["segment.all.peak"]
-    assert r.segment_allocs == pool_stats["num_device_alloc"]
-    assert r.segment_frees == pool_stats["num_device_free"]
+    assert (r.segment_allocs, r.segment_frees) == (pool_stats["segment.all.allocated"], pool_stats["segment.all.freed"])
+    assert (r.device_allocs, r.device_frees) == (pool_stats["num_device_alloc"], pool_stats["num_device_free"])
     assert r.ooms == pool_stats["num_ooms"]
 
 

@@ -46,7 +46,7 @@ def test_stitching_under_pressure_is_modelled():
     plain = _agree(trace, {"capacity": "64MiB", "expandable_segments": True, "stitch": False})
     stitched = _agree(trace, {"capacity": "64MiB", "expandable_segments": True, "stitch": True})
     assert plain.ooms == stitched.ooms == 0
-    assert (plain.segment_allocs, plain.segment_frees) == (stitched.segment_allocs, stitched.segment_frees) == (8, 3)
+    assert (plain.device_allocs, plain.device_frees) == (stitched.device_allocs, stitched.device_frees) == (8, 3)
 
 
 def test_a_recorded_expandable_pool_replays_alike_on_both_engines():

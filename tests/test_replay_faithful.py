@@ -50,7 +50,7 @@ def _recorded_run(config, program):
 def _same_as_recorded(trace, stats, engines=("numba", "pool")):
     for engine in engines:
         r = replay(trace, engine=engine)
-        got = (r.peak_reserved, r.segment_allocs, r.segment_frees, r.ooms)
+        got = (r.peak_reserved, r.device_allocs, r.device_frees, r.ooms)
         want = (stats["reserved_bytes.all.peak"], stats["num_device_alloc"], stats["num_device_free"],
                 stats["num_ooms"])
         assert got == want, engine

@@ -31,7 +31,7 @@ def _figures(stats: dict) -> tuple[int, ...]:
 
 
 def _replayed(r) -> tuple[int, ...]:
-    return (r.peak_reserved, r.peak_allocated, r.peak_segments, r.segment_allocs, r.segment_frees, r.ooms)
+    return (r.peak_reserved, r.peak_allocated, r.peak_segments, r.device_allocs, r.device_frees, r.ooms)
 
 
 def _run(config: dict, ops: list[tuple[int, int, int]], capacity: int | str = "64MiB"):

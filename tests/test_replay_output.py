@@ -40,8 +40,8 @@ def test_both_engines_start_a_mid_run_window_from_the_recorded_cache(tmp_path):
     """Before: the pool engine started fresh (6.20 against 3.64 GiB on a real trace)."""
     _cached_mid_run(tmp_path / "mid.pickle")
     trace = load_trace(tmp_path / "mid.pickle")
-    fields = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "ooms",
-              "fragmentation_at_peak", "max_fragmentation", "mean_fragmentation")
+    fields = ("peak_reserved", "peak_allocated", "peak_segments", "segment_allocs", "segment_frees", "device_allocs",
+              "device_frees", "ooms", "fragmentation_at_peak", "max_fragmentation", "mean_fragmentation")
     for cfg in ({"capacity": "1GiB"}, {"capacity": "1GiB", "release_threshold": 0}):
         fast, exact = replay(trace, cfg), replay(trace, cfg, engine="pool")
         assert {k: getattr(fast, k) for k in fields} == {k: getattr(exact, k) for k in fields}, cfg
@@ -52,9 +52,9 @@ def test_both_engines_start_a_mid_run_window_from_the_recorded_cache(tmp_path):
     # 50 MiB block then needs a segment of its own.  On the recorded (plain) segments A stays whole
     # (40 MiB); on expandable ones its free tail goes back too, and its old 20 MiB block is left.
     eager = replay(trace, {"capacity": "1GiB", "release_threshold": 0})
-    assert eager.peak_reserved == (40 + 50) * MiB and eager.segment_frees >= 1
+    assert eager.peak_reserved == (40 + 50) * MiB and eager.device_frees >= 1
     eager = replay(trace, {"capacity": "1GiB", "release_threshold": 0, "expandable_segments": True})
-    assert eager.peak_reserved == (20 + 50) * MiB and eager.segment_frees >= 1
+    assert eager.peak_reserved == (20 + 50) * MiB and eager.device_frees >= 1
 
 
 @settings(max_examples=25, deadline=None)
@@ -87,7 +87,8 @@ def test_engines_agree_on_generated_mid_run_windows(tmp_path_factory, segs, ops,
     trace = load_trace(path)
     config = {"capacity": "512MiB", **cfg}
     fast, exact = replay(trace, config), replay(trace, config, engine="pool")
-    fields = ("peak_reserved", "peak_allocated", "segment_allocs", "segment_frees", "ooms", "peak_segments")
+    fields = ("peak_reserved", "peak_allocated", "segment_allocs", "segment_frees", "device_allocs", "device_frees",
+              "ooms", "peak_segments")
     assert {k: getattr(fast, k) for k in fields} == {k: getattr(exact, k) for k in fields}
 
 
@@ -115,10 +116,26 @@ def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
               _event("free_completed", A, 12 * MiB, 3)]
     path = tmp_path / "vmm.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
-    assert main(["replay", str(path), "--config", "expandable_segments=false"]) == 0
-    assert "warning: the recording ran on expandable segments; this replay uses plain segments" in \
-        capsys.readouterr().out
+    assert main(["replay", str(path), "--config", "upstream=managed"]) == 0
+    assert "warning: the recording ran on expandable segments; this replay uses plain segments from the managed" \
+        in capsys.readouterr().out
     assert not replay(load_trace(path), {"expandable_segments": True}, engine="pool").warnings
+
+
+def test_plain_segments_asked_for_are_not_warned_of(tmp_path, capsys):
+    """Before: ``--compare recorded expandable_segments=false`` warned, on its second row, that the replay
+    used plain segments, which is what that row asked for (issue 36, item 18)."""
+    events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
+              _event("free_completed", A, 12 * MiB, 3)]
+    path = tmp_path / "vmm.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    for engine in ("numba", "pool"):
+        r = replay(load_trace(path), {"expandable_segments": False}, engine=engine)
+        assert r.config["expandable_segments"] is False and not r.warnings
+    for args in (["--config", "expandable_segments=false"], ["--compare", "recorded", "expandable_segments=false"]):
+        assert main(["replay", str(path), *args]) == 0
+        out = capsys.readouterr().out
+        assert "expandable_segments=False" in out and "warning" not in out, out
 
 
 def test_the_plain_segments_warning_reads_the_settings_the_pool_resolved(tmp_path, capsys):

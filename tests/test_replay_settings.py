@@ -97,7 +97,7 @@ def test_a_cupool_trace_replays_under_exactly_its_recorded_settings(tmp_path):
         r = replay(load_trace(path), engine=engine)
         assert {k: r.config[k] for k in ("expandable_segments", "stitch", "release_threshold")} == \
             {"expandable_segments": True, "stitch": False, "release_threshold": 16 * MiB}
-        assert (r.peak_reserved, r.segment_allocs, r.segment_frees) == \
+        assert (r.peak_reserved, r.device_allocs, r.device_frees) == \
             (s["reserved_bytes.all.peak"], s["num_device_alloc"], s["num_device_free"])
 
 
@@ -169,7 +169,7 @@ def test_a_still_picture_compared_says_so(tmp_path, capsys):
     _still(path, None)
     assert main(["replay", str(path), "--compare", "recorded", "expandable_segments=true", "release_threshold=0"]) == 0
     out = capsys.readouterr().out
-    assert "no history to replay: this snapshot records no events, only the 2 blocks alive" in out
+    assert "no history to replay: the events above are only the 2 blocks alive" in out
     assert out.index("no history") < out.index("configuration")
 
 

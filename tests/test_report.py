@@ -310,7 +310,7 @@ def _many_segments(tmp_path, n=60):
 def test_the_segment_maps_labels_never_overlap(tmp_path, monkeypatch):
     fig, _ = _figure(monkeypatch, _many_segments(tmp_path))
     segment_map = fig.axes[-1]
-    assert "60 segments (the 48 largest of 60)" in segment_map.get_title()
+    assert "60 segments (the 48 largest of 60, largest first)" in segment_map.get_title()
     renderer = fig.canvas.get_renderer()
     boxes = sorted((t.get_window_extent(renderer) for t in segment_map.get_yticklabels()), key=lambda b: b.y0)
     assert len(boxes) == 48
@@ -334,3 +334,89 @@ def test_the_report_draws_blocks_in_the_jupyter_maps_colours(tmp_path, monkeypat
               zip(fig.axes[-1].get_legend().get_texts(), fig.axes[-1].get_legend().legend_handles)}
     assert legend == {"allocated": allocated, "free": free}
     assert "1 segment;" in fig.axes[-1].get_title()  # not "1 segments"
+
+
+def test_fragmentation_is_not_drawn_where_nothing_is_allocated(tmp_path, monkeypatch):
+    """Before: the curve was 1.0 wherever the pool held only cache, against its title's
+    "while anything is allocated" and the summary's maximum (issue 36, item 14)."""
+    pool = cupool.Pool("sim", capacity="256MiB")
+    path = tmp_path / "idle.h5"
+    with pool.record(path):
+        for size in (3 * MiB, 5 * MiB, 1 * MiB):
+            a = pool.malloc(size)
+            b = pool.malloc(size // 3)
+            a.free()
+            b.free()  # nothing allocated, the segments kept
+    trace = load_trace(path)
+    data = report_data(trace)
+    idle = data.allocated == 0
+    assert idle.any() and (data.reserved[idle] > 0).any()
+    assert np.isnan(data.fragmentation[idle]).all() and not np.isnan(data.fragmentation[~idle]).any()
+    assert np.nanmax(data.fragmentation) == pytest.approx(data.summary["max_fragmentation"])
+    assert data.summary["max_fragmentation"] < 1.0
+    fig, _ = _figure(monkeypatch, trace)
+    panel = fig.axes[1]
+    (curve,) = [line for line in panel.get_lines() if line.get_label() == "fragmentation"]
+    assert np.nanmax(curve.get_ydata()) < 1.0
+
+
+def test_the_fragmentation_panel_names_its_bands(tmp_path, monkeypatch):
+    """Before: three coloured bands (0.15, 0.30, 0.40) had no legend (issue 36, item 14).
+    They are the Monitor's severity bands, and the legend names each with its bounds."""
+    from matplotlib.colors import to_hex
+
+    from cupool.observe.monitor import severity
+
+    path, _ = _trace(tmp_path)
+    fig, _ = _figure(monkeypatch, load_trace(path))
+    panel = fig.axes[1]
+    legend = panel.get_legend()
+    assert legend.get_title().get_text() == "bands: cupool.Monitor's\nseverity"
+    assert _legend(panel) == ["fragmentation", "moderate: 0.15-0.30", "serious: 0.30-0.40", "severe: >= 0.40"]
+    named = {t.get_text(): to_hex(h.get_facecolor()) for t, h in zip(legend.get_texts(), legend.legend_handles)
+             if t.get_text() != "fragmentation"}
+    assert len(panel.patches) == 3  # every band drawn is one the legend names, in its colour
+    for band in panel.patches:
+        label = band.get_label()
+        assert label in named and to_hex(band.get_facecolor()) == named[label], label
+        name, bounds = label.split(": ")
+        lo = float(bounds.split("-")[0].removeprefix(">= "))
+        assert severity(lo) == name and severity(lo - 0.001) != name  # the Monitor's band starts there
+
+
+def test_the_largest_segments_are_drawn_largest_first(tmp_path, monkeypatch):
+    """Before: "the 48 largest of 60" were drawn in address order (issue 36, item 14)."""
+    from cupool.replay.report import shown_segments
+
+    trace = _many_segments(tmp_path)
+    data = report_data(trace)
+    rows, note = shown_segments(data.segments)
+    sizes = [seg["size"] for seg in rows]
+    assert len(rows) == 48 and sizes == sorted(sizes, reverse=True)
+    assert min(sizes) >= max(seg["size"] for seg in data.segments if seg not in rows)
+    assert note == " (the 48 largest of 60, largest first)"
+    fig, _ = _figure(monkeypatch, trace)
+    labels = [t.get_text() for t in fig.axes[-1].get_yticklabels()]
+    assert labels == [f"{seg['kind'][0]} {cupool.format_bytes(seg['size'])}" for seg in rows]
+    few = data.segments[:10]  # all of them fit: address order, and the title says nothing of order
+    assert shown_segments(few) == (sorted(few, key=lambda seg: seg["address"]), "")
+
+
+def test_a_still_picture_counts_blocks_not_events_and_says_what_it_cannot_of_an_oom(tmp_path, monkeypatch, capsys):
+    """Before: the title said "9 events", the panel "records only the blocks", and nothing was said of
+    an out-of-memory error the snapshot may have been taken at (issue 36, item 14)."""
+    A = 1 << 32
+    segments = [_segment(A, [(8 * MiB, True), (4 * MiB, False), (8 * MiB, True)], 20 * MiB),
+                _segment(A + (64 * MiB), [(512, True), (2 * MiB - 512, False)], 2 * MiB, "small")]
+    trace = _still(tmp_path / "still.pickle", segments)
+    fig, _ = _figure(monkeypatch, trace)
+    title = fig.get_suptitle()
+    assert "a still picture of 3 blocks" in title and "event" not in title
+    panel = fig.axes[0].get_title()
+    assert "only the 3 blocks alive when it was taken, in 2 segments" in panel
+    assert "the request that failed is not in it" in panel
+    assert "any request over 4 MiB (the largest free block) needed a new segment" in panel
+    assert main(["replay", str(tmp_path / "still.pickle")]) == 0
+    out = capsys.readouterr().out
+    assert "records no events" not in out
+    assert "the request that failed is not in it" in out

@@ -183,5 +183,5 @@ def test_the_ladder_frees_what_empty_cache_would(config):
     trace = rec.trace()
     for engine in ("numba", "pool"):
         r = replay(trace, engine=engine)
-        assert (r.ooms, r.peak_reserved, r.segment_allocs, r.segment_frees) == (
+        assert (r.ooms, r.peak_reserved, r.device_allocs, r.device_frees) == (
             0, stats["reserved_bytes.all.peak"], stats["num_device_alloc"], stats["num_device_free"]), engine

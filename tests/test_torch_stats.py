@@ -165,6 +165,23 @@ def test_memory_summary_shows_the_figures(scripted):
     assert "| Non-releasable allocs |       4    |       4    |       4    |       0    |" in short
 
 
+def test_memory_summary_shows_free_space_not_a_ratio_that_calls_one_hole_fragmented():
+    """Before: 512 B in the pool's one 2 MiB segment printed "Fragmentation: 1.000" (issue 36, item 18).
+    The free space is one block any request up to its size can use: the table now says so in bytes."""
+    pool = cupool.Pool("sim", capacity="64MiB")
+    a = pool.malloc(512)
+    assert pool.stats()["fragmentation"] > 0.999  # the ratio is still in the stats, under its own name
+    lines = memory_summary(pool).splitlines()
+    assert not any("Fragmentation" in line for line in lines)
+    assert "|            Limit: 64 MiB            |       Free in segments: 2 MiB       |" in lines
+    assert "|                                     |      Largest free block: 2 MiB      |" in lines
+    b = pool.malloc(512)
+    pool.free(a)  # a 512 B hole before b: two free blocks, the larger one after b
+    text = memory_summary(pool)
+    assert "Free in segments: 2 MiB" in text and f"Largest free block: {cupool.format_bytes(2 * MiB - 1024)}" in text
+    pool.free(b)
+
+
 def test_memory_summary_refuses_what_is_not_a_pool_or_its_stats(pool):
     pool.malloc(1000)
     before = pool.stats()

@@ -26,6 +26,29 @@ path nothing:
   are lower bounds.
 - ``oversize_*`` are 0 and ``max_split_size`` is -1, PyTorch's values without a
   ``max_split_size``: cupool splits free blocks of any size.
+
+Note [Segments]
+~~~~~~~~~~~~~~~
+A *segment* is a contiguous range of reserved device memory that the heap carves
+blocks from, as in PyTorch.  On plain segments it is one device allocation.  On
+expandable segments (Note [Virtual memory]) it is a mapped range: a region's mapped
+prefix grows and shrinks at its end by map and unmap calls and stays one segment;
+unmapping the granules under a free block in its middle splits it in two; a
+stitched range is a segment of its own.  So a segment is a maximal run of mapped
+addresses, and on expandable segments the calls are not the segments.  Each is
+counted once, under one name, everywhere:
+
+- segments: ``stats()``'s ``segment.{all,small_pool,large_pool}.{current,peak,allocated,freed}``
+  (a split counts one allocated, a split that leaves nothing one freed), a
+  replay's ``peak_segments``, ``segment_allocs``, ``segment_frees``, both engines
+  alike, and ``cupool.replay.recorded_segments`` of a trace; the report's
+  segment map and ``snapshot()`` draw the same ranges.
+- device calls (``cudaMalloc``/``cudaFree``, or one map or unmap call each):
+  ``stats()``'s ``num_device_alloc`` and ``num_device_free``, as PyTorch counts its
+  expandable segments' maps, a replay's ``device_allocs`` and ``device_frees``,
+  and a trace's ``segment_alloc``/``segment_free`` or ``segment_map``/``segment_unmap``
+  events (PyTorch's names: one event per call, so on plain segments one per
+  segment, and on expandable ones several per segment).
 """
 
 from __future__ import annotations

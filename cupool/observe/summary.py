@@ -79,10 +79,7 @@ def memory_summary(
         _halves(f"OOMs: {get('num_ooms')}", f"Alloc retries: {get('num_alloc_retries')}"),
     ]
     if "limit" in stats:  # cupool's own figures, where the stats carry them
-        limit = f"Limit: {format_bytes(get('limit'))}"
-        fragmentation = stats.get("fragmentation", 0.0)
-        shown = float(fragmentation) if isinstance(fragmentation, (int, float)) else 0.0
-        lines.append(_halves(limit, f"Fragmentation: {shown:.3f}"))
+        lines += _free_space(get)
     lines += ["=" * WIDTH, "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     pools = _POOL_ROWS[:1] if abbreviated else _POOL_ROWS
     for blocks, fmt in ((_SIZES, _size), (_COUNTS, _count)):
@@ -98,6 +95,22 @@ def memory_summary(
         lines.append(_row(label, [_count(v, v) for v in (get(f"{prefix}.{m}") for m in _METRICS)]))
     lines.append("=" * WIDTH)
     return "".join(f"|{line:<{WIDTH}}|\n" for line in lines)
+
+
+def _free_space(get: Callable[[str], int]) -> list[str]:
+    """The limit, and the free space in segments as bytes beside the largest free block.
+
+    Not the ``fragmentation`` ratio of the stats ((reserved - allocated) /
+    reserved): a pool holding 512 B in its one 2 MiB segment has 1.000 by it,
+    though its free space is one block that any request up to 2 MiB can use.
+    The free bytes beside the largest free block say what the ratio cannot:
+    whether the free space is one hole or scattered.
+    """
+    free = get("reserved_bytes.all.current") - get("allocated_bytes.all.current")
+    return [
+        _halves(f"Limit: {format_bytes(get('limit'))}", f"Free in segments: {format_bytes(free)}"),
+        _halves("", f"Largest free block: {format_bytes(get('largest_free_block'))}"),
+    ]
 
 
 def _reader(stats: Mapping[str, object], strict: bool) -> Callable[[str], int]:

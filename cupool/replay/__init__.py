@@ -26,6 +26,7 @@ from .driver import (
     layout,
     parse_config,
     recorded_config,
+    recorded_segments,
     replay,
     uses_movables,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "parse_config",
     "plot_report",
     "recorded_config",
+    "recorded_segments",
     "replay",
     "uses_movables",
 ]

@@ -19,7 +19,7 @@ from ..device import split_device
 from ..device.kinds import AUTO
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
-from .config import accepted_keys, check_settings, recorded_peak_reserved_of
+from .config import accepted_keys, check_settings, recorded_peak_reserved_of, recorded_segments
 from .driver import (
     ENGINES,
     FRAGMENTATION_NOTE,
@@ -157,7 +157,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             ("frag. at peak", f"{r.fragmentation_at_peak:.3f} (when reserved memory peaked)"),
             ("OOMs", str(r.ooms)),
             ("upstream", _upstream_note(r)),
-            ("peak segments", str(r.peak_segments)),
+            ("peak segments", str(r.peak_segments) + _recorded_segments(trace)),
+            ("device calls", f"{r.device_allocs} to allocate or map, {r.device_frees} to free or unmap"),
             ("seeded blocks", f"{r.seeded_blocks} (alive before the recording started; the replay starts from "
                               "them, at their recorded offsets)"),
             ("unmatched frees", str(r.unmatched_frees)),
@@ -200,6 +201,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recorded_segments(trace: Trace) -> str:
+    """The recording's peak segments beside the replay's, counted as the pool counts them (Note [Segments])."""
+    recorded = recorded_segments(trace)
+    return "" if recorded is None else f" (recorded: {recorded[0]})"
+
+
 def _upstream_note(r: ReplayResult) -> str:
     """Where the replay's segments came from, and on managed memory how far past the device they went."""
     if r.upstream != "managed":
@@ -209,8 +216,10 @@ def _upstream_note(r: ReplayResult) -> str:
 
 
 def _still_note(blocks: int) -> str:
-    return (f"no history to replay: this snapshot records no events, only the {blocks} blocks alive when it was "
-            "taken; what follows is that still picture, allocated on a fresh pool")
+    return (f"no history to replay: the events above are only the {blocks} blocks alive when this snapshot was "
+            "taken, and their segments; what follows is that still picture, allocated on a fresh pool.  It records "
+            "no request either: if it was taken at an out-of-memory error, the request that failed is not in it "
+            "(a request over the largest free block below needed a new segment)")
 
 
 def _warn(r: ReplayResult) -> None:
@@ -246,7 +255,8 @@ def _json_row(path: str, label: str, r: ReplayResult, capacity_source: str,
         "mean_fragmentation": r.mean_fragmentation, "fragmentation_at_peak": r.fragmentation_at_peak,
         "ooms": r.ooms, "upstream": r.upstream, "peak_oversubscribed": r.peak_oversubscribed,
         "peak_segments": r.peak_segments, "segment_allocs": r.segment_allocs,
-        "segment_frees": r.segment_frees, "seeded_blocks": r.seeded_blocks, "unmatched_frees": r.unmatched_frees,
+        "segment_frees": r.segment_frees, "device_allocs": r.device_allocs, "device_frees": r.device_frees,
+        "seeded_blocks": r.seeded_blocks, "unmatched_frees": r.unmatched_frees,
         "capacity": r.capacity, "capacity_source": capacity_source, "seconds": r.seconds,
         "events_per_second": r.events_per_second, "warnings": r.warnings,
     }

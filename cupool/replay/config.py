@@ -9,6 +9,7 @@ means the ``recorded`` ones a trace holds.  A setting added to the registry is a
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -162,10 +163,12 @@ def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
     return {k: resolved[k] for k in order}
 
 
-def plain_replay_warning(trace: Trace, resolved: dict[str, Any]) -> str | None:
+def plain_replay_warning(trace: Trace, resolved: dict[str, Any], given: dict[str, Any] | None) -> str | None:
     """A warning when a recording on expandable segments is replayed on plain ones (``resolved``: the
-    settings it ran with)."""
-    if recorded_on_vmm(trace) and not resolved.get("expandable_segments"):
+    settings it ran with) that the caller did not ask for: ``given`` (the caller's settings) holding
+    ``expandable_segments=False`` asked for plain segments, and is told nothing it does not know."""
+    asked = given is not None and given.get("expandable_segments") is False
+    if recorded_on_vmm(trace) and not resolved.get("expandable_segments") and not asked:
         upstream = resolved.get("upstream", "device")
         if upstream != "device":
             return (f"the recording ran on expandable segments; this replay uses plain segments from the {upstream} "
@@ -207,6 +210,73 @@ def recorded_peak_reserved_of(trace: Trace) -> int | None:
         return None
     peak = int(np.cumsum(sign[trace.kind] * trace.size).max())
     return peak if peak > 0 else None
+
+
+def recorded_segments(trace: Trace) -> tuple[int, int, int] | None:
+    """The recording's segments as ``Pool.stats()`` counts them: (peak, allocated, freed), read from its
+    segment events (None: it has none, as an RMM log).
+
+    Segment events are device calls (Note [Segments]).  On plain segments each
+    ``segment_alloc`` is a segment and each ``segment_free`` one gone.  On
+    expandable segments (``recorded_on_vmm``; a PyTorch snapshot's map events are
+    imported under the plain names) a segment is a maximal run of mapped
+    addresses: a map that extends a run or an unmap that trims one changes no
+    count, an unmap in a run's middle splits it (one allocated), one that takes
+    a run whole ends it (one freed), and a map that joins two runs ends one.
+    """
+    plus = [c for c in (trace.code("segment_alloc"), trace.code("segment_map")) if c >= 0]
+    minus = [c for c in (trace.code("segment_free"), trace.code("segment_unmap")) if c >= 0]
+    picked = np.flatnonzero(np.isin(trace.kind, plus + minus))
+    if not len(picked):
+        return None
+    runs = _MappedRuns() if recorded_on_vmm(trace) else None
+    current = peak = allocated = freed = 0
+    for i, kind, addr, size in zip(picked.tolist(), trace.kind[picked].tolist(), trace.addr[picked].tolist(),
+                                   trace.size[picked].tolist()):
+        mapped = kind in plus
+        delta = (1 if mapped else -1) if runs is None else (runs.map if mapped else runs.unmap)(addr, addr + size)
+        current += delta
+        allocated, freed = allocated + max(delta, 0), freed + max(-delta, 0)
+        peak = max(peak, current)
+    return peak, allocated, freed
+
+
+class _MappedRuns:
+    """Maximal runs of mapped addresses: their sorted starts, each start's end and each end's start."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.end: dict[int, int] = {}
+        self.start_of: dict[int, int] = {}
+
+    def map(self, lo: int, hi: int) -> int:
+        """Map ``[lo, hi)``; the change in the number of runs (1, 0 or -1)."""
+        left = self.start_of.pop(lo, None)  # the run that ends where this begins
+        right = self.end.pop(hi, None)  # the end of the run that begins where this ends
+        if right is not None:
+            self.starts.remove(hi)
+            del self.start_of[right]
+        start = lo if left is None else left
+        if left is None:
+            bisect.insort(self.starts, lo)
+        self.end[start] = hi if right is None else right
+        self.start_of[self.end[start]] = start
+        return 1 - (left is not None) - (right is not None)
+
+    def unmap(self, lo: int, hi: int) -> int:
+        """Unmap ``[lo, hi)``; the change in the number of runs (1, 0 or -1).  Addresses the trace never
+        mapped (a window opened mid-run without its seed) change nothing."""
+        j = bisect.bisect_right(self.starts, lo) - 1
+        if j < 0 or self.end[self.starts[j]] < hi:
+            return 0
+        start = self.starts.pop(j)
+        end = self.end.pop(start)
+        del self.start_of[end]
+        pieces = [(a, b) for a, b in ((start, lo), (hi, end)) if b > a]
+        for a, b in pieces:
+            bisect.insort(self.starts, a)
+            self.end[a], self.start_of[b] = b, a
+        return len(pieces) - 1
 
 
 def recorded_on_vmm(trace: Trace) -> bool:

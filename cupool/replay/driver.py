@@ -81,6 +81,7 @@ from .config import (
     parse_config,
     plain_replay_warning,
     recorded_config,
+    recorded_segments,
     replay_settings,
     trace_capacity,
     uses_movables,
@@ -91,7 +92,7 @@ from .result import FRAGMENTATION_NOTE, ReplayResult
 __all__ = [
     "CONFIG_KEYS", "ENGINES", "FRAGMENTATION_NOTE", "MOVABLE_KINDS", "POOL_ENGINE_KEYS", "POOL_KEYS", "VMM_KEYS",
     "ReplayResult", "accepted_keys", "check_config", "default_engine", "layout", "parse_config", "recorded_config",
-    "replay", "replay_settings", "trace_capacity", "uses_movables",
+    "recorded_segments", "replay", "replay_settings", "trace_capacity", "uses_movables",
 ]
 
 #: Traces this long show a progress bar by default (on a terminal).
@@ -129,7 +130,7 @@ def replay(
         from .numba_engine import replay_numba  # imports numba: only when it is used
 
         result = replay_numba(trace, cfg, n, timeline, progress, config)[0]
-    warning = plain_replay_warning(trace, result.config)  # the settings the pool resolved, not the given ones
+    warning = plain_replay_warning(trace, result.config, config)  # the settings the pool resolved
     if warning:
         result.warnings.append(warning)
     return result

@@ -53,8 +53,9 @@ NRF = 8
 (BLOCK_IDS, FREE_BLOCK_IDS, SEGMENT_IDS, FREE_SEGMENT_IDS, FREE_EXTENTS, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG,
  PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, STREAMS_SEEN, STREAMS_SEEN_LARGE,
  DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED,
- PENDING) = range(28)
-N_ST = 28  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+ PENDING, SEG_ALLOCS, SEG_FREES) = range(30)
+N_ST = 30  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+# NSEG, PEAK_SEG, SEG_ALLOCS, SEG_FREES: segments (Note [Segments]); DEV_ALLOCS, DEV_FREES: device calls.
 # PEAK_SAMPLED: whether F_PEAK has a sample taken at the present peak reserved (see engine.run).
 # PENDING: what engine._malloc returned for a request it left to stitching (see engine._fast).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.

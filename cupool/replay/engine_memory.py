@@ -30,7 +30,8 @@ from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
     FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
     PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
-    SEGMENT_IDS, SIZE, STITCHES, STREAM, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED,
+    SEGMENT_IDS, SEG_ALLOCS, SEG_FREES, SIZE, STITCHES, STREAM, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION,
+    S_SIZE, S_TAIL, S_USED,
 )
 
 
@@ -77,6 +78,7 @@ def add_segment(E, h, addr, nbytes, stream, keep, region):
     S[S_REGION, s] = region
     ix_insert(E.B, E.IX, E.st, E.PS, h, b)
     st[NSEG] += 1
+    st[SEG_ALLOCS] += 1
     if st[NSEG] > st[PEAK_SEG]:
         st[PEAK_SEG] = st[NSEG]
     return b
@@ -93,6 +95,7 @@ def _forget_segment(E, s):
         kill_block(E.B, E.FB, E.S, E.IX, E.st, E.PS, b)
         b = nxt
     st[NSEG] -= 1
+    st[SEG_FREES] += 1
     S[S_ALIVE, s] = 0
     E.FS[st[FREE_SEGMENT_IDS]] = s
     st[FREE_SEGMENT_IDS] += 1
@@ -427,7 +430,11 @@ def _cut(E, h, b, lo, hi):
     st[DEV_FREES] += 1
     parts = (left >= 0) + (right >= 0)
     R[R_NSEG, r] += parts - 1
-    st[NSEG] += parts - 1
+    st[NSEG] += parts - 1  # as the pool's books count it: one more segment, one fewer, or as many
+    if parts == 2:
+        st[SEG_ALLOCS] += 1
+    elif parts == 0:
+        st[SEG_FREES] += 1
     if st[NSEG] > st[PEAK_SEG]:
         st[PEAK_SEG] = st[NSEG]
     if R[R_TAIL, r] == s:

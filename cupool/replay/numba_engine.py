@@ -12,7 +12,7 @@ from ..trace import Trace
 from . import engine as eng
 from .calls import program_calls
 from .config import pool_capacity, ran_with, sim_pool, uses_movables
-from .engine_layout import config_array
+from .engine_layout import SEG_ALLOCS, SEG_FREES, config_array
 from .result import ReplayResult, progress_bar
 from .seed import ALLOC, EMPTY, FREE, FREE_MOVABLE, MOVABLE, has_history, seed_count, seed_program, seeded_blocks
 
@@ -85,7 +85,8 @@ def replay_numba(
         mean_fragmentation=float(fst[eng.F_SUM] / samples) if samples else 0.0,
         fragmentation_at_peak=float(fst[eng.F_PEAK]),
         ooms=int(st[eng.OOMS]), peak_segments=int(st[eng.PEAK_SEG]),
-        segment_allocs=int(st[eng.DEV_ALLOCS]), segment_frees=int(st[eng.DEV_FREES]),
+        segment_allocs=int(st[SEG_ALLOCS]), segment_frees=int(st[SEG_FREES]),
+        device_allocs=int(st[eng.DEV_ALLOCS]), device_frees=int(st[eng.DEV_FREES]),
         unmatched_frees=int(st[eng.UNMATCHED]), seeded_blocks=seeded_blocks(trace, seeded),
         history=has_history(trace), capacity=capacity, seconds=seconds, warnings=warnings,
         peak_oversubscribed=max(0, int(st[eng.PEAK_RES]) - capacity),  # managed memory past the device

@@ -14,9 +14,19 @@ at its peak reserved moment, where fragmentation costs the most; the figure
 grows with the segments it lists, so that their labels never overlap.  Its
 colours are ``cupool._palette``'s, as the Jupyter map's are.
 
+The fragmentation curve is drawn where the replay samples it, while anything
+is allocated (``FRAGMENTATION_NOTE``): where nothing is, the ratio is 1.0 by its
+formula and says nothing, so the curve has a gap there.  Its coloured bands
+are ``cupool.Monitor``'s severity bands (``SEVERITY_BANDS``), named in its
+legend.  The segment map lists every segment in address order while
+they fit; past ``_MAX_SEGMENTS_SHOWN`` it lists the largest, largest first.
+
 A snapshot with no history (a still picture: only the blocks alive when it was
 taken) has no curves to draw; its figure shows what the pool held instead, and
-the segment map of that moment.
+the segment map of that moment.  It records no request: if it was taken at an
+out-of-memory error (as PyTorch's OOM observer takes them; the file does not
+say), the request that failed is not in it, and the figure says what any
+request larger than the largest free block needed: a new segment.
 
 ``report_data`` computes everything the figure shows and ``plot_report`` only
 draws it, so that tests can hold the pictures' numbers to the replay's.
@@ -34,6 +44,7 @@ from .._files import atomic_output
 from .._palette import BLOCKS, RESERVED
 from .._units import format_bytes
 from .._words import count
+from ..observe.monitor import SEVERITY_BANDS
 from ..trace import Trace
 from .driver import FRAGMENTATION_NOTE, default_engine, layout, replay
 
@@ -47,7 +58,7 @@ _MAX_SEGMENTS_SHOWN = 48
 #: Inches: each row of the segment map (its label needs about 0.12 at 7 points), the map's
 #: title and axis around its rows, and the panels above it.
 _ROW_IN, _MAP_FRAME_IN, _MAP_MIN_IN = 0.17, 1.0, 3.9
-_MEMORY_IN, _FRAGMENTATION_IN, _STILL_IN, _TITLE_IN = 2.9, 1.9, 1.5, 0.5
+_MEMORY_IN, _FRAGMENTATION_IN, _STILL_IN, _TITLE_IN = 2.9, 1.9, 2.0, 0.5
 
 
 @dataclass
@@ -57,7 +68,8 @@ class ReportData:
     ``x`` is seconds since the first event, or the event's index when the trace
     carries no times (``x_label`` says which).  ``reserved`` and ``allocated``
     are the replay's bytes after each event, and ``fragmentation`` is
-    (reserved - allocated) / reserved (0 where nothing is reserved).
+    (reserved - allocated) / reserved where anything is allocated, NaN (not
+    sampled, not drawn) where nothing is, as the summary's figures are taken.
     ``marks`` maps a marked kind to the indices of its events; ``replay_ooms``
     holds the indices of the events where the replay itself ran out.  ``segments``
     is ``layout`` after event ``peak_index``: the peak reserved moment, or for
@@ -98,7 +110,7 @@ def report_data(trace: Trace, config: dict[str, Any] | None = None) -> ReportDat
     n = len(trace)
     reserved, allocated = tl["reserved"], tl["allocated"]
     res = reserved.astype(np.float64)
-    frag = np.divide(res - allocated, res, out=np.zeros_like(res), where=res > 0)
+    frag = np.divide(res - allocated, res, out=np.full_like(res, np.nan), where=allocated > 0)
     t = (trace.t_ns - trace.t_ns[0]) / 1e9 if n else np.zeros(0)
     timed = n > 1 and bool(np.all(np.diff(trace.t_ns) >= 0)) and t[-1] > 0
     x, x_label = (t, "time (s)") if timed else (np.arange(n, dtype=np.float64), "event")
@@ -145,7 +157,10 @@ def plot_report(trace: Trace, path: str | Path, config: dict[str, Any] | None = 
     title = Path(trace.source).name or "trace"
     vmm = data.summary["config"].get("expandable_segments")
     kind = {True: ", expandable segments", False: ", plain segments"}.get(vmm, "")
-    fig.suptitle(f"{title}: {count(len(trace), 'event')} ({trace.format}), replayed on the sim device "
+    # A still picture's events are only its live blocks and their segments: "N events" would read as history.
+    what = (f"a still picture of {count(data.live_blocks, 'block')}" if data.still
+            else count(len(trace), "event"))
+    fig.suptitle(f"{title}: {what} ({trace.format}), replayed on the sim device "
                  f"({data.engine} engine{kind})", fontsize=12)
     gs = fig.add_gridspec(len(heights), 1, height_ratios=heights)
     if data.still:
@@ -190,11 +205,27 @@ def _memory_panel(ax: Any, trace: Trace, data: ReportData) -> None:
     ax.grid(alpha=0.3)
 
 
+def severity_bands() -> list[tuple[float, float, str, str]]:
+    """The fragmentation panel's bands: (low, high, colour, legend label), from the Monitor's severity bands.
+
+    "good" (below the first bound) is left unshaded.
+    """
+    bounds = [bound for bound, _ in SEVERITY_BANDS] + [1.0]
+    names = [name for _, name in SEVERITY_BANDS[1:]] + ["severe"]
+    colours = ("gold", "orange", "tab:red")
+    assert len(names) == len(colours), "a colour per shaded band"
+    return [(lo, hi, colour, f"{name}: {lo:.2f}-{hi:.2f}" if hi < 1.0 else f"{name}: >= {lo:.2f}")
+            for lo, hi, colour, name in zip(bounds, bounds[1:], colours, names)]
+
+
 def _fragmentation_panel(ax: Any, data: ReportData) -> None:
     s = data.summary
-    ax.step(data.x, data.fragmentation, where="post", color="tab:red")
-    for lo, hi, color in ((0.15, 0.30, "gold"), (0.30, 0.40, "orange"), (0.40, 1.0, "tab:red")):
-        ax.axhspan(lo, hi, color=color, alpha=0.08)
+    ax.step(data.x, data.fragmentation, where="post", color="tab:red", label="fragmentation")
+    for lo, hi, color, label in severity_bands():
+        ax.axhspan(lo, hi, color=color, alpha=0.08, label=label)
+    # Outside the axes, as the segment map's: inside, it would hide the curve where it runs high.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="bands: cupool.Monitor's\nseverity",
+              title_fontsize=8, alignment="left")
     ax.set_ylim(0, 1)
     ax.set_ylabel("fragmentation")
     ax.set_xlabel(data.x_label)
@@ -220,17 +251,36 @@ def _still_panel(ax: Any, data: ReportData) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.15 * max(reserved, 1) / scale)  # room for the numbers
     ax.set_xlabel(f"memory ({unit})")
-    ax.set_title(f"no history: this snapshot records only the {count(data.live_blocks, 'block')} alive when it "
-                 f"was taken, in {count(len(data.segments), 'segment')}; fragmentation "
-                 f"{data.summary['fragmentation_at_peak']:.3f}", fontsize=10)
+    ax.set_title(still_title(data), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
+
+
+def still_title(data: ReportData) -> str:
+    """The still picture's title: what it holds, and what it cannot say of an OOM it may have been taken at."""
+    largest = max((size for seg in data.segments for _, size, alloc in seg["blocks"] if not alloc), default=0)
+    return (f"no history: this snapshot records only the {count(data.live_blocks, 'block')} alive when it was taken, "
+            f"in {count(len(data.segments), 'segment')}; fragmentation {data.summary['fragmentation_at_peak']:.3f}\n"
+            "and no request: if it was taken at an out-of-memory error, the request that failed is not in it;\n"
+            f"any request over {format_bytes(largest)} (the largest free block) needed a new segment")
+
+
+def shown_segments(segs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The segment map's rows, top to bottom, and what the title says of their order.
+
+    All of them in address order while they fit; past ``_MAX_SEGMENTS_SHOWN``, the
+    largest, largest first (address order among equals), so that the order a
+    title calls "the largest" is the order drawn.
+    """
+    if len(segs) <= _MAX_SEGMENTS_SHOWN:
+        return sorted(segs, key=lambda s: s["address"]), ""
+    shown = sorted(segs, key=lambda s: (-s["size"], s["address"]))[:_MAX_SEGMENTS_SHOWN]
+    return shown, f" (the {len(shown)} largest of {len(segs)}, largest first)"
 
 
 def _segment_map(ax: Any, segs: list[dict[str, Any]], when: str) -> None:
     from matplotlib.patches import Patch
 
-    shown = sorted(segs, key=lambda s: s["size"], reverse=True)[:_MAX_SEGMENTS_SHOWN]
-    shown.sort(key=lambda s: s["address"])
+    shown, extra = shown_segments(segs)
     scale, unit = _unit(max((s["size"] for s in shown), default=1))
     for row, seg in enumerate(shown):
         used = [(off / scale, size / scale) for off, size, alloc in seg["blocks"] if alloc]
@@ -242,7 +292,6 @@ def _segment_map(ax: Any, segs: list[dict[str, Any]], when: str) -> None:
                        fontsize=7 if len(shown) > 16 else 8)
     ax.invert_yaxis()
     ax.set_xlabel(f"offset in segment ({unit})")
-    extra = f" (the {len(shown)} largest of {len(segs)})" if len(segs) > len(shown) else ""
     ax.set_title(f"segment map {when}: {count(len(segs), 'segment')}{extra}; s = small pool, l = large pool",
                  fontsize=10)
     # Outside the axes, on the right: inside, it would hide the end of some segment.

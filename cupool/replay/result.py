@@ -28,7 +28,13 @@ class ReplayResult:
     ``cupool.trace.load_torch_snapshot``); ``events`` counts the trace's events
     read, seed included, and ``replayed`` those replayed after the seed (what
     ``seconds`` timed); ``history`` is False for a still picture, a snapshot
-    with no events to replay.  ``warnings`` says what the
+    with no events to replay.  ``peak_segments``, ``segment_allocs`` and
+    ``segment_frees`` count segments as ``Pool.stats()``'s ``segment.all.peak``,
+    ``.allocated`` and ``.freed`` do; ``device_allocs`` and ``device_frees``
+    count the calls to the device that made and gave back their memory, as
+    ``num_device_alloc`` and ``num_device_free`` do: on expandable segments a
+    segment grows and shrinks by many map and unmap calls (Note [Segments]).
+    ``warnings`` says what the
     engine could not model for this trace.  ``peak_oversubscribed`` is the most
     the sim device held past its capacity: on managed memory
     (``upstream="managed"``) a pool may reserve more than the device has, and a
@@ -48,6 +54,8 @@ class ReplayResult:
     peak_segments: int
     segment_allocs: int
     segment_frees: int
+    device_allocs: int
+    device_frees: int
     unmatched_frees: int
     seeded_blocks: int
     history: bool
