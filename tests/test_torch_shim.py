@@ -20,7 +20,7 @@ import pytest
 
 import cupool
 import cupool.torch as ct
-from cupool.errors import OutOfMemoryError, TorchAllocatorError
+from cupool.errors import NoDeviceError, OutOfMemoryError, TorchAllocatorError
 from cupool.hooks import scopes
 
 MiB = 1 << 20
@@ -335,3 +335,38 @@ def test_the_torch_entry_point_throws_cupools_reason_to_a_cpp_caller(lib, pool, 
     message = what.value.decode()
     assert message.startswith("cupool could not allocate 134217728 bytes on device 0 for PyTorch: OutOfMemoryError")
     assert "out of memory" in message and isinstance(ct.last_error(), OutOfMemoryError)
+
+
+# --------------------------------------------------------- devices that do not exist (issue 36 #4)
+def test_a_device_that_does_not_exist_is_refused_not_made(lib):
+    ct.use(None)
+    cupool.hooks.reset_default_pools()
+    try:
+        assert lib.alloc(512, 7, None) is None
+        error = ct.last_error()
+        assert isinstance(error, NoDeviceError) and "device 7 does not exist" in str(error)
+        assert cupool.hooks.existing_pool(7) is None  # no sim:7 made, with its own address space
+        ptr = lib.alloc(512, 0, None)  # device 0 is there
+        assert ptr
+        lib.free(ptr, 512, 0, None)
+        with cupool.sim_device(3):  # a sim device the program opened exists
+            ptr = lib.alloc(512, 3, None)
+            assert ptr and cupool.default_pool(3).stats()["allocated_bytes.all.current"] >= 512
+            lib.free(ptr, 512, 3, None)
+        ptr = lib.alloc(512, 3, None)  # and stays there, its pool made
+        assert ptr
+        lib.free(ptr, 512, 3, None)
+        assert lib.alloc(512, -1, None) is None and "device -1 does not exist" in str(ct.last_error())
+    finally:
+        cupool.hooks.reset_default_pools()
+
+
+def test_a_device_given_a_pool_by_use_exists(lib):
+    p = cupool.Pool("sim:5", capacity="64MiB")
+    ct.use(p)
+    try:
+        ptr = lib.alloc(4096, 5, None)
+        assert ptr and p.stats()["allocated_bytes.all.current"] >= 4096
+        lib.free(ptr, 4096, 5, None)
+    finally:
+        ct.use(None)

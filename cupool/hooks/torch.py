@@ -7,7 +7,7 @@ install`` like the fast path; ``cupool info`` says whether it was).  Its C
 functions take the GIL and call this module: ``serve`` picks the pool, the one
 given to ``use(pool)`` for that device or else ``default_pool(device)``, the
 pool CuPy and Numba get there (found once per device, and kept until ``use``
-changes it), and takes the block for torch's stream: the stream handle becomes
+changes it; a device this machine lacks is refused, ``_check_exists``), and takes the block for torch's stream: the stream handle becomes
 the block's stream key (``device.stream_key``), so cupool's stream rules (Note
 [Streams]) hold for torch's streams.  The shim keeps each live
 block's ``Allocation`` by address (a C++ map), so ``free`` finds it; a free of an address it
@@ -50,9 +50,9 @@ from typing import Any
 
 from ..core import compiled_module
 from ..core.fast import Allocation
-from ..errors import TorchAllocatorError
+from ..errors import NoDeviceError, TorchAllocatorError
 from ..pool import Pool
-from .routing import default_pool
+from .routing import current_device, default_pool, existing_pool, gpu_available
 
 #: The compiled module that holds the C functions (``COMPILED_MODULES`` lists it).
 SHIM_MODULE = "cupool.hooks.torch_shim"
@@ -123,8 +123,34 @@ def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Calla
     The shim asks once per device and keeps the answer (and so the pool) until
     ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
     """
-    pool = serving_pool(device)
+    pool = _pools.get(device)
+    if pool is None:
+        _check_exists(device)
+        pool = default_pool(device)
     return pool, pool.malloc_key, pool.device.stream_key
+
+
+def _check_exists(device: int) -> None:
+    """Refuse (``NoDeviceError``) a device index torch's caller passed that this machine does not have.
+
+    A C caller can pass any int, and a default pool made for it would be a device
+    of its own (issue 36 #4).  On a GPU the devices are CUDA's; on the simulated
+    device they are those the program opened: device 0, this thread's current one
+    (``cupool.sim_device``) and any a pool already serves (a default pool made,
+    ``install``, ``using``).  ``use(pool)`` opens its pool's device too.
+    """
+    if gpu_available():
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        if 0 <= device < count:
+            return
+        raise NoDeviceError(f"cupool.torch: device {device} does not exist ({count} CUDA device(s) visible)")
+    if device == 0 or (device >= 0 and (device == current_device() or existing_pool(device) is not None)):
+        return
+    raise NoDeviceError(f"cupool.torch: device {device} does not exist: the simulated devices are 0, the current "
+                        "one (cupool.sim_device) and those a pool serves (cupool.default_pool(i), "
+                        "cupool.torch.use(pool))")
 
 
 def _report(error: BaseException) -> None:
