@@ -30,7 +30,7 @@ from ._words import count
 from .config import ENV_VAR, env_conf
 from .core import build_info
 from .hooks.cupy import memory_path
-from .hooks.torch import shim_status
+from .hooks.torch import shim_status, torch_status
 from .device import KINDS, CudaDevice, cuda_available, kinds, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
@@ -118,6 +118,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("cupy memory     {} ({})".format(*memory_path()))
+    print("torch           {} {}".format(*torch_status()))
     print("torch shim      {} ({})".format(*shim_status()))
     print("device kinds")
     _print_table(_kind_rows())

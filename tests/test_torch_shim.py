@@ -229,14 +229,25 @@ class FakeMemory(types.ModuleType):
         self.current = allocator
 
 
+class CpuMemory(FakeMemory):
+    """A CPU-only torch's ``torch.cuda.memory``: the allocator class is there, the C function it calls is not."""
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path: str, alloc: str, free: str) -> None:
+            raise AttributeError("module 'torch._C' has no attribute '_cuda_customAllocator'")
+
+
 @pytest.fixture
 def fake_torch(monkeypatch):
-    def install(initialized: bool) -> FakeMemory:
-        memory = FakeMemory(initialized)
+    def install(initialized: bool, cuda_built: bool = True) -> FakeMemory:
+        memory = FakeMemory(initialized) if cuda_built else CpuMemory(initialized)
         cuda = types.ModuleType("torch.cuda")
         cuda.memory = memory
         torch = types.ModuleType("torch")
         torch.cuda = cuda
+        torch.__version__ = "2.13.0" if cuda_built else "2.13.0+cpu"
+        torch.version = types.SimpleNamespace(cuda="12.8" if cuda_built else None, hip=None)
+        torch._C = types.SimpleNamespace(**({"_cuda_customAllocator": object()} if cuda_built else {}))
         for name, module in (("torch", torch), ("torch.cuda", cuda), ("torch.cuda.memory", memory)):
             monkeypatch.setitem(sys.modules, name, module)
         return memory
@@ -370,3 +381,49 @@ def test_a_device_given_a_pool_by_use_exists(lib):
         lib.free(ptr, 4096, 5, None)
     finally:
         ct.use(None)
+
+
+# --------------------------------------------------------- a torch without CUDA, or none (issue 36 #8)
+def test_a_cpu_only_torch_is_refused_in_cupools_words(fake_torch):
+    memory = fake_torch(False, cuda_built=False)
+    with pytest.raises(TorchAllocatorError, match=r"PyTorch 2\.13\.0\+cpu is built without CUDA"):
+        ct.allocator()
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with pytest.raises(TorchAllocatorError, match="without CUDA"):
+        cupool.install(pool, cupy=False, numba=False, torch=True)
+    assert memory.current is None and not scopes.installed() and ct.serving_pool(0) is not pool
+
+
+def test_a_cpu_only_torch_leaves_cupy_unhooked(fake_torch):
+    cupy = pytest.importorskip("cupy")
+    fake_torch(False, cuda_built=False)
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(TorchAllocatorError, match="without CUDA"):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=True, numba=False, torch=True)
+    assert cupy.cuda.get_allocator() is before and not scopes.installed()
+
+
+def test_without_torch_cupool_says_it_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what Python does where torch is not installed
+    with pytest.raises(TorchAllocatorError, match=r'PyTorch is not installed; pip install "\.\[torch\]"' ):
+        ct.allocator()
+    with pytest.raises(TorchAllocatorError, match="PyTorch is not installed"):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=False, numba=False, torch=True)
+    assert not scopes.installed()
+
+
+def _info_torch_line(capsys) -> list[str]:
+    from cupool.cli import main
+
+    assert main(["info"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["torch"] and "shim" not in ln]
+    return line.split(None, 1)[1]
+
+
+def test_cupool_info_says_which_torch_and_whether_it_has_cuda(fake_torch, capsys, monkeypatch):
+    fake_torch(False, cuda_built=False)
+    assert _info_torch_line(capsys) == "2.13.0+cpu (no CUDA: cupool cannot serve its tensors)"
+    fake_torch(False)
+    assert _info_torch_line(capsys) == "2.13.0 (CUDA 12.8)"
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert _info_torch_line(capsys) == "not installed (pip install \".[torch]\" in cupool's checkout)"

@@ -202,8 +202,59 @@ def live_blocks() -> int:
     return int(_registered[0].live()) if _registered else 0
 
 
+#: How a torch user installs a supported torch: pyproject's ``torch`` extra, from the checkout (as the README says).
+TORCH_EXTRA = "pip install \".[torch]\" in cupool's checkout"
+
+
+def _import_torch() -> ModuleType:
+    """torch, imported; ``TorchAllocatorError`` where it is missing or cannot be imported."""
+    try:
+        import torch
+    except (ImportError, OSError) as e:  # OSError: a torch whose own libraries fail to load
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "torch"
+        said = "PyTorch is not installed" if missing else f"PyTorch cannot be imported ({e})"
+        raise TorchAllocatorError(f"{said}; {TORCH_EXTRA} installs a supported one") from e
+    return torch
+
+
+def _has_cuda(torch: ModuleType) -> bool:
+    """Whether this torch is built with CUDA (or HIP): has the C function ``CUDAPluggableAllocator`` calls.
+
+    A CPU-only torch has ``torch.cuda.memory.CUDAPluggableAllocator`` but not
+    ``torch._C._cuda_customAllocator``: the user would meet an ``AttributeError``
+    from inside torch (issue 36 #8).
+    """
+    return getattr(torch._C, "_cuda_customAllocator", None) is not None
+
+
+def torch_status() -> tuple[str, str]:
+    """``(version | "not installed" | "cannot be imported", what it has)``: the torch ``cupool info`` shows.
+
+    Imports torch where it is installed.
+    """
+    try:
+        torch = _import_torch()
+    except TorchAllocatorError as e:
+        cause = e.__cause__
+        if isinstance(cause, ModuleNotFoundError) and cause.name == "torch":
+            return "not installed", f"({TORCH_EXTRA})"
+        return "cannot be imported", f"({cause})"
+    if not _has_cuda(torch):
+        return str(torch.__version__), "(no CUDA: cupool cannot serve its tensors)"
+    version = torch.version
+    backend = f"CUDA {version.cuda}" if version.cuda else f"HIP {version.hip}"
+    return str(torch.__version__), f"({backend})"
+
+
 def allocator() -> Any:
-    """``torch.cuda.memory.CUDAPluggableAllocator`` over cupool's shim (imports torch)."""
+    """``torch.cuda.memory.CUDAPluggableAllocator`` over cupool's shim (imports torch).
+
+    ``TorchAllocatorError`` where torch is missing, built without CUDA, or the shim is not built.
+    """
+    torch = _import_torch()
+    if not _has_cuda(torch):
+        raise TorchAllocatorError(f"PyTorch {torch.__version__} is built without CUDA: it has no CUDA tensors for "
+                                  f"cupool to serve; install a CUDA build (on Linux x86-64, {TORCH_EXTRA} installs one)")
     s = shim()
     from torch.cuda import memory
 
