@@ -8,6 +8,7 @@ are checked against a small fake ``torch.cuda.memory`` put in ``sys.modules``.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import shutil
 import subprocess
@@ -427,3 +428,68 @@ def test_cupool_info_says_which_torch_and_whether_it_has_cuda(fake_torch, capsys
     assert _info_torch_line(capsys) == "2.13.0 (CUDA 12.8)"
     monkeypatch.setitem(sys.modules, "torch", None)
     assert _info_torch_line(capsys) == "not installed (pip install \".[torch]\" in cupool's checkout)"
+
+
+# --------------------------------------------------------- Ctrl-C inside the shim (issue 36 #3)
+# Run in a child process, so that no signal can land in pytest: the main thread allocates and frees
+# through the shim in a loop while a thread sends SIGINT 3-13 ms apart, each only once the last one
+# has reached the loop as a KeyboardInterrupt (or five seconds have passed: then it was lost).
+_SIGINTS = r"""
+import ctypes, json, os, random, signal, sys, threading, time
+import cupool, cupool.torch as ct
+
+s = ct.shim()
+dll = ctypes.CDLL(s.path)
+alloc, free = getattr(dll, s.alloc), getattr(dll, s.free)
+alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+pool = cupool.Pool("sim", capacity="256MiB")
+ct.use(pool)
+seen, done = threading.Event(), threading.Event()
+out = {"sent": 0, "caught": 0, "lost": 0, "refused": [], "calls": 0}
+
+def sender():
+    rng = random.Random(int(sys.argv[1]))
+    while out["sent"] < int(sys.argv[2]):
+        time.sleep(rng.uniform(0.003, 0.013))
+        seen.clear()
+        out["sent"] += 1
+        os.kill(os.getpid(), signal.SIGINT)
+        if not seen.wait(5.0):  # a busy machine may be slow; five seconds late is lost
+            out["lost"] += 1
+            break
+    done.set()
+
+threading.Thread(target=sender, daemon=True).start()
+while not done.is_set():
+    try:
+        while not done.is_set():
+            out["calls"] += 1
+            n = (1 + out["calls"] % 4) << 20  # large blocks: the arena's Python code runs in each call
+            ptr = alloc(n, 0, None)
+            if not ptr:
+                out["refused"].append(repr(ct.last_error()))
+                continue
+            free(ptr, n, 0, None)
+    except KeyboardInterrupt:
+        out["caught"] += 1
+        # The interrupt may have come between alloc and free: free what the shim still holds.
+        for seg in pool.snapshot()["segments"]:
+            for b in seg["blocks"]:
+                if b["state"] == "active_allocated":
+                    free(b["address"], b["size"], 0, None)
+        seen.set()
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+out["live"] = ct.live_blocks()
+pool.check()
+print(json.dumps(out))
+"""
+
+
+def test_ctrl_c_in_a_shim_allocation_reaches_the_program_and_is_no_refusal():
+    r = subprocess.run([sys.executable, "-c", _SIGINTS, "36", "150"], capture_output=True, text=True, timeout=240,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["refused"] == [] and out["lost"] == 0
+    assert out["caught"] == out["sent"] == 150 and out["calls"] > 150 and out["live"] == 0
