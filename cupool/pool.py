@@ -279,9 +279,17 @@ class Pool:
             self._arena.books.reset_peaks()
 
     def snapshot(self) -> dict[str, Any]:
-        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``."""
+        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``; while the pool is
+        recorded (``pool.record()``, ``cupool.torch.record_memory_history()``), its events too, as torch's
+        ``device_traces`` (``cupool.observe.snapshot.device_traces``)."""
+        from .observe.snapshot import device_traces
+
         with self.hold() as view:
-            return view.torch_snapshot()
+            snap = view.torch_snapshot()
+        traces = device_traces(self)
+        if traces is not None:
+            snap["device_traces"] = traces
+        return snap
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[str] | None = None, small_blocks: bool = True

@@ -21,7 +21,7 @@ import pytest
 
 import cupool
 import cupool.torch as ct
-from cupool.errors import NoDeviceError, OutOfMemoryError, TorchAllocatorError
+from cupool.errors import DeviceNameError, NoDeviceError, OutOfMemoryError, TorchAllocatorError
 from cupool.hooks import scopes
 
 MiB = 1 << 20
@@ -183,7 +183,7 @@ def test_memory_stats_and_summary_are_cupools_books(lib, pool):
     assert list(stats) == sorted(stats) and stats["allocated_bytes.all.current"] == pool.stats()["allocated_bytes.all.current"]
     assert "cupool memory summary" in ct.memory_summary(0)
     lib.free(ptr, 3 * MiB, 0, None)
-    with pytest.raises(TypeError, match="device"):
+    with pytest.raises(DeviceNameError, match="device must be"):
         ct.memory_stats("0")
 
 

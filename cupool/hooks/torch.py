@@ -32,7 +32,10 @@ the shim has two allocating entry points with the pluggable signature:
   D for PyTorch: OutOfMemoryError: ...``, never a tensor at address 0.
 
 Either way ``last_error()`` gives this thread's last refusal as the exception
-cupool raised (an ``OutOfMemoryError`` with its fields).  PyTorch switches
+cupool raised (an ``OutOfMemoryError`` with its fields).  A Ctrl-C that lands
+in the Python code a shim call runs is no refusal: the shim tries again and
+re-arms the interrupt (``PyErr_SetInterrupt``), so the program gets its
+``KeyboardInterrupt`` at its next bytecode and torch's caller its block.  PyTorch switches
 allocators only before its first CUDA tensor: ``change_current_allocator``
 refuses once its allocator is initialised, and cupool says so
 (``TorchAllocatorError``).  The swap is for the life of the process:
@@ -70,6 +73,7 @@ _pools: dict[int, Pool] = {}  # device -> the pool use() gave
 _local = threading.local()  # .error: this thread's last refusal
 _setup_lock = threading.Lock()
 _registered: list[ModuleType] = []
+_served: set[int] = set()  # the devices the shim has asked for (``_resolve``)
 
 
 @dataclass(frozen=True)
@@ -123,10 +127,8 @@ def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Calla
     The shim asks once per device and keeps the answer (and so the pool) until
     ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
     """
-    pool = _pools.get(device)
-    if pool is None:
-        _check_exists(device)
-        pool = default_pool(device)
+    pool = serving_pool(device)
+    _served.add(device)
     return pool, pool.malloc_key, pool.device.stream_key
 
 
@@ -192,9 +194,20 @@ def use(pool: Pool | None) -> None:
 
 
 def serving_pool(device: int) -> Pool:
-    """The pool torch's allocations on ``device`` come from (the default pool is made if need be)."""
+    """The pool torch's allocations on ``device`` come from (the default pool is made if need be).
+
+    ``NoDeviceError`` for a device this machine does not have (``_check_exists``).
+    """
     pool = _pools.get(device)
-    return default_pool(device) if pool is None else pool
+    if pool is None:
+        _check_exists(device)
+        pool = default_pool(device)
+    return pool
+
+
+def serving_pools() -> dict[int, Pool]:
+    """The pool serving torch on each device it was served on or ``use`` named, by device index."""
+    return {device: serving_pool(device) for device in sorted(_served.union(_pools))}
 
 
 def live_blocks() -> int:
