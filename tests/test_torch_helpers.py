@@ -135,3 +135,21 @@ def test_record_memory_history_and_dump_snapshot(pools, tmp_path):
     with pytest.raises(ValueError, match="capacity"):
         ct.record_memory_history(max_entries=0)
     assert "device_traces" not in p0.snapshot()  # a refused call starts nothing
+
+
+def test_pytorch_is_named_where_users_look(capsys):
+    """The README's title line, the package's description and ``cupool --help`` (issue 36 #13)."""
+    import re
+    from pathlib import Path
+
+    from cupool.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    title = next(line for line in (root / "README.md").read_text().splitlines() if line.startswith("**"))
+    description = re.search(r'^description = "(.*)"$', (root / "pyproject.toml").read_text(), re.M)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert description is not None
+    for where in (title, description.group(1), said, cupool.__doc__.splitlines()[0]):
+        assert "CuPy, Numba and PyTorch" in where, where

@@ -7,11 +7,11 @@ install`` like the fast path; ``cupool info`` says whether it was).  Its C
 functions take the GIL and call this module: ``serve`` picks the pool, the one
 given to ``use(pool)`` for that device or else ``default_pool(device)``, the
 pool CuPy and Numba get there (found once per device, and kept until ``use``
-changes it; a device this machine lacks is refused, ``_check_exists``), and takes the block for torch's stream: the stream handle becomes
-the block's stream key (``device.stream_key``), so cupool's stream rules (Note
-[Streams]) hold for torch's streams.  The shim keeps each live
-block's ``Allocation`` by address (a C++ map), so ``free`` finds it; a free of an address it
-did not serve is logged (logger ``cupool.torch``) and ignored.
+changes it; a device this machine lacks is refused, ``_check_exists``), and
+takes the block for torch's stream: the stream handle becomes the block's stream
+key (``device.stream_key``), so cupool's stream rules (Note [Streams]) hold for
+torch's streams.  The shim keeps each live block's ``Allocation`` by address (a
+C++ map), so ``free`` finds it; a free of an address it did not serve is logged (logger ``cupool.torch``) and ignored.
 
 Note [Torch's allocator]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -266,8 +266,9 @@ def allocator() -> Any:
     """
     torch = _import_torch()
     if not _has_cuda(torch):
-        raise TorchAllocatorError(f"PyTorch {torch.__version__} is built without CUDA: it has no CUDA tensors for "
-                                  f"cupool to serve; install a CUDA build (on Linux x86-64, {TORCH_EXTRA} installs one)")
+        raise TorchAllocatorError(f"PyTorch {torch.__version__} is built without CUDA: it has no CUDA tensors "
+                                  f"for cupool to serve; install a CUDA build (on Linux x86-64, {TORCH_EXTRA} "
+                                  "installs one)")
     s = shim()
     from torch.cuda import memory
 
