@@ -40,8 +40,9 @@ from .trace.rmm_log import write_rmm_log
 
 #: What ``cupool --help`` says above the list of commands.
 DESCRIPTION = ("One GPU device-memory pool for CuPy, Numba and PyTorch.  Show the device and configuration (info), "
-               "run the weight-streaming demo (demo), replay a trace of pool events under other settings (replay), plot it "
-               "(report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says more.")
+               "run the weight-streaming demo (demo), replay a trace of pool events under other settings (replay), "
+               "plot it (report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says "
+               "more.")
 #: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
 
