@@ -493,3 +493,39 @@ def test_ctrl_c_in_a_shim_allocation_reaches_the_program_and_is_no_refusal():
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["refused"] == [] and out["lost"] == 0
     assert out["caught"] == out["sent"] == 150 and out["calls"] > 150 and out["live"] == 0
+
+
+_ALWAYS_INTERRUPTED = r"""
+import ctypes, json
+import cupool.torch as ct
+from cupool.hooks import torch as front
+
+s = ct.shim()
+alloc = getattr(ctypes.CDLL(s.path), s.alloc)
+alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+tries = []
+
+def resolve(device):
+    tries.append(device)
+    raise KeyboardInterrupt
+
+module = front._module()
+module.register(resolve, front._report, front._unknown)
+got = "no KeyboardInterrupt"
+try:
+    alloc(4096, 0, None)  # the re-armed interrupt is raised as it returns
+    for _ in range(1000):
+        pass
+except KeyboardInterrupt:
+    got = "KeyboardInterrupt"
+print(json.dumps({"live": ct.live_blocks(), "tries": len(tries), "error": repr(ct.last_error()), "program": got}))
+"""
+
+
+def test_an_interrupt_on_every_try_is_a_refusal_not_a_hang():
+    """A KeyboardInterrupt that comes back each time is no Ctrl-C landing by chance: refused, and still raised."""
+    r = subprocess.run([sys.executable, "-c", _ALWAYS_INTERRUPTED], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out == {"live": 0, "tries": 101, "error": "KeyboardInterrupt()", "program": "KeyboardInterrupt"}

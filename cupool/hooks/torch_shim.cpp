@@ -197,7 +197,11 @@ void *alloc_once(size_t size, int device, void *stream) {
 // A block for torch, or nullptr with the refusal reported.  A KeyboardInterrupt is no refusal:
 // Ctrl-C landed in the Python code this call runs (the pool raises a deferred one as its operation
 // ends, Note [Interrupts]), and no C caller can take a Python exception.  So the allocation is
-// tried again, and the interrupt re-armed once it is done (issue 36 #3).
+// tried again, and the interrupt re-armed once it is done (issue 36 #3).  One that comes back on
+// every one of INTERRUPTED_TRIES tries is raised by something other than a Ctrl-C landing by
+// chance: that allocation is refused with it (and it is re-armed too), rather than tried for ever.
+constexpr int INTERRUPTED_TRIES = 100;
+
 void *alloc_locked(size_t size, int device, void *stream) {
     if (resolve == nullptr) {
         PyErr_SetString(PyExc_RuntimeError,
@@ -205,16 +209,17 @@ void *alloc_locked(size_t size, int device, void *stream) {
         refuse("cupool.torch is not imported");
         return nullptr;
     }
-    bool interrupted = false;
+    int interrupted = 0;
     void *ptr;
-    while ((ptr = alloc_once(size, device, stream)) == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+    while ((ptr = alloc_once(size, device, stream)) == nullptr && interrupted < INTERRUPTED_TRIES &&
+           PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
         PyErr_Clear();
-        interrupted = true;
+        ++interrupted;
     }
     if (ptr == nullptr) {
         refuse("cupool could not allocate");
     }
-    if (interrupted) {  // after the last try, which the re-armed handler would interrupt again
+    if (interrupted > 0) {  // after the last try, which the re-armed handler would interrupt again
         PyErr_SetInterrupt();
     }
     return ptr;
