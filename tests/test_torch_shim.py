@@ -22,6 +22,7 @@ import pytest
 import cupool
 import cupool.torch as ct
 from cupool.errors import DeviceNameError, NoDeviceError, OutOfMemoryError, TorchAllocatorError
+from cupool import hooks
 from cupool.hooks import scopes
 
 MiB = 1 << 20
@@ -529,3 +530,19 @@ def test_an_interrupt_on_every_try_is_a_refusal_not_a_hang():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     assert out == {"live": 0, "tries": 101, "error": "KeyboardInterrupt()", "program": "KeyboardInterrupt"}
+
+
+def test_the_helpers_answer_for_the_pool_the_shim_serves_from_even_once_its_default_pool_is_forgotten(lib):
+    ct.use(None)
+    hooks.reset_default_pools()
+    try:
+        with cupool.sim_device(3):
+            ptr = lib.alloc(3 * MiB, 3, None)
+        served = cupool.hooks.existing_pool(3)
+        hooks.reset_default_pools()  # the shim keeps serving device 3 from `served`, which holds the block
+        assert ct.memory_allocated(3) == 3 * MiB and ct.serving_pool(3) is served
+        lib.free(ptr, 3 * MiB, 3, None)
+        assert ct.empty_cache() >= 3 * MiB and served.stats()["reserved_bytes.all.current"] == 0
+    finally:
+        ct.use(None)
+        hooks.reset_default_pools()

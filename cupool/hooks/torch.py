@@ -73,7 +73,7 @@ _pools: dict[int, Pool] = {}  # device -> the pool use() gave
 _local = threading.local()  # .error: this thread's last refusal
 _setup_lock = threading.Lock()
 _registered: list[ModuleType] = []
-_served: set[int] = set()  # the devices the shim has asked for (``_resolve``)
+_served: dict[int, Pool] = {}  # device -> the pool the shim took there (``_resolve``), until ``use`` forgets it
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Calla
     ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
     """
     pool = serving_pool(device)
-    _served.add(device)
+    _served[device] = pool
     return pool, pool.malloc_key, pool.device.stream_key
 
 
@@ -189,6 +189,7 @@ def use(pool: Pool | None) -> None:
             _pools.clear()
         else:
             _pools[pool.device.index] = pool
+        _served.clear()
         if _registered:
             _registered[0].forget()
 
@@ -198,7 +199,7 @@ def serving_pool(device: int) -> Pool:
 
     ``NoDeviceError`` for a device this machine does not have (``_check_exists``).
     """
-    pool = _pools.get(device)
+    pool = _pools.get(device) or _served.get(device)  # the shim keeps its pool (a default pool forgotten since too)
     if pool is None:
         _check_exists(device)
         pool = default_pool(device)
@@ -206,8 +207,8 @@ def serving_pool(device: int) -> Pool:
 
 
 def serving_pools() -> dict[int, Pool]:
-    """The pool serving torch on each device it was served on or ``use`` named, by device index."""
-    return {device: serving_pool(device) for device in sorted(_served.union(_pools))}
+    """The pools serving torch now, by device index: each ``use`` gave, and each the shim has taken since."""
+    return dict(sorted({**_served, **_pools}.items()))
 
 
 def live_blocks() -> int:
