@@ -279,17 +279,12 @@ class Pool:
             self._arena.books.reset_peaks()
 
     def snapshot(self) -> dict[str, Any]:
-        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``; while the pool is
-        recorded (``pool.record()``, ``cupool.torch.record_memory_history()``), its events too, as torch's
-        ``device_traces`` (``cupool.observe.snapshot.device_traces``)."""
-        from .observe.snapshot import device_traces
+        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``, and its ``device_traces``
+        while the pool is recorded (``cupool.observe.snapshot.with_traces``)."""
+        from .observe.snapshot import with_traces
 
         with self.hold() as view:
-            snap = view.torch_snapshot()
-        traces = device_traces(self)
-        if traces is not None:
-            snap["device_traces"] = traces
-        return snap
+            return with_traces(self, view.torch_snapshot())
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[str] | None = None, small_blocks: bool = True

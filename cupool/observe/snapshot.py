@@ -84,11 +84,15 @@ def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
     return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
-def device_traces(pool: SnapshotSource) -> list[list[dict[str, Any]]] | None:
-    """The events of ``pool``'s active recorder as ``torch.cuda.memory._snapshot()``'s ``device_traces``
-    (one list per device index up to the pool's, the others empty); None while nobody records the pool."""
+def with_traces(pool: SnapshotSource, snap: dict[str, Any]) -> dict[str, Any]:
+    """``snap`` (``pool``'s segments) with the events of ``pool``'s active recorder as
+    ``torch.cuda.memory._snapshot()``'s ``device_traces`` (one list per device index up to the pool's,
+    the others empty), as ``Pool.snapshot()`` gives it (``pool.record()``,
+    ``cupool.torch.record_memory_history()``); unchanged while nobody records the pool."""
     rec = active_recorder(pool)
-    return None if rec is None else _traces(_entries(rec.events()), pool.device.index)
+    if rec is not None:
+        snap["device_traces"] = _traces(_entries(rec.events()), pool.device.index)
+    return snap
 
 
 def export_snapshot(pool: SnapshotSource, path: str | Path) -> int:
