@@ -119,7 +119,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("cupy memory     {} ({})".format(*memory_path()))
-    print("torch           {} {}".format(*torch_status()))
+    print("torch           {} ({})".format(*torch_status()))
     print("torch shim      {} ({})".format(*shim_status()))
     print("device kinds")
     _print_table(_kind_rows())

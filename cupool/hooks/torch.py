@@ -11,7 +11,8 @@ changes it; a device this machine lacks is refused, ``_check_exists``), and
 takes the block for torch's stream: the stream handle becomes the block's stream
 key (``device.stream_key``), so cupool's stream rules (Note [Streams]) hold for
 torch's streams.  The shim keeps each live block's ``Allocation`` by address (a
-C++ map), so ``free`` finds it; a free of an address it did not serve is logged (logger ``cupool.torch``) and ignored.
+C++ map), so ``free`` finds it; a free of an address it did not serve is logged
+(logger ``cupool.torch``) and ignored.
 
 Note [Torch's allocator]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -35,8 +36,8 @@ Either way ``last_error()`` gives this thread's last refusal as the exception
 cupool raised (an ``OutOfMemoryError`` with its fields).  A Ctrl-C that lands
 in the Python code a shim call runs is no refusal: the shim tries again and
 re-arms the interrupt (``PyErr_SetInterrupt``), so the program gets its
-``KeyboardInterrupt`` at its next bytecode and torch's caller its block.  PyTorch switches
-allocators only before its first CUDA tensor: ``change_current_allocator``
+``KeyboardInterrupt`` at its next bytecode and torch's caller its block.
+PyTorch switches allocators only before its first CUDA tensor: ``change_current_allocator``
 refuses once its allocator is initialised, and cupool says so
 (``TorchAllocatorError``).  The swap is for the life of the process:
 ``uninstall()`` cannot give torch its caching allocator back.
@@ -199,7 +200,9 @@ def serving_pool(device: int) -> Pool:
 
     ``NoDeviceError`` for a device this machine does not have (``_check_exists``).
     """
-    pool = _pools.get(device) or _served.get(device)  # the shim keeps its pool (a default pool forgotten since too)
+    pool = _pools.get(device)
+    if pool is None:  # the shim keeps the pool it took: a default pool forgotten since (reset_default_pools) too
+        pool = _served.get(device)
     if pool is None:
         _check_exists(device)
         pool = default_pool(device)
@@ -251,13 +254,13 @@ def torch_status() -> tuple[str, str]:
     except TorchAllocatorError as e:
         cause = e.__cause__
         if isinstance(cause, ModuleNotFoundError) and cause.name == "torch":
-            return "not installed", f"({TORCH_EXTRA})"
-        return "cannot be imported", f"({cause})"
+            return "not installed", TORCH_EXTRA
+        return "cannot be imported", str(cause)
     if not _has_cuda(torch):
-        return str(torch.__version__), "(no CUDA: cupool cannot serve its tensors)"
+        return str(torch.__version__), "no CUDA: cupool cannot serve its tensors"
     version = torch.version
     backend = f"CUDA {version.cuda}" if version.cuda else f"HIP {version.hip}"
-    return str(torch.__version__), f"({backend})"
+    return str(torch.__version__), backend
 
 
 def allocator() -> Any:
