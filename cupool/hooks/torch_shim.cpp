@@ -15,7 +15,9 @@
  * the last stream's key: one Python call per allocation, into compiled code.
  * A refused allocation returns NULL and hands the Python exception to `report` (which
  * keeps it for cupool.torch.last_error()); a free that fails is written to
- * sys.unraisablehook, as Python does for a failing finalizer.
+ * sys.unraisablehook, as Python does for a failing finalizer.  A KeyboardInterrupt
+ * is neither: the allocation is tried again and the interrupt re-armed for the
+ * program (alloc_locked).
  *
  * PyTorch does not check the pointer its pluggable allocator returns (a NULL
  * becomes a tensor at address 0), so torch is given a third function with the
