@@ -1,4 +1,4 @@
-"""cupool: one GPU device-memory pool for CuPy and Numba.
+"""cupool: one GPU device-memory pool for CuPy, Numba and PyTorch.
 
 Best fit with split and coalesce, stream-aware reuse, compaction of movable
 buffers, spilling under pressure, PyTorch-style statistics and traces, and a

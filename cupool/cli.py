@@ -30,7 +30,7 @@ from ._words import count
 from .config import ENV_VAR, env_conf
 from .core import build_info
 from .hooks.cupy import memory_path
-from .hooks.torch import shim_status
+from .hooks.torch import shim_status, torch_status
 from .device import KINDS, CudaDevice, cuda_available, kinds, parse_device
 from .observe.snapshot import export_trace
 from .pool import Pool
@@ -39,9 +39,10 @@ from .trace import load_trace
 from .trace.rmm_log import write_rmm_log
 
 #: What ``cupool --help`` says above the list of commands.
-DESCRIPTION = ("One GPU device-memory pool for CuPy and Numba.  Show the device and configuration (info), run the "
-               "weight-streaming demo (demo), replay a trace of pool events under other settings (replay), plot it "
-               "(report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says more.")
+DESCRIPTION = ("One GPU device-memory pool for CuPy, Numba and PyTorch.  Show the device and configuration (info), "
+               "run the weight-streaming demo (demo), replay a trace of pool events under other settings (replay), "
+               "plot it (report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says "
+               "more.")
 #: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
 
@@ -118,6 +119,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print("fast path       {fast_path} ({reason})".format(**build_info()))
     print(f"{ENV_VAR:<16}{os.environ.get(ENV_VAR) or '(not set: the defaults)'}")
     print("cupy memory     {} ({})".format(*memory_path()))
+    print("torch           {} ({})".format(*torch_status()))
     print("torch shim      {} ({})".format(*shim_status()))
     print("device kinds")
     _print_table(_kind_rows())

@@ -18,7 +18,7 @@ Charter: this module knows only units; every other module imports its errors fro
 | ``NoDeviceError`` | ``RuntimeError`` | a device was named that this machine does not have |
 | ``DriverError`` | ``RuntimeError`` | the CUDA driver refused a call, other than for memory |
 | ``WorkerError`` | ``RuntimeError`` | work cupool asked of Dask workers failed on some of them |
-| ``TorchAllocatorError`` | ``RuntimeError`` | PyTorch cannot be served: its allocator was already in use, or the shim is not built |
+| ``TorchAllocatorError`` | ``RuntimeError`` | PyTorch cannot be served: its allocator was already in use, the shim is not built, or torch is missing or has no CUDA |
 
 The second bases keep code written for plain Python (``except MemoryError``,
 ``except ValueError``) working.  ``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
@@ -231,7 +231,8 @@ class WorkerError(Error, RuntimeError):
 
 
 class TorchAllocatorError(Error, RuntimeError):
-    """PyTorch cannot be served by cupool: its allocator was already in use, or cupool's shim is not built.
+    """PyTorch cannot be served by cupool: its allocator was already in use, cupool's shim is not built,
+    or torch is not installed or is built without CUDA.
 
     PyTorch switches allocators only before its first CUDA tensor (its allocator
     is in use from then on), so ``cupool.install(torch=True)`` must come first

@@ -279,9 +279,12 @@ class Pool:
             self._arena.books.reset_peaks()
 
     def snapshot(self) -> dict[str, Any]:
-        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``."""
+        """Segments and their blocks, in the shape of ``torch.cuda.memory._snapshot()``, and its ``device_traces``
+        while the pool is recorded (``cupool.observe.snapshot.with_traces``)."""
+        from .observe.snapshot import with_traces
+
         with self.hold() as view:
-            return view.torch_snapshot()
+            return with_traces(self, view.torch_snapshot())
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[str] | None = None, small_blocks: bool = True

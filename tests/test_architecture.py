@@ -181,6 +181,7 @@ _FOREIGN = {
     "._record_memory_history",
     "._dump_snapshot",
     "._snapshot",
+    "._C",  # torch._C: a CUDA build has the _cuda_customAllocator CUDAPluggableAllocator calls, a CPU one not
     "._exit",  # os._exit: how a nanny's child whose start failed ends (cupool.dask.dask_setup)
 }
 

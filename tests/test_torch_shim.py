@@ -8,6 +8,7 @@ are checked against a small fake ``torch.cuda.memory`` put in ``sys.modules``.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 
 import cupool
 import cupool.torch as ct
-from cupool.errors import OutOfMemoryError, TorchAllocatorError
+from cupool.errors import DeviceNameError, NoDeviceError, OutOfMemoryError, TorchAllocatorError
+from cupool import hooks
 from cupool.hooks import scopes
 
 MiB = 1 << 20
@@ -182,7 +184,7 @@ def test_memory_stats_and_summary_are_cupools_books(lib, pool):
     assert list(stats) == sorted(stats) and stats["allocated_bytes.all.current"] == pool.stats()["allocated_bytes.all.current"]
     assert "cupool memory summary" in ct.memory_summary(0)
     lib.free(ptr, 3 * MiB, 0, None)
-    with pytest.raises(TypeError, match="device"):
+    with pytest.raises(DeviceNameError, match="device must be"):
         ct.memory_stats("0")
 
 
@@ -229,14 +231,25 @@ class FakeMemory(types.ModuleType):
         self.current = allocator
 
 
+class CpuMemory(FakeMemory):
+    """A CPU-only torch's ``torch.cuda.memory``: the allocator class is there, the C function it calls is not."""
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path: str, alloc: str, free: str) -> None:
+            raise AttributeError("module 'torch._C' has no attribute '_cuda_customAllocator'")
+
+
 @pytest.fixture
 def fake_torch(monkeypatch):
-    def install(initialized: bool) -> FakeMemory:
-        memory = FakeMemory(initialized)
+    def install(initialized: bool, cuda_built: bool = True) -> FakeMemory:
+        memory = FakeMemory(initialized) if cuda_built else CpuMemory(initialized)
         cuda = types.ModuleType("torch.cuda")
         cuda.memory = memory
         torch = types.ModuleType("torch")
         torch.cuda = cuda
+        torch.__version__ = "2.13.0" if cuda_built else "2.13.0+cpu"
+        torch.version = types.SimpleNamespace(cuda="12.8" if cuda_built else None, hip=None)
+        torch._C = types.SimpleNamespace(**({"_cuda_customAllocator": object()} if cuda_built else {}))
         for name, module in (("torch", torch), ("torch.cuda", cuda), ("torch.cuda.memory", memory)):
             monkeypatch.setitem(sys.modules, name, module)
         return memory
@@ -335,3 +348,201 @@ def test_the_torch_entry_point_throws_cupools_reason_to_a_cpp_caller(lib, pool, 
     message = what.value.decode()
     assert message.startswith("cupool could not allocate 134217728 bytes on device 0 for PyTorch: OutOfMemoryError")
     assert "out of memory" in message and isinstance(ct.last_error(), OutOfMemoryError)
+
+
+# --------------------------------------------------------- devices that do not exist (issue 36 #4)
+def test_a_device_that_does_not_exist_is_refused_not_made(lib):
+    ct.use(None)
+    cupool.hooks.reset_default_pools()
+    try:
+        assert lib.alloc(512, 7, None) is None
+        error = ct.last_error()
+        assert isinstance(error, NoDeviceError) and "device 7 does not exist" in str(error)
+        assert cupool.hooks.existing_pool(7) is None  # no sim:7 made, with its own address space
+        ptr = lib.alloc(512, 0, None)  # device 0 is there
+        assert ptr
+        lib.free(ptr, 512, 0, None)
+        with cupool.sim_device(3):  # a sim device the program opened exists
+            ptr = lib.alloc(512, 3, None)
+            assert ptr and cupool.default_pool(3).stats()["allocated_bytes.all.current"] >= 512
+            lib.free(ptr, 512, 3, None)
+        ptr = lib.alloc(512, 3, None)  # and stays there, its pool made
+        assert ptr
+        lib.free(ptr, 512, 3, None)
+        assert lib.alloc(512, -1, None) is None and "device -1 does not exist" in str(ct.last_error())
+    finally:
+        cupool.hooks.reset_default_pools()
+
+
+def test_a_device_given_a_pool_by_use_exists(lib):
+    p = cupool.Pool("sim:5", capacity="64MiB")
+    ct.use(p)
+    try:
+        ptr = lib.alloc(4096, 5, None)
+        assert ptr and p.stats()["allocated_bytes.all.current"] >= 4096
+        lib.free(ptr, 4096, 5, None)
+    finally:
+        ct.use(None)
+
+
+# --------------------------------------------------------- a torch without CUDA, or none (issue 36 #8)
+def test_a_cpu_only_torch_is_refused_in_cupools_words(fake_torch):
+    memory = fake_torch(False, cuda_built=False)
+    with pytest.raises(TorchAllocatorError, match=r"PyTorch 2\.13\.0\+cpu is built without CUDA"):
+        ct.allocator()
+    pool = cupool.Pool("sim", capacity="64MiB")
+    with pytest.raises(TorchAllocatorError, match="without CUDA"):
+        cupool.install(pool, cupy=False, numba=False, torch=True)
+    assert memory.current is None and not scopes.installed() and ct.serving_pool(0) is not pool
+
+
+def test_a_cpu_only_torch_leaves_cupy_unhooked(fake_torch):
+    cupy = pytest.importorskip("cupy")
+    fake_torch(False, cuda_built=False)
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(TorchAllocatorError, match="without CUDA"):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=True, numba=False, torch=True)
+    assert cupy.cuda.get_allocator() is before and not scopes.installed()
+
+
+def test_without_torch_cupool_says_it_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what Python does where torch is not installed
+    with pytest.raises(TorchAllocatorError, match=r'PyTorch is not installed; pip install "\.\[torch\]"' ):
+        ct.allocator()
+    with pytest.raises(TorchAllocatorError, match="PyTorch is not installed"):
+        cupool.install(cupool.Pool("sim", capacity="64MiB"), cupy=False, numba=False, torch=True)
+    assert not scopes.installed()
+
+
+def _info_torch_line(capsys) -> list[str]:
+    from cupool.cli import main
+
+    assert main(["info"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["torch"] and "shim" not in ln]
+    return line.split(None, 1)[1]
+
+
+def test_cupool_info_says_which_torch_and_whether_it_has_cuda(fake_torch, capsys, monkeypatch):
+    fake_torch(False, cuda_built=False)
+    assert _info_torch_line(capsys) == "2.13.0+cpu (no CUDA: cupool cannot serve its tensors)"
+    fake_torch(False)
+    assert _info_torch_line(capsys) == "2.13.0 (CUDA 12.8)"
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert _info_torch_line(capsys) == "not installed (pip install \".[torch]\" in cupool's checkout)"
+
+
+# --------------------------------------------------------- Ctrl-C inside the shim (issue 36 #3)
+# Run in a child process, so that no signal can land in pytest: the main thread allocates and frees
+# through the shim in a loop while a thread sends SIGINT 3-13 ms apart, each only once the last one
+# has reached the loop as a KeyboardInterrupt (or five seconds have passed: then it was lost).
+_SIGINTS = r"""
+import ctypes, json, os, random, signal, sys, threading, time
+import cupool, cupool.torch as ct
+
+s = ct.shim()
+dll = ctypes.CDLL(s.path)
+alloc, free = getattr(dll, s.alloc), getattr(dll, s.free)
+alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+pool = cupool.Pool("sim", capacity="256MiB")
+ct.use(pool)
+seen, done = threading.Event(), threading.Event()
+out = {"sent": 0, "caught": 0, "lost": 0, "refused": [], "calls": 0}
+
+def sender():
+    rng = random.Random(int(sys.argv[1]))
+    while out["sent"] < int(sys.argv[2]):
+        time.sleep(rng.uniform(0.003, 0.013))
+        seen.clear()
+        out["sent"] += 1
+        os.kill(os.getpid(), signal.SIGINT)
+        if not seen.wait(5.0):  # a busy machine may be slow; five seconds late is lost
+            out["lost"] += 1
+            break
+    done.set()
+
+threading.Thread(target=sender, daemon=True).start()
+while not done.is_set():
+    try:
+        while not done.is_set():
+            out["calls"] += 1
+            n = (1 + out["calls"] % 4) << 20  # large blocks: the arena's Python code runs in each call
+            ptr = alloc(n, 0, None)
+            if not ptr:
+                out["refused"].append(repr(ct.last_error()))
+                continue
+            free(ptr, n, 0, None)
+    except KeyboardInterrupt:
+        out["caught"] += 1
+        # The interrupt may have come between alloc and free: free what the shim still holds.
+        for seg in pool.snapshot()["segments"]:
+            for b in seg["blocks"]:
+                if b["state"] == "active_allocated":
+                    free(b["address"], b["size"], 0, None)
+        seen.set()
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+out["live"] = ct.live_blocks()
+pool.check()
+print(json.dumps(out))
+"""
+
+
+def test_ctrl_c_in_a_shim_allocation_reaches_the_program_and_is_no_refusal():
+    r = subprocess.run([sys.executable, "-c", _SIGINTS, "36", "150"], capture_output=True, text=True, timeout=240,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["refused"] == [] and out["lost"] == 0
+    assert out["caught"] == out["sent"] == 150 and out["calls"] > 150 and out["live"] == 0
+
+
+_ALWAYS_INTERRUPTED = r"""
+import ctypes, json
+import cupool.torch as ct
+from cupool.hooks import torch as front
+
+s = ct.shim()
+alloc = getattr(ctypes.CDLL(s.path), s.alloc)
+alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+tries = []
+
+def resolve(device):
+    tries.append(device)
+    raise KeyboardInterrupt
+
+module = front._module()
+module.register(resolve, front._report, front._unknown)
+got = "no KeyboardInterrupt"
+try:
+    alloc(4096, 0, None)  # the re-armed interrupt is raised as it returns
+    for _ in range(1000):
+        pass
+except KeyboardInterrupt:
+    got = "KeyboardInterrupt"
+print(json.dumps({"live": ct.live_blocks(), "tries": len(tries), "error": repr(ct.last_error()), "program": got}))
+"""
+
+
+def test_an_interrupt_on_every_try_is_a_refusal_not_a_hang():
+    """A KeyboardInterrupt that comes back each time is no Ctrl-C landing by chance: refused, and still raised."""
+    r = subprocess.run([sys.executable, "-c", _ALWAYS_INTERRUPTED], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out == {"live": 0, "tries": 101, "error": "KeyboardInterrupt()", "program": "KeyboardInterrupt"}
+
+
+def test_the_helpers_answer_for_the_pool_the_shim_serves_from_even_once_its_default_pool_is_forgotten(lib):
+    ct.use(None)
+    hooks.reset_default_pools()
+    try:
+        with cupool.sim_device(3):
+            ptr = lib.alloc(3 * MiB, 3, None)
+        served = cupool.hooks.existing_pool(3)
+        hooks.reset_default_pools()  # the shim keeps serving device 3 from `served`, which holds the block
+        assert ct.memory_allocated(3) == 3 * MiB and ct.serving_pool(3) is served
+        lib.free(ptr, 3 * MiB, 3, None)
+        assert ct.empty_cache() >= 3 * MiB and served.stats()["reserved_bytes.all.current"] == 0
+    finally:
+        ct.use(None)
+        hooks.reset_default_pools()

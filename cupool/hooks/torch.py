@@ -7,11 +7,12 @@ install`` like the fast path; ``cupool info`` says whether it was).  Its C
 functions take the GIL and call this module: ``serve`` picks the pool, the one
 given to ``use(pool)`` for that device or else ``default_pool(device)``, the
 pool CuPy and Numba get there (found once per device, and kept until ``use``
-changes it), and takes the block for torch's stream: the stream handle becomes
-the block's stream key (``device.stream_key``), so cupool's stream rules (Note
-[Streams]) hold for torch's streams.  The shim keeps each live
-block's ``Allocation`` by address (a C++ map), so ``free`` finds it; a free of an address it
-did not serve is logged (logger ``cupool.torch``) and ignored.
+changes it; a device this machine lacks is refused, ``_check_exists``), and
+takes the block for torch's stream: the stream handle becomes the block's stream
+key (``device.stream_key``), so cupool's stream rules (Note [Streams]) hold for
+torch's streams.  The shim keeps each live block's ``Allocation`` by address (a
+C++ map), so ``free`` finds it; a free of an address it did not serve is logged
+(logger ``cupool.torch``) and ignored.
 
 Note [Torch's allocator]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -32,8 +33,11 @@ the shim has two allocating entry points with the pluggable signature:
   D for PyTorch: OutOfMemoryError: ...``, never a tensor at address 0.
 
 Either way ``last_error()`` gives this thread's last refusal as the exception
-cupool raised (an ``OutOfMemoryError`` with its fields).  PyTorch switches
-allocators only before its first CUDA tensor: ``change_current_allocator``
+cupool raised (an ``OutOfMemoryError`` with its fields).  A Ctrl-C that lands
+in the Python code a shim call runs is no refusal: the shim tries again and
+re-arms the interrupt (``PyErr_SetInterrupt``), so the program gets its
+``KeyboardInterrupt`` at its next bytecode and torch's caller its block.
+PyTorch switches allocators only before its first CUDA tensor: ``change_current_allocator``
 refuses once its allocator is initialised, and cupool says so
 (``TorchAllocatorError``).  The swap is for the life of the process:
 ``uninstall()`` cannot give torch its caching allocator back.
@@ -50,9 +54,9 @@ from typing import Any
 
 from ..core import compiled_module
 from ..core.fast import Allocation
-from ..errors import TorchAllocatorError
+from ..errors import NoDeviceError, TorchAllocatorError
 from ..pool import Pool
-from .routing import default_pool
+from .routing import current_device, default_pool, existing_pool, gpu_available
 
 #: The compiled module that holds the C functions (``COMPILED_MODULES`` lists it).
 SHIM_MODULE = "cupool.hooks.torch_shim"
@@ -70,6 +74,7 @@ _pools: dict[int, Pool] = {}  # device -> the pool use() gave
 _local = threading.local()  # .error: this thread's last refusal
 _setup_lock = threading.Lock()
 _registered: list[ModuleType] = []
+_served: dict[int, Pool] = {}  # device -> the pool the shim took there (``_resolve``), until ``use`` forgets it
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,31 @@ def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Calla
     ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
     """
     pool = serving_pool(device)
+    _served[device] = pool
     return pool, pool.malloc_key, pool.device.stream_key
+
+
+def _check_exists(device: int) -> None:
+    """Refuse (``NoDeviceError``) a device index torch's caller passed that this machine does not have.
+
+    A C caller can pass any int, and a default pool made for it would be a device
+    of its own (issue 36 #4).  On a GPU the devices are CUDA's; on the simulated
+    device they are those the program opened: device 0, this thread's current one
+    (``cupool.sim_device``) and any a pool already serves (a default pool made,
+    ``install``, ``using``).  ``use(pool)`` opens its pool's device too.
+    """
+    if gpu_available():
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        if 0 <= device < count:
+            return
+        raise NoDeviceError(f"cupool.torch: device {device} does not exist ({count} CUDA device(s) visible)")
+    if device == 0 or (device >= 0 and (device == current_device() or existing_pool(device) is not None)):
+        return
+    raise NoDeviceError(f"cupool.torch: device {device} does not exist: the simulated devices are 0, the current "
+                        "one (cupool.sim_device) and those a pool serves (cupool.default_pool(i), "
+                        "cupool.torch.use(pool))")
 
 
 def _report(error: BaseException) -> None:
@@ -161,14 +190,28 @@ def use(pool: Pool | None) -> None:
             _pools.clear()
         else:
             _pools[pool.device.index] = pool
+        _served.clear()
         if _registered:
             _registered[0].forget()
 
 
 def serving_pool(device: int) -> Pool:
-    """The pool torch's allocations on ``device`` come from (the default pool is made if need be)."""
+    """The pool torch's allocations on ``device`` come from (the default pool is made if need be).
+
+    ``NoDeviceError`` for a device this machine does not have (``_check_exists``).
+    """
     pool = _pools.get(device)
-    return default_pool(device) if pool is None else pool
+    if pool is None:  # the shim keeps the pool it took: a default pool forgotten since (reset_default_pools) too
+        pool = _served.get(device)
+    if pool is None:
+        _check_exists(device)
+        pool = default_pool(device)
+    return pool
+
+
+def serving_pools() -> dict[int, Pool]:
+    """The pools serving torch now, by device index: each ``use`` gave, and each the shim has taken since."""
+    return dict(sorted({**_served, **_pools}.items()))
 
 
 def live_blocks() -> int:
@@ -176,8 +219,60 @@ def live_blocks() -> int:
     return int(_registered[0].live()) if _registered else 0
 
 
+#: How a torch user installs a supported torch: pyproject's ``torch`` extra, from the checkout (as the README says).
+TORCH_EXTRA = "pip install \".[torch]\" in cupool's checkout"
+
+
+def _import_torch() -> ModuleType:
+    """torch, imported; ``TorchAllocatorError`` where it is missing or cannot be imported."""
+    try:
+        import torch
+    except (ImportError, OSError) as e:  # OSError: a torch whose own libraries fail to load
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "torch"
+        said = "PyTorch is not installed" if missing else f"PyTorch cannot be imported ({e})"
+        raise TorchAllocatorError(f"{said}; {TORCH_EXTRA} installs a supported one") from e
+    return torch
+
+
+def _has_cuda(torch: ModuleType) -> bool:
+    """Whether this torch is built with CUDA (or HIP): has the C function ``CUDAPluggableAllocator`` calls.
+
+    A CPU-only torch has ``torch.cuda.memory.CUDAPluggableAllocator`` but not
+    ``torch._C._cuda_customAllocator``: the user would meet an ``AttributeError``
+    from inside torch (issue 36 #8).
+    """
+    return getattr(torch._C, "_cuda_customAllocator", None) is not None
+
+
+def torch_status() -> tuple[str, str]:
+    """``(version | "not installed" | "cannot be imported", what it has)``: the torch ``cupool info`` shows.
+
+    Imports torch where it is installed.
+    """
+    try:
+        torch = _import_torch()
+    except TorchAllocatorError as e:
+        cause = e.__cause__
+        if isinstance(cause, ModuleNotFoundError) and cause.name == "torch":
+            return "not installed", TORCH_EXTRA
+        return "cannot be imported", str(cause)
+    if not _has_cuda(torch):
+        return str(torch.__version__), "no CUDA: cupool cannot serve its tensors"
+    version = torch.version
+    backend = f"CUDA {version.cuda}" if version.cuda else f"HIP {version.hip}"
+    return str(torch.__version__), backend
+
+
 def allocator() -> Any:
-    """``torch.cuda.memory.CUDAPluggableAllocator`` over cupool's shim (imports torch)."""
+    """``torch.cuda.memory.CUDAPluggableAllocator`` over cupool's shim (imports torch).
+
+    ``TorchAllocatorError`` where torch is missing, built without CUDA, or the shim is not built.
+    """
+    torch = _import_torch()
+    if not _has_cuda(torch):
+        raise TorchAllocatorError(f"PyTorch {torch.__version__} is built without CUDA: it has no CUDA tensors "
+                                  f"for cupool to serve; install a CUDA build (on Linux x86-64, {TORCH_EXTRA} "
+                                  "installs one)")
     s = shim()
     from torch.cuda import memory
 

@@ -15,7 +15,9 @@
  * the last stream's key: one Python call per allocation, into compiled code.
  * A refused allocation returns NULL and hands the Python exception to `report` (which
  * keeps it for cupool.torch.last_error()); a free that fails is written to
- * sys.unraisablehook, as Python does for a failing finalizer.
+ * sys.unraisablehook, as Python does for a failing finalizer.  A KeyboardInterrupt
+ * is neither: the allocation is tried again and the interrupt re-armed for the
+ * program (alloc_locked).
  *
  * PyTorch does not check the pointer its pluggable allocator returns (a NULL
  * becomes a tensor at address 0), so torch is given a third function with the
@@ -52,6 +54,16 @@ void *last_stream = nullptr;      // the last stream handle seen, and its key (s
 PyObject *last_key = nullptr;
 PyObject *last_key_fn = nullptr;  // the stream_key that gave last_key (held, so its address is not reused)
 
+// Clear the pending exception; a KeyboardInterrupt (Ctrl-C landing in Python code the shim runs) is
+// re-armed (PyErr_SetInterrupt), so Python's SIGINT handler raises it at the program's next bytecode
+// rather than losing it where no C caller can take it (issue 36 #3).
+void clear_keeping_interrupts() {
+    if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        PyErr_SetInterrupt();
+    }
+    PyErr_Clear();
+}
+
 // The pending Python exception, given to `report` and kept (as text) in `reason`; nothing stays raised.
 void refuse(const char *fallback) {
     PyObject *type, *value, *tb;
@@ -72,11 +84,13 @@ void refuse(const char *fallback) {
             reason = std::string(reinterpret_cast<PyTypeObject *>(type)->tp_name) + ": " + s;
         }
         Py_XDECREF(text);
-        PyErr_Clear();
+        clear_keeping_interrupts();
     }
     if (report != nullptr && value != nullptr) {
         PyObject *r = PyObject_CallOneArg(report, value);
-        if (r == nullptr) {
+        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            clear_keeping_interrupts();
+        } else if (r == nullptr) {
             PyErr_WriteUnraisable(report);
         }
         Py_XDECREF(r);
@@ -133,13 +147,8 @@ PyObject *stream_key(PyObject *key_fn, void *stream) {
     return key;
 }
 
-void *alloc_locked(size_t size, int device, void *stream) {
-    if (resolve == nullptr) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "cupool's torch shim is loaded but not set up: import cupool.torch first");
-        refuse("cupool.torch is not imported");
-        return nullptr;
-    }
+// One try at a block: its address, or nullptr with a Python exception set.
+void *alloc_once(size_t size, int device, void *stream) {
     PyObject *entry = serving(device);
     PyObject *a = nullptr;
     if (entry != nullptr) {
@@ -152,7 +161,9 @@ void *alloc_locked(size_t size, int device, void *stream) {
         Py_DECREF(entry);
     }
     if (a == nullptr) {
-        refuse("cupool could not allocate");
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "cupool could not allocate");
+        }
         return nullptr;
     }
     void *ptr = nullptr;
@@ -178,7 +189,40 @@ void *alloc_locked(size_t size, int device, void *stream) {
     }
     if (ptr == nullptr) {
         Py_DECREF(a);  // not kept: its block goes back at once
-        refuse("cupool could not record the block");
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "cupool could not record the block");
+        }
+    }
+    return ptr;
+}
+
+// A block for torch, or nullptr with the refusal reported.  A KeyboardInterrupt is no refusal:
+// Ctrl-C landed in the Python code this call runs (the pool raises a deferred one as its operation
+// ends, Note [Interrupts]), and no C caller can take a Python exception.  So the allocation is
+// tried again, and the interrupt re-armed once it is done (issue 36 #3).  One that comes back on
+// every one of INTERRUPTED_TRIES tries is raised by something other than a Ctrl-C landing by
+// chance: that allocation is refused with it (and it is re-armed too), rather than tried for ever.
+constexpr int INTERRUPTED_TRIES = 100;
+
+void *alloc_locked(size_t size, int device, void *stream) {
+    if (resolve == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cupool's torch shim is loaded but not set up: import cupool.torch first");
+        refuse("cupool.torch is not imported");
+        return nullptr;
+    }
+    int interrupted = 0;
+    void *ptr;
+    while ((ptr = alloc_once(size, device, stream)) == nullptr && interrupted < INTERRUPTED_TRIES &&
+           PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        PyErr_Clear();
+        ++interrupted;
+    }
+    if (ptr == nullptr) {
+        refuse("cupool could not allocate");
+    }
+    if (interrupted > 0) {  // after the last try, which the re-armed handler would interrupt again
+        PyErr_SetInterrupt();
     }
     return ptr;
 }
@@ -192,7 +236,9 @@ void free_locked(void *ptr, size_t size, int device, void *stream) {
     } else if (unknown != nullptr) {
         PyObject *r = PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
                                             PyLong_FromVoidPtr(stream));
-        if (r == nullptr) {
+        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            clear_keeping_interrupts();
+        } else if (r == nullptr) {
             PyErr_WriteUnraisable(unknown);
         }
         Py_XDECREF(r);

@@ -90,6 +90,11 @@ def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
     """
     pool = current_pool(device_index(device, "mem_get_info"))
     _check_kind(device, pool, "mem_get_info")
+    return pool_mem_get_info(pool)
+
+
+def pool_mem_get_info(pool: Pool) -> tuple[int, int]:
+    """``mem_get_info``'s ``(free, total)`` of ``pool`` itself (``cupool.torch`` asks it of torch's pool)."""
     if pool.closed:
         raise ClosedError(f"cupool: mem_get_info() on a closed pool ({pool!r}): it hands out no memory")
     device_free, _ = pool.device.mem_info()

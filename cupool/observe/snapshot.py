@@ -80,8 +80,19 @@ def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
     expandable = bool(getattr(pool, "config", {}).get("expandable_segments"))
     segments = [_segment(seg, device, [{**b, "frames": []} for b in seg["blocks"]], expandable)
                 for seg in snap["segments"]]
+    traces = snap.get("device_traces") or _traces([], device)  # Pool.snapshot() has them while recorded
+    return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
+
+
+def with_traces(pool: SnapshotSource, snap: dict[str, Any]) -> dict[str, Any]:
+    """``snap`` (``pool``'s segments) with the events of ``pool``'s active recorder as
+    ``torch.cuda.memory._snapshot()``'s ``device_traces`` (one list per device index up to the pool's,
+    the others empty), as ``Pool.snapshot()`` gives it (``pool.record()``,
+    ``cupool.torch.record_memory_history()``); unchanged while nobody records the pool."""
     rec = active_recorder(pool)
-    return _snapshot(segments, _entries(rec.events() if rec is not None else []), device)
+    if rec is not None:
+        snap["device_traces"] = _traces(_entries(rec.events()), pool.device.index)
+    return snap
 
 
 def export_snapshot(pool: SnapshotSource, path: str | Path) -> int:
@@ -120,9 +131,13 @@ def _write(data: dict[str, Any], path: str | Path) -> int:
 
 
 def _snapshot(segments: list[dict[str, Any]], entries: list[dict[str, Any]], device: int) -> dict[str, Any]:
+    return {"segments": segments, "device_traces": _traces(entries, device), "allocator_settings": {}}
+
+
+def _traces(entries: list[dict[str, Any]], device: int) -> list[list[dict[str, Any]]]:
     traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
     traces[device] = entries
-    return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
+    return traces
 
 
 def _segment(seg: dict[str, Any], device: int, blocks: list[dict[str, Any]], expandable: bool) -> dict[str, Any]:
