@@ -5,6 +5,10 @@ is one line on stderr, ``cupool: error: ...``, and exit status 2, never a
 traceback.  A command line argparse cannot read gets that same line, under the
 usage of the command it was meant for (``cupool demo --bogus``: demo's).  A
 reader that leaves early (``cupool info | head``) ends the command quietly.
+Ctrl-C (SIGINT) ends it with one line, ``cupool: interrupted``, and exit status
+130 as a shell reports one killed by SIGINT; what was printed before stays
+(rows are flushed as they are printed), and a file being written is left as it
+was (``cupool._files.atomic_output``).
 
 ``--device`` names a device everywhere, as ``parse_device`` reads it: ``auto``, or a
 kind of ``cupool.device.kinds`` with an optional index (``sim``, ``cuda:1``); its help
@@ -44,6 +48,10 @@ DESCRIPTION = ("One GPU device-memory pool for CuPy and Numba.  Show the device 
                "(report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says more.")
 #: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
+#: The exit status of a command stopped by Ctrl-C, as a shell reports one killed by SIGINT.
+EXIT_INTERRUPTED = 128 + 2
+#: The one line a command stopped by Ctrl-C prints on stderr.
+INTERRUPTED = "cupool: interrupted"
 
 
 def _versions() -> dict[str, str]:
@@ -262,10 +270,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return _interrupted()
     except (ValueError, TypeError, OSError) as e:
         # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read.
         print(f"cupool: error: {e}", file=sys.stderr)
         return 2
+
+
+def _interrupted() -> int:
+    """Say once that Ctrl-C stopped the command, after what it printed, instead of Python's traceback."""
+    try:
+        sys.stdout.flush()  # the rows printed so far come before the word, and stay
+    except (BrokenPipeError, OSError, ValueError):
+        _drop_stdout()
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 def _drop_stdout() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import signal
 import subprocess
 import sys
 import warnings
@@ -290,3 +291,64 @@ def test_counts_are_singular_when_one(tmp_path, capsys):
     assert ": 1 PyTorch trace entry from 1 event (rmm) of " in capsys.readouterr().out
     assert main(["export", str(log), "-o", str(tmp_path / "again.csv")]) == 0
     assert ": 1 RMM log row from 1 event (rmm) of " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ Ctrl-C (issue 36 #9)
+def _busy_trace(path: Path) -> Path:
+    pool = cupool.Pool("sim", capacity="1GiB")
+    with pool.record(path):
+        live = [pool.malloc((n % 97 + 1) << 12) for n in range(3000)]
+        for a in live[::2]:
+            a.free()
+    return path
+
+
+def test_ctrl_c_during_a_comparison_is_one_line_after_the_rows_and_exit_130(tmp_path):
+    trace = _busy_trace(tmp_path / "t.h5")
+    # Far more replays than can run before the signal lands, so that it lands inside one of them.  The child
+    # alone gets the signal, in a session of its own, with SIGINT's default action (not one ignored by a shell
+    # that started this suite in the background), which Python turns into KeyboardInterrupt.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cupool", "replay", str(trace), "--engine", "pool", "--compare", *["recorded"] * 500],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("recorded "):  # the first row: a replay finished, the next one runs
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert err == "cupool: interrupted\n"
+    rows = [line for line in seen + rest.splitlines(keepends=True) if line.startswith("recorded ")]
+    assert seen[-1] in rows and 1 <= len(rows) < 500  # what was printed stays; the rest never ran
+
+
+def test_ctrl_c_keeps_the_rows_printed_before_it(tmp_path, monkeypatch, capsys):
+    import cupool.replay.commands as commands
+
+    trace = _busy_trace(tmp_path / "t.h5")
+    real = commands.replay
+    calls = []
+
+    def interrupted_at_the_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(commands, "replay", interrupted_at_the_second)
+    try:
+        status = main(["replay", str(trace), "--engine", "pool", "--compare", "recorded", "release_threshold=0"])
+    except KeyboardInterrupt:  # a failure of this test, not an interrupt of the suite
+        pytest.fail("KeyboardInterrupt came out of main")
+    assert status == 130
+    out, err = capsys.readouterr()
+    assert err == "cupool: interrupted\n"
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(("recorded ", "release_"))] == ["recorded"]
