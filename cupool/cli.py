@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import demo
-from ._files import refuse_overwriting_input, status_stream
+from ._files import output_path, refuse_overwriting_input, status_stream
 from ._units import format_bytes, parse_size
 from ._words import count
 from .config import ENV_VAR, env_conf
@@ -178,10 +178,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          "(leave out --index with --format rmm-csv)")
     if args.index is not None and args.index < 0:
         raise ValueError(f"--index must be a device index >= 0, got {args.index}")
-    out = Path(args.output or EXPORT_FORMATS[fmt])
     what = "RMM log" if fmt == "rmm-csv" else "snapshot"
-    if not out.resolve().parent.is_dir():
-        raise OSError(f"cannot write the {what} {out}: the folder {out.resolve().parent} does not exist")
+    out = output_path(args.output or EXPORT_FORMATS[fmt], EXPORT_FORMATS[fmt], what)
     refuse_overwriting_input(out, args.trace, what)
     trace = load_trace(args.trace)
     said = status_stream(out)  # not into the output, when that is standard output
@@ -238,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "which RMM's replay benchmark reads.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default=None,
-                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv), '-' for "
-                        "standard output; a file is written whole or not at all, and never over the input; a "
-                        "device or FIFO is written into")
+                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv; a folder, "
+                        "one that exists or a name ending in '/', gets that file in it), '-' for standard output; "
+                        "a file is written whole or not at all, and never over the input; a device or FIFO is "
+                        "written into")
     p.add_argument("--format", choices=tuple(EXPORT_FORMATS), default=None,
                    help="torch: a PyTorch memory snapshot pickle; rmm-csv: an RMM logging_resource_adaptor CSV, "
                         "times as RMM's HH:MM:SS.ffffff clock and every thread 0 (traces record no thread) "

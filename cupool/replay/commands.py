@@ -73,8 +73,9 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                    description=REPORT_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default="report.png",
-                   help="image to write (default report.png; a folder gets report.png in it, a name without an "
-                        "extension gets .png), '-' for standard output; a device or FIFO is written into")
+                   help="image to write (default report.png; a folder, one that exists or a name ending in '/', "
+                        "gets report.png in it, a name without an extension gets .png), '-' for standard output; "
+                        "a device or FIFO is written into")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones: {', '.join(accepted_keys('numba'))}; a trace with "
                         "movable buffers also takes "
@@ -266,10 +267,7 @@ def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = T
 def _cmd_report(args: argparse.Namespace) -> int:
     from .._files import refuse_overwriting_input, status_stream
 
-    out = _report_path(args.output)
-    folder = out.resolve().parent
-    if not folder.is_dir():  # before the replay, which can take a while
-        raise OSError(f"cannot write the report {out}: the folder {folder} does not exist")
+    out = _report_path(args.output)  # before the replay, which can take a while
     refuse_overwriting_input(out, args.trace, "report")
     trace = load_trace(args.trace)
     config = _base_config(args)
@@ -291,21 +289,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _report_path(output: str) -> Path:
     """The file the report goes to, so that the command names the file it writes.
 
-    Given a folder, ``report.png`` in it; given a name without an extension,
-    that name with ``.png`` (which matplotlib would add without a word).  An
-    extension matplotlib cannot write is refused before the replay.  Standard
-    output (``-``), a device or a FIFO is written as it is named (a PNG if the
-    name has no extension).
+    Given a folder (one that exists, or a name ending in a slash: ``output_path``,
+    as ``export`` reads it), ``report.png`` in it; given a name without an
+    extension, that name with ``.png`` (which matplotlib would add without a
+    word).  An extension matplotlib cannot write is refused before the replay.
+    Standard output (``-``), a device or a FIFO is written as it is named (a PNG
+    if the name has no extension).
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
-    from .._files import written_in_place
+    from .._files import output_path, written_in_place
 
-    out = Path(output)
+    out = output_path(output, "report.png", "report")
     in_place = written_in_place(output)
-    if out.is_dir() and not in_place:
-        out = out / "report.png"
-    elif not out.suffix and not in_place:
+    if not out.suffix and not in_place:
         out = out.with_name(out.name + ".png")
     formats = FigureCanvasBase.get_supported_filetypes()
     if (out.suffix or not in_place) and out.suffix[1:].lower() not in formats:
