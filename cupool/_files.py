@@ -82,6 +82,12 @@ def output_path(output: str, default: str, what: str) -> Path:
     return out
 
 
+def output_name(path: str | os.PathLike[str]) -> str:
+    """How a command names what it wrote ("wrote NAME: ..."): ``-`` as the words "standard output"."""
+    name = os.fspath(path)
+    return "standard output" if name == STDOUT else name
+
+
 def status_stream(path: str | os.PathLike[str]) -> TextIO:
     """Where a command says what it wrote to ``path``: standard error when the output is standard output."""
     name = os.fspath(path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import demo
-from ._files import output_path, refuse_overwriting_input, status_stream
+from ._files import output_name, output_path, refuse_overwriting_input, status_stream
 from ._units import format_bytes, parse_size
 from ._words import count
 from .config import ENV_VAR, env_conf
@@ -46,6 +47,8 @@ from .trace.rmm_log import write_rmm_log
 DESCRIPTION = ("One GPU device-memory pool for CuPy and Numba.  Show the device and configuration (info), run the "
                "weight-streaming demo (demo), replay a trace of pool events under other settings (replay), plot it "
                "(report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says more.")
+#: A value that argparse would take for an option: a minus sign, then a digit or a point (``-1GiB``, ``-.5``).
+_NEGATIVE = re.compile(r"-\.?\d")
 #: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
 #: The exit status of a command stopped by Ctrl-C, as a shell reports one killed by SIGINT.
@@ -78,7 +81,28 @@ def _own_version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, with its errors in cupool's one style (see the module's docstring)."""
+    """argparse's parser, with its errors in cupool's one style (see the module's docstring), and an option's
+    value that starts with a minus sign read as its value (``--capacity -1GiB``), so that the setting refuses it
+    in its own words: argparse would take ``-1GiB`` for an option and say "expected one argument"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.value_options: set[str] = set()  # the options that take exactly one value
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.nargs is None:
+            self.value_options.update(action.option_strings)
+        return action
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None:  # a command's parser is given its arguments; the top level reads sys.argv in main
+            args = list(args)
+            for i in range(len(args) - 2, -1, -1):
+                if args[i] in self.value_options and _NEGATIVE.match(args[i + 1]):
+                    args[i:i + 2] = [f"{args[i]}={args[i + 1]}"]
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -183,17 +207,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     refuse_overwriting_input(out, args.trace, what)
     trace = load_trace(args.trace)
     said = status_stream(out)  # not into the output, when that is standard output
+    shown = output_name(out)
     if fmt == "rmm-csv":
         n = write_rmm_log(trace, out)
-        print(f"wrote {out}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
+        print(f"wrote {shown}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
               f"of {args.trace}", file=said)
         return 0
     n = export_trace(trace, out, args.index or 0)
     if n:
-        print(f"wrote {out}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
+        print(f"wrote {shown}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
               f"{count(len(trace), 'event')} ({trace.format}) of {args.trace}", file=said)
     else:
-        print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export", file=said)
+        print(f"wrote {shown} with no events: {args.trace} has no alloc, free or segment events to export", file=said)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import signal
 import subprocess
@@ -352,3 +353,31 @@ def test_ctrl_c_keeps_the_rows_printed_before_it(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert err == "cupool: interrupted\n"
     assert [line.split()[0] for line in out.splitlines() if line.startswith(("recorded ", "release_"))] == ["recorded"]
+
+
+@pytest.mark.parametrize("argv", [["info", "--device", "sim"], ["demo", "--device", "sim"], ["replay"], ["report"]])
+def test_a_negative_size_is_refused_by_the_setting_not_taken_for_an_option(tmp_path, capsys, argv):
+    """``--capacity -1GiB`` reads -1GiB as the size it is meant as (issue 36 #19), not as an unknown option."""
+    if argv[0] in ("replay", "report"):
+        argv = [*argv, str(_busy_trace(tmp_path / "t.h5")), "-o" if argv[0] == "report" else "--engine",
+                str(tmp_path / "r.png") if argv[0] == "report" else "pool"]
+    assert main([*argv, "--capacity", "-1GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("cupool: error: "), err
+    assert "capacity: cannot parse '-1GiB' as a size (try 2GB, 512MiB or 50%)" in err
+
+
+def test_a_replay_on_a_device_smaller_than_the_recorded_max_size_runs_capped_by_the_device(tmp_path, capsys):
+    """The pool refuses a max_size past its device (issue 36 #19); a replay given a smaller --capacity than the
+    recording's cap is capped by that device, as before, rather than refused for a max_size nobody gave."""
+    pool = cupool.Pool("sim", capacity="1GiB", max_size="900MiB")
+    with pool.record(tmp_path / "capped.h5"):
+        keep = [pool.malloc(10 << 20) for _ in range(30)]
+    for engine in ("pool", "numba"):
+        assert main(["replay", str(tmp_path / "capped.h5"), "--capacity", "128MiB", "--engine", engine,
+                     "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)
+        assert row["capacity"] == 128 << 20 and row["ooms"] == 30 - 12 and "max_size" not in row["settings"]
+    assert main(["replay", str(tmp_path / "capped.h5"), "--capacity", "1GiB", "--engine", "pool", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["max_size"] == "900MiB"  # under the device: kept
+    del keep

@@ -265,7 +265,7 @@ def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = T
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .._files import refuse_overwriting_input, status_stream
+    from .._files import output_name, refuse_overwriting_input, status_stream
 
     out = _report_path(args.output)  # before the replay, which can take a while
     refuse_overwriting_input(out, args.trace, "report")
@@ -275,7 +275,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     said = status_stream(out)  # not into the image, when that is standard output
     for w in summary["warnings"]:
         print(f"warning: {w}", file=said)
-    print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
+    print(f"wrote {output_name(out)}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
     over = format_bytes(summary["peak_oversubscribed"])
