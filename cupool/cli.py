@@ -109,13 +109,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"cupool: error: {message}\n")
 
 
-def _check_device(device: str, capacity: int | str | None, given: str | None = None) -> None:
-    """Refuse a device that is not there before any work, as a user error rather than a traceback;
-    ``given`` says where the name came from (default: ``--device NAME``)."""
+def _check_device(device: str, capacity: int | str | None, given: str | None = None) -> str:
+    """The device ``device`` names, as ``kind:index`` (``auto`` resolved without its notice: ``info`` shows
+    which device it picked); one that is not there is refused before any work, as a user error rather than
+    a traceback.  ``given`` says where the name came from (default: ``--device NAME``)."""
     try:
-        parse_device(device, capacity, note_fallback=False)
+        kind, index = parse_device(device, capacity, note_fallback=False)
     except (ValueError, RuntimeError) as e:  # RuntimeError: "cuda" without a usable GPU
         raise ValueError(f"{given or f'--device {device}'}: {e}") from None
+    return f"{kind}:{index}"
 
 
 def _info_pool(args: argparse.Namespace) -> Pool:
@@ -128,7 +130,7 @@ def _info_pool(args: argparse.Namespace) -> Pool:
     from_env = bool(conf)
     if args.capacity is not None:
         conf["capacity"] = args.capacity
-    _check_device(device, conf.get("capacity"), given)
+    device = _check_device(device, conf.get("capacity"), given)
     try:
         return Pool(device, **conf)
     except (TypeError, ValueError) as e:

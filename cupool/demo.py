@@ -33,7 +33,8 @@ from typing import Any, TextIO
 from . import streaming, workloads
 from ._units import format_bytes
 from ._words import count
-from .device import SimDevice
+from .device import SimDevice, note_auto_fallback, resolve_device, split_device
+from .device.kinds import AUTO
 from .errors import OutOfMemoryError
 from .pool import Pool
 
@@ -148,7 +149,10 @@ def check_args(steps: int, seed: int) -> None:
 def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     """Every figure the demo prints.  Raises ``ValueError`` saying what would fit if the device is too small."""
     check_args(steps, seed)
-    first = Pool(device, capacity=capacity)  # any notice (no GPU: the sim device) comes before the bar
+    kind, index = resolve_device(device, capacity, note_fallback=False)  # said below, unless refused
+    fell_back = split_device(device)[0] == AUTO
+    device = f"{kind.name}:{index}"
+    first = Pool(device, capacity=capacity)
 
     def make(**pool_kw: Any) -> Pool:
         return Pool(device, capacity=capacity, **pool_kw)
@@ -162,6 +166,8 @@ def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
         with showing_progress(len(SETTINGS), sys.stderr) if sys.stderr.isatty() else nullcontext() as searching:
             need = needed_capacity(steps, seed, searching)
         raise ValueError(_too_small(sim_device, need, steps, seed))
+    if fell_back:
+        note_auto_fallback(kind)  # no GPU: the sim device, said before the bar and the report
     with showing_progress((len(SETTINGS) if sim else 0) + 2 + len(SETTINGS), sys.stderr) as progress:
         smallest = smallest_devices(shapes, progress) if sim else {}
         progress.stage("the source's ten steps, each setting")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pickle
 import signal
 import subprocess
@@ -381,3 +382,35 @@ def test_a_replay_on_a_device_smaller_than_the_recorded_max_size_runs_capped_by_
     assert main(["replay", str(tmp_path / "capped.h5"), "--capacity", "1GiB", "--engine", "pool", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["max_size"] == "900MiB"  # under the device: kept
     del keep
+
+
+# ------------------------------------------------------------------ the no-GPU notice (issue 36 #17)
+NO_GPU = "no usable CUDA GPU found"
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, caplog):
+    """No GPU, and the once-per-process notice not yet given; yields the notices logged."""
+    monkeypatch.setattr(cupool.device, "_auto_note_given", False)
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="cupool"):
+        yield lambda: [r.getMessage() for r in caplog.records if NO_GPU in r.getMessage()]
+
+
+def test_info_shows_the_fallback_in_its_table_and_not_again_as_a_notice(no_gpu, capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "auto  cuda when a GPU is usable, else sim: sim here" in out and "device          sim " in out
+    assert no_gpu() == []
+
+
+def test_the_notice_never_comes_before_an_error_and_comes_once(no_gpu, capsys):
+    with pytest.raises(ValueError, match="capacity: cannot parse"):
+        cupool.Pool(capacity="-1GiB")
+    assert main(["demo", "--capacity", "-1GiB"]) == 2
+    assert capsys.readouterr().err == "cupool: error: capacity: cannot parse '-1GiB' as a size (try 2GB, 512MiB or " \
+                                      "50%)\n"
+    assert no_gpu() == []
+    cupool.Pool(capacity="8MiB")
+    cupool.Pool(capacity="8MiB")
+    assert len(no_gpu()) == 1
