@@ -221,8 +221,9 @@ def test_a_command_line_argparse_cannot_read_is_refused_under_the_commands_usage
                                   "got 'foo'"),
     (["demo", "--device", "sim:x"], "--device sim:x: device: the index in 'sim:x' must be a non-negative integer, "
                                     "as in 'sim:1'"),
-    (["replay", "--device", "1", "never-read.pickle"], "--device 1: device must be 'auto', 'sim', 'sim:N', "
-                                                       "'cuda' or 'cuda:N', got '1'"),
+    (["replay", "--device", "one", "never-read.pickle"], "--device one: device must be 'auto', 'sim', 'sim:N', "
+                                                         "'cuda' or 'cuda:N', got 'one', or the index of a device "
+                                                         "of the snapshot, as in --device 1"),
 ])
 def test_device_is_a_name_everywhere_and_a_bad_one_is_one_line(capsys, argv, message):
     assert main(argv) == 2
@@ -235,8 +236,9 @@ def test_replay_device_names_a_recorded_gpu_without_needing_one(tmp_path, monkey
     busy = [{"action": "alloc", "addr": 1 << 32, "size": 30 << 20, "stream": 0, "time_us": 1, "frames": []}]
     path = tmp_path / "two.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], busy]}))
-    assert main(["replay", str(path), "--device", "cuda:1"]) == 0
-    assert "peak allocated     30 MiB" in capsys.readouterr().out
+    for device in ("cuda:1", "1", " 1 "):  # a bare index, as torch takes one (issue 35 #4)
+        assert main(["replay", str(path), "--device", device]) == 0
+        assert "peak allocated     30 MiB" in capsys.readouterr().out
     assert main(["replay", str(path), "--device", "auto"]) == 0  # the default: the busiest device
     assert "peak allocated     30 MiB" in capsys.readouterr().out
     assert main(["replay", str(path), "--device", "cuda:0"]) == 2
@@ -414,3 +416,38 @@ def test_the_notice_never_comes_before_an_error_and_comes_once(no_gpu, capsys):
     cupool.Pool(capacity="8MiB")
     cupool.Pool(capacity="8MiB")
     assert len(no_gpu()) == 1
+
+
+# ------------------------------------------------------------------ --compare cupool (issue 35 #4)
+def _snapshot(path: Path) -> Path:
+    """A PyTorch snapshot (plain segments, as PyTorch's allocator runs by default) of allocs and frees."""
+    events, t = [], 0
+    for i in range(40):
+        t += 1
+        events.append({"action": "alloc", "addr": (1 << 32) + i * (64 << 20), "size": ((i % 7) + 1) << 20,
+                       "stream": 0, "time_us": t, "frames": []})
+    for i in range(0, 40, 2):
+        t += 1
+        events.append({"action": "free_completed", "addr": (1 << 32) + i * (64 << 20), "size": ((i % 7) + 1) << 20,
+                       "stream": 0, "time_us": t, "frames": []})
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    return path
+
+
+@pytest.mark.parametrize("engine", ["numba", "pool"])
+def test_compare_cupool_replays_cupools_defaults_on_the_recorded_device(tmp_path, capsys, engine):
+    snap = _snapshot(tmp_path / "snap.pickle")
+    assert main(["replay", str(snap), "--engine", engine, "--json", "--compare", "recorded", "cupool"]) == 0
+    recorded, defaults = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [recorded["configuration"], defaults["configuration"]] == ["recorded", "cupool"]
+    assert recorded["settings"]["expandable_segments"] is False and recorded["settings"]["stitch"] is False
+    assert defaults["settings"]["expandable_segments"] is True and defaults["settings"]["stitch"] is True
+    assert defaults["capacity"] == recorded["capacity"]  # the same device
+    # A pool made with the settings the row ran with is a fresh cupool.Pool on that device.
+    ran_with = {k: v for k, v in defaults["settings"].items() if k != "capacity"}
+    assert cupool.Pool("sim", capacity=defaults["capacity"], **ran_with).config == \
+        cupool.Pool("sim", capacity=defaults["capacity"]).config
+    # --config applies over cupool's defaults too.
+    assert main(["replay", str(snap), "--engine", engine, "--json", "--compare", "cupool",
+                 "--config", "release_threshold=0"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["release_threshold"] == 0
