@@ -310,7 +310,8 @@ def _interrupted() -> int:
         sys.stdout.flush()  # the rows printed so far come before the word, and stay
     except (BrokenPipeError, OSError, ValueError):
         _drop_stdout()
-    print(INTERRUPTED, file=sys.stderr, flush=True)
+    # On a terminal, first clear the line a progress bar may have been drawing when the interrupt came.
+    print(("\r\x1b[K" if sys.stderr.isatty() else "") + INTERRUPTED, file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
 
 
