@@ -100,9 +100,10 @@ def resolve_device(device: str, capacity: int | str | None, note_fallback: bool 
 
     The syntax is ``split_device``'s.  ``capacity`` is refused for a kind that takes
     none.  With ``note_fallback``, "auto" says once per process, after those checks,
-    that it fell back to a kind that needs no GPU (``note_auto_fallback``).  ``present=False`` reads a name without asking for
-    the device (a recorded one, as ``cupool replay --device`` names a device of a
-    snapshot): "cuda" needs no GPU here.  Sim devices are numbered like GPUs so that
+    that it fell back to a kind that needs no GPU (``note_auto_fallback``).
+    ``present=False`` reads a name without asking for the device (a recorded one,
+    as ``cupool replay --device`` names a device of a snapshot): "cuda" needs no GPU
+    here.  Sim devices are numbered like GPUs so that
     code which keeps a pool per device (``default_pool(i)``, ``install()``) runs,
     and is tested, without one.
     """
