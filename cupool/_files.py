@@ -61,6 +61,33 @@ def written_in_place(path: str | os.PathLike[str]) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def output_path(output: str, default: str, what: str) -> Path:
+    """The file a command's ``-o OUTPUT`` names, one rule for every command: a folder means a file in it.
+
+    ``OUTPUT`` is that folder when it ends in a slash or names an existing
+    folder; the file in it is ``default`` (``report.png``, ``snapshot.pickle``).
+    A folder that does not exist is refused, as is a file in one, before any
+    work is done: ``OSError("cannot write the WHAT PATH: the folder F does not
+    exist")``.  Standard output, a descriptor, a device or a FIFO is as named.
+    """
+    if written_in_place(output):
+        return Path(output)
+    out = Path(output)
+    if output.endswith(("/", os.sep)) or out.is_dir():
+        out = out / default
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        why = "is not a folder" if folder.exists() else "does not exist"
+        raise OSError(f"cannot write the {what} {out}: the folder {folder} {why}")
+    return out
+
+
+def output_name(path: str | os.PathLike[str]) -> str:
+    """How a command names what it wrote ("wrote NAME: ..."): ``-`` as the words "standard output"."""
+    name = os.fspath(path)
+    return "standard output" if name == STDOUT else name
+
+
 def status_stream(path: str | os.PathLike[str]) -> TextIO:
     """Where a command says what it wrote to ``path``: standard error when the output is standard output."""
     name = os.fspath(path)

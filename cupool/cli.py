@@ -5,6 +5,10 @@ is one line on stderr, ``cupool: error: ...``, and exit status 2, never a
 traceback.  A command line argparse cannot read gets that same line, under the
 usage of the command it was meant for (``cupool demo --bogus``: demo's).  A
 reader that leaves early (``cupool info | head``) ends the command quietly.
+Ctrl-C (SIGINT) ends it with one line, ``cupool: interrupted``, and exit status
+130 as a shell reports one killed by SIGINT; what was printed before stays
+(rows are flushed as they are printed), and a file being written is left as it
+was (``cupool._files.atomic_output``).
 
 ``--device`` names a device everywhere, as ``parse_device`` reads it: ``auto``, or a
 kind of ``cupool.device.kinds`` with an optional index (``sim``, ``cuda:1``); its help
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import demo
-from ._files import refuse_overwriting_input, status_stream
+from ._files import output_name, output_path, refuse_overwriting_input, status_stream
 from ._units import format_bytes, parse_size
 from ._words import count
 from .config import ENV_VAR, env_conf
@@ -43,8 +48,14 @@ DESCRIPTION = ("One GPU device-memory pool for CuPy, Numba and PyTorch.  Show th
                "run the weight-streaming demo (demo), replay a trace of pool events under other settings (replay), "
                "plot it (report), or write it as a PyTorch memory snapshot (export).  'cupool COMMAND --help' says "
                "more.")
+#: A value that argparse would take for an option: a minus sign, then a digit or a point (``-1GiB``, ``-.5``).
+_NEGATIVE = re.compile(r"-\.?\d")
 #: The exit status of a command whose reader went away, as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
+#: The exit status of a command stopped by Ctrl-C, as a shell reports one killed by SIGINT.
+EXIT_INTERRUPTED = 128 + 2
+#: The one line a command stopped by Ctrl-C prints on stderr.
+INTERRUPTED = "cupool: interrupted"
 
 
 def _versions() -> dict[str, str]:
@@ -71,20 +82,43 @@ def _own_version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, with its errors in cupool's one style (see the module's docstring)."""
+    """argparse's parser, with its errors in cupool's one style (see the module's docstring), and an option's
+    value that starts with a minus sign read as its value (``--capacity -1GiB``), so that the setting refuses it
+    in its own words: argparse would take ``-1GiB`` for an option and say "expected one argument"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.value_options: set[str] = set()  # the options that take exactly one value
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.nargs is None:
+            self.value_options.update(action.option_strings)
+        return action
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None:  # a command's parser is given its arguments; the top level reads sys.argv in main
+            args = list(args)
+            for i in range(len(args) - 2, -1, -1):
+                if args[i] in self.value_options and _NEGATIVE.match(args[i + 1]):
+                    args[i:i + 2] = [f"{args[i]}={args[i + 1]}"]
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(2, f"cupool: error: {message}\n")
 
 
-def _check_device(device: str, capacity: int | str | None, given: str | None = None) -> None:
-    """Refuse a device that is not there before any work, as a user error rather than a traceback;
-    ``given`` says where the name came from (default: ``--device NAME``)."""
+def _check_device(device: str, capacity: int | str | None, given: str | None = None) -> str:
+    """The device ``device`` names, as ``kind:index`` (``auto`` resolved without its notice: ``info`` shows
+    which device it picked); one that is not there is refused before any work, as a user error rather than
+    a traceback.  ``given`` says where the name came from (default: ``--device NAME``)."""
     try:
-        parse_device(device, capacity, note_fallback=False)
+        kind, index = parse_device(device, capacity, note_fallback=False)
     except (ValueError, RuntimeError) as e:  # RuntimeError: "cuda" without a usable GPU
         raise ValueError(f"{given or f'--device {device}'}: {e}") from None
+    return f"{kind}:{index}"
 
 
 def _info_pool(args: argparse.Namespace) -> Pool:
@@ -97,7 +131,7 @@ def _info_pool(args: argparse.Namespace) -> Pool:
     from_env = bool(conf)
     if args.capacity is not None:
         conf["capacity"] = args.capacity
-    _check_device(device, conf.get("capacity"), given)
+    device = _check_device(device, conf.get("capacity"), given)
     try:
         return Pool(device, **conf)
     except (TypeError, ValueError) as e:
@@ -172,24 +206,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          "(leave out --index with --format rmm-csv)")
     if args.index is not None and args.index < 0:
         raise ValueError(f"--index must be a device index >= 0, got {args.index}")
-    out = Path(args.output or EXPORT_FORMATS[fmt])
     what = "RMM log" if fmt == "rmm-csv" else "snapshot"
-    if not out.resolve().parent.is_dir():
-        raise OSError(f"cannot write the {what} {out}: the folder {out.resolve().parent} does not exist")
+    out = output_path(args.output or EXPORT_FORMATS[fmt], EXPORT_FORMATS[fmt], what)
     refuse_overwriting_input(out, args.trace, what)
     trace = load_trace(args.trace)
     said = status_stream(out)  # not into the output, when that is standard output
+    shown = output_name(out)
     if fmt == "rmm-csv":
         n = write_rmm_log(trace, out)
-        print(f"wrote {out}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
+        print(f"wrote {shown}: {count(n, 'RMM log row')} from {count(len(trace), 'event')} ({trace.format}) "
               f"of {args.trace}", file=said)
         return 0
     n = export_trace(trace, out, args.index or 0)
     if n:
-        print(f"wrote {out}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
+        print(f"wrote {shown}: {count(n, 'PyTorch trace entry', 'PyTorch trace entries')} from "
               f"{count(len(trace), 'event')} ({trace.format}) of {args.trace}", file=said)
     else:
-        print(f"wrote {out} with no events: {args.trace} has no alloc, free or segment events to export", file=said)
+        print(f"wrote {shown} with no events: {args.trace} has no alloc, free or segment events to export", file=said)
     return 0
 
 
@@ -232,9 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "which RMM's replay benchmark reads.")
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default=None,
-                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv), '-' for "
-                        "standard output; a file is written whole or not at all, and never over the input; a "
-                        "device or FIFO is written into")
+                   help="file to write (default snapshot.pickle, or rmm_log.csv with --format rmm-csv; a folder, "
+                        "one that exists or a name ending in '/', gets that file in it), '-' for standard output; "
+                        "a file is written whole or not at all, and never over the input; a device or FIFO is "
+                        "written into")
     p.add_argument("--format", choices=tuple(EXPORT_FORMATS), default=None,
                    help="torch: a PyTorch memory snapshot pickle; rmm-csv: an RMM logging_resource_adaptor CSV, "
                         "times as RMM's HH:MM:SS.ffffff clock and every thread 0 (traces record no thread) "
@@ -264,10 +298,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return _interrupted()
     except (ValueError, TypeError, OSError) as e:
         # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read.
         print(f"cupool: error: {e}", file=sys.stderr)
         return 2
+
+
+def _interrupted() -> int:
+    """Say once that Ctrl-C stopped the command, after what it printed, instead of Python's traceback."""
+    try:
+        sys.stdout.flush()  # the rows printed so far come before the word, and stay
+    except (BrokenPipeError, OSError, ValueError):
+        _drop_stdout()
+    # On a terminal, first clear the line a progress bar may have been drawing when the interrupt came.
+    print(("\r\x1b[K" if sys.stderr.isatty() else "") + INTERRUPTED, file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 def _drop_stdout() -> None:

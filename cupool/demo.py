@@ -2,11 +2,13 @@
 
 Everything is computed before anything is printed, so that a bad argument or a
 device too small for the demo is one line of error (with what would fit), not
-half a report followed by a traceback.  On the sim device the demo first finds
-the least capacity each of its runs completes on (the "smallest device" column,
-which it prints anyway), so a ``--capacity`` below what the demo needs is
-refused before any run at that capacity; on a GPU, whose free memory is not
-known in advance, the refusal follows the run that ran out of memory.
+half a report followed by a traceback.  On the sim device the demo first runs
+each workload once at the given capacity (``fits``), silently, so that a
+``--capacity`` below what the demo needs is one line, before any word of
+progress and any run that writes its layers; that line names the least capacity
+that fits, from the same search that fills the "smallest device" column.  On a
+GPU, whose free memory is not known in advance, the refusal follows the run that
+ran out of memory.
 
 Three settings run both workloads (``SETTINGS``): plain segments without
 compaction, as PyTorch's caching allocator works, which reproduces the source's
@@ -24,14 +26,15 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from . import streaming, workloads
 from ._units import format_bytes
 from ._words import count
-from .device import SimDevice
+from .device import SimDevice, note_auto_fallback, resolve_device, split_device
+from .device.kinds import AUTO
 from .errors import OutOfMemoryError
 from .pool import Pool
 
@@ -146,7 +149,10 @@ def check_args(steps: int, seed: int) -> None:
 def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     """Every figure the demo prints.  Raises ``ValueError`` saying what would fit if the device is too small."""
     check_args(steps, seed)
-    first = Pool(device, capacity=capacity)  # any notice (no GPU: the sim device) comes before the bar
+    kind, index = resolve_device(device, capacity, note_fallback=False)  # said below, unless refused
+    fell_back = split_device(device)[0] == AUTO
+    device = f"{kind.name}:{index}"
+    first = Pool(device, capacity=capacity)
 
     def make(**pool_kw: Any) -> Pool:
         return Pool(device, capacity=capacity, **pool_kw)
@@ -155,14 +161,15 @@ def run(device: str, capacity: str | None, steps: int, seed: int) -> DemoResult:
     sim = sim_device is not None
     shapes = workloads.mixed_shapes(steps, seed=seed)
     peak_live = workloads.peak_live_bytes(shapes)
-    with showing_progress((len(SETTINGS) + 1 if sim else 0) + 2 + len(SETTINGS), sys.stderr) as progress:
-        smallest: dict[str, int] = {}
-        if sim_device is not None:
-            smallest = smallest_devices(shapes, progress)
-            progress.stage("the capacity the streaming table needs")
-            need = _streaming_capacity(max(_source_need(), *smallest.values()))
-            if need > sim_device.capacity:
-                raise ValueError(_too_small(sim_device, need, steps, seed))
+    if sim_device is not None and not fits(sim_device.capacity, shapes):  # before any word of progress
+        # Only a bar, which leaves nothing behind, shows the search for what would fit: the refusal is one line.
+        with showing_progress(len(SETTINGS), sys.stderr) if sys.stderr.isatty() else nullcontext() as searching:
+            need = needed_capacity(steps, seed, searching)
+        raise ValueError(_too_small(sim_device, need, steps, seed))
+    if fell_back:
+        note_auto_fallback(kind)  # no GPU: the sim device, said before the bar and the report
+    with showing_progress((len(SETTINGS) if sim else 0) + 2 + len(SETTINGS), sys.stderr) as progress:
+        smallest = smallest_devices(shapes, progress) if sim else {}
         progress.stage("the source's ten steps, each setting")
         try:
             source = ten_steps(make)
@@ -239,29 +246,51 @@ def _source_need() -> int:
     return max(_least(pool_kw, workloads.source_shapes(), kw) for _, pool_kw, kw in SETTINGS)
 
 
-def needed_capacity(steps: int, seed: int) -> int:
+def fits(capacity: int, shapes: list[tuple[int, int]]) -> bool:
+    """Whether every run of the demo completes on a sim device of ``capacity``, with the longer run's ``shapes``.
+
+    Asked before the demo says anything, so that a device too small is refused in
+    one line: a device under either workload's live peak is too small outright;
+    else each setting runs each workload once at that size (without writing the
+    layers, as the search for the smallest device runs them), then the streaming
+    table, a few seconds in all.
+    """
+    if capacity < max(workloads.peak_live_bytes(shapes), workloads.peak_live_bytes(workloads.source_shapes())):
+        return False
+    for _, pool_kw, kw in SETTINGS:
+        for workload in (workloads.source_shapes(), shapes):
+            try:
+                workloads.weight_streaming(_sim(pool_kw)(capacity), workload, **kw)
+            except OutOfMemoryError:
+                return False
+    return _table_fits(capacity)
+
+
+def _table_fits(capacity: int) -> bool:
+    """Whether the streaming table completes on a sim device of ``capacity``."""
+    try:
+        streaming.settings_table(device="sim", capacity=capacity)
+        return True
+    except OutOfMemoryError:
+        return False
+
+
+def needed_capacity(steps: int, seed: int, progress: Progress | None = None) -> int:
     """The least sim capacity (a multiple of ``STEP``) on which every run of the demo completes."""
-    need = max(_source_need(), *smallest_devices(workloads.mixed_shapes(steps, seed=seed)).values())
+    need = max(_source_need(), *smallest_devices(workloads.mixed_shapes(steps, seed=seed), progress).values())
     return _streaming_capacity(need)
 
 
 def _streaming_capacity(start: int) -> int:
     """The least capacity from ``start`` up (in ``STEP``s) on which the streaming table completes."""
-    def fits(cap: int) -> bool:
-        try:
-            streaming.settings_table(device="sim", capacity=cap)
-            return True
-        except OutOfMemoryError:
-            return False
-
-    if fits(start):
+    if _table_fits(start):
         return start
     lo, hi = start, 2 * start
-    while not fits(hi):
+    while not _table_fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > STEP:  # fits(hi), not fits(lo)
         mid = (lo + hi) // 2 // STEP * STEP
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        lo, hi = (lo, mid) if _table_fits(mid) else (mid, hi)
     return hi
 
 

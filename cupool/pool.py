@@ -83,7 +83,8 @@ class Pool:
     device: ``"auto"`` (CUDA when usable, else sim), ``"sim"``, ``"sim:N"``, ``"cuda"``, ``"cuda:N"`` or a ``Device``.
     capacity: size of the sim device (default 4 GiB); an error on a GPU.
     initial_size: bytes to reserve now, in one segment that ``empty_cache`` keeps.
-    max_size: cap on reserved bytes (int, "2GB", "512MiB" or "50%" of the device).
+    max_size: cap on reserved bytes (int, "2GB", "512MiB" or "50%" of the device); more than the device holds
+        is refused (on managed memory, more than the upstream holds).
     memory_fraction: cap on reserved bytes as a fraction of the device (0 < f <= 1).
     release_threshold: when set, a segment that becomes wholly free is returned to
         the device at once while more than this many bytes are reserved.

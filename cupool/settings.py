@@ -147,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("initial_size", "size", None, "source", conf=True, recorded=True, engine=True,
             help="bytes to reserve now, in one segment that empty_cache keeps"),
     Setting("max_size", "size", None, "arena", conf=True, recorded=True, engine=True, slot="limit",
-            help="the cap on reserved bytes (an int, 2GB, 512MiB or 50% of the device)"),
+            help="the cap on reserved bytes (an int, 2GB, 512MiB or 50% of the device; at most the device)"),
     Setting("memory_fraction", "fraction", None, "arena", conf=True, recorded=True, engine=True, slot="limit",
             help="the cap on reserved bytes as a fraction of the device, in (0, 1]"),
     Setting("release_threshold", "size", None, "policy", conf=True, recorded=True, engine=True,

@@ -7,7 +7,7 @@ before it makes a device (a bad setting must not leave one behind) and
 
 | setting | resolves to |
 | --- | --- |
-| ``max_size`` (bytes, "2GB", "50%") | the limit: at most this, and at most the device |
+| ``max_size`` (bytes, "2GB", "50%") | the limit: at most this; more than the device holds is refused |
 | ``memory_fraction`` (0 < f <= 1) | the limit: at most this share of the device |
 | ``initial_size`` | a preallocated segment, whole pages, within the limit |
 | ``release_threshold`` | bytes above which emptied memory goes back at once |
@@ -36,7 +36,10 @@ def resolve(
     """``(limit, initial bytes, release threshold)`` on a device of ``total`` bytes (see the table)."""
     limit = total
     if max_size is not None:
-        limit = min(limit, parse_size(max_size, total, "max_size"))
+        limit = parse_size(max_size, total, "max_size")
+        if limit > total:  # a cap the device can never reach caps nothing: a typo or the wrong device
+            raise ValueError(f"max_size: {max_size!r} is more than the {format_bytes(total)} ({total} bytes) this "
+                             "pool's memory holds; give at most that, or a share such as '80%'")
     if memory_fraction is not None:
         limit = min(limit, int(total * memory_fraction))
     init = 0 if initial_size is None else round_page(parse_size(initial_size, total, "initial_size"))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import pickle
+import signal
 import subprocess
 import sys
 import warnings
@@ -218,8 +221,9 @@ def test_a_command_line_argparse_cannot_read_is_refused_under_the_commands_usage
                                   "got 'foo'"),
     (["demo", "--device", "sim:x"], "--device sim:x: device: the index in 'sim:x' must be a non-negative integer, "
                                     "as in 'sim:1'"),
-    (["replay", "--device", "1", "never-read.pickle"], "--device 1: device must be 'auto', 'sim', 'sim:N', "
-                                                       "'cuda' or 'cuda:N', got '1'"),
+    (["replay", "--device", "one", "never-read.pickle"], "--device one: device must be 'auto', 'sim', 'sim:N', "
+                                                         "'cuda' or 'cuda:N', got 'one', or the index of a device "
+                                                         "of the snapshot, as in --device 1"),
 ])
 def test_device_is_a_name_everywhere_and_a_bad_one_is_one_line(capsys, argv, message):
     assert main(argv) == 2
@@ -232,8 +236,9 @@ def test_replay_device_names_a_recorded_gpu_without_needing_one(tmp_path, monkey
     busy = [{"action": "alloc", "addr": 1 << 32, "size": 30 << 20, "stream": 0, "time_us": 1, "frames": []}]
     path = tmp_path / "two.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], busy]}))
-    assert main(["replay", str(path), "--device", "cuda:1"]) == 0
-    assert "peak allocated     30 MiB" in capsys.readouterr().out
+    for device in ("cuda:1", "1", " 1 "):  # a bare index, as torch takes one (issue 35 #4)
+        assert main(["replay", str(path), "--device", device]) == 0
+        assert "peak allocated     30 MiB" in capsys.readouterr().out
     assert main(["replay", str(path), "--device", "auto"]) == 0  # the default: the busiest device
     assert "peak allocated     30 MiB" in capsys.readouterr().out
     assert main(["replay", str(path), "--device", "cuda:0"]) == 2
@@ -290,3 +295,159 @@ def test_counts_are_singular_when_one(tmp_path, capsys):
     assert ": 1 PyTorch trace entry from 1 event (rmm) of " in capsys.readouterr().out
     assert main(["export", str(log), "-o", str(tmp_path / "again.csv")]) == 0
     assert ": 1 RMM log row from 1 event (rmm) of " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ Ctrl-C (issue 36 #9)
+def _busy_trace(path: Path) -> Path:
+    pool = cupool.Pool("sim", capacity="1GiB")
+    with pool.record(path):
+        live = [pool.malloc((n % 97 + 1) << 12) for n in range(3000)]
+        for a in live[::2]:
+            a.free()
+    return path
+
+
+def test_ctrl_c_during_a_comparison_is_one_line_after_the_rows_and_exit_130(tmp_path):
+    trace = _busy_trace(tmp_path / "t.h5")
+    # Far more replays than can run before the signal lands, so that it lands inside one of them.  The child
+    # alone gets the signal, in a session of its own, with SIGINT's default action (not one ignored by a shell
+    # that started this suite in the background), which Python turns into KeyboardInterrupt.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cupool", "replay", str(trace), "--engine", "pool", "--compare", *["recorded"] * 500],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("recorded "):  # the first row: a replay finished, the next one runs
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert err == "cupool: interrupted\n"
+    rows = [line for line in seen + rest.splitlines(keepends=True) if line.startswith("recorded ")]
+    assert seen[-1] in rows and 1 <= len(rows) < 500  # what was printed stays; the rest never ran
+
+
+def test_ctrl_c_keeps_the_rows_printed_before_it(tmp_path, monkeypatch, capsys):
+    import cupool.replay.commands as commands
+
+    trace = _busy_trace(tmp_path / "t.h5")
+    real = commands.replay
+    calls = []
+
+    def interrupted_at_the_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(commands, "replay", interrupted_at_the_second)
+    try:
+        status = main(["replay", str(trace), "--engine", "pool", "--compare", "recorded", "release_threshold=0"])
+    except KeyboardInterrupt:  # a failure of this test, not an interrupt of the suite
+        pytest.fail("KeyboardInterrupt came out of main")
+    assert status == 130
+    out, err = capsys.readouterr()
+    assert err == "cupool: interrupted\n"
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(("recorded ", "release_"))] == ["recorded"]
+
+
+@pytest.mark.parametrize("argv", [["info", "--device", "sim"], ["demo", "--device", "sim"], ["replay"], ["report"]])
+def test_a_negative_size_is_refused_by_the_setting_not_taken_for_an_option(tmp_path, capsys, argv):
+    """``--capacity -1GiB`` reads -1GiB as the size it is meant as (issue 36 #19), not as an unknown option."""
+    if argv[0] in ("replay", "report"):
+        argv = [*argv, str(_busy_trace(tmp_path / "t.h5")), "-o" if argv[0] == "report" else "--engine",
+                str(tmp_path / "r.png") if argv[0] == "report" else "pool"]
+    assert main([*argv, "--capacity", "-1GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("cupool: error: "), err
+    assert "capacity: cannot parse '-1GiB' as a size (try 2GB, 512MiB or 50%)" in err
+
+
+def test_a_replay_on_a_device_smaller_than_the_recorded_max_size_runs_capped_by_the_device(tmp_path, capsys):
+    """The pool refuses a max_size past its device (issue 36 #19); a replay given a smaller --capacity than the
+    recording's cap is capped by that device, as before, rather than refused for a max_size nobody gave."""
+    pool = cupool.Pool("sim", capacity="1GiB", max_size="900MiB")
+    with pool.record(tmp_path / "capped.h5"):
+        keep = [pool.malloc(10 << 20) for _ in range(30)]
+    for engine in ("pool", "numba"):
+        assert main(["replay", str(tmp_path / "capped.h5"), "--capacity", "128MiB", "--engine", engine,
+                     "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)
+        assert row["capacity"] == 128 << 20 and row["ooms"] == 30 - 12 and "max_size" not in row["settings"]
+    assert main(["replay", str(tmp_path / "capped.h5"), "--capacity", "1GiB", "--engine", "pool", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["max_size"] == "900MiB"  # under the device: kept
+    del keep
+
+
+# ------------------------------------------------------------------ the no-GPU notice (issue 36 #17)
+NO_GPU = "no usable CUDA GPU found"
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, caplog):
+    """No GPU, and the once-per-process notice not yet given; yields the notices logged."""
+    monkeypatch.setattr(cupool.device, "_auto_note_given", False)
+    monkeypatch.setattr(cupool.device, "cuda_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="cupool"):
+        yield lambda: [r.getMessage() for r in caplog.records if NO_GPU in r.getMessage()]
+
+
+def test_info_shows_the_fallback_in_its_table_and_not_again_as_a_notice(no_gpu, capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "auto  cuda when a GPU is usable, else sim: sim here" in out and "device          sim " in out
+    assert no_gpu() == []
+
+
+def test_the_notice_never_comes_before_an_error_and_comes_once(no_gpu, capsys):
+    with pytest.raises(ValueError, match="capacity: cannot parse"):
+        cupool.Pool(capacity="-1GiB")
+    assert main(["demo", "--capacity", "-1GiB"]) == 2
+    assert capsys.readouterr().err == "cupool: error: capacity: cannot parse '-1GiB' as a size (try 2GB, 512MiB or " \
+                                      "50%)\n"
+    assert no_gpu() == []
+    cupool.Pool(capacity="8MiB")
+    cupool.Pool(capacity="8MiB")
+    assert len(no_gpu()) == 1
+
+
+# ------------------------------------------------------------------ --compare cupool (issue 35 #4)
+def _snapshot(path: Path) -> Path:
+    """A PyTorch snapshot (plain segments, as PyTorch's allocator runs by default) of allocs and frees."""
+    events, t = [], 0
+    for i in range(40):
+        t += 1
+        events.append({"action": "alloc", "addr": (1 << 32) + i * (64 << 20), "size": ((i % 7) + 1) << 20,
+                       "stream": 0, "time_us": t, "frames": []})
+    for i in range(0, 40, 2):
+        t += 1
+        events.append({"action": "free_completed", "addr": (1 << 32) + i * (64 << 20), "size": ((i % 7) + 1) << 20,
+                       "stream": 0, "time_us": t, "frames": []})
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    return path
+
+
+@pytest.mark.parametrize("engine", ["numba", "pool"])
+def test_compare_cupool_replays_cupools_defaults_on_the_recorded_device(tmp_path, capsys, engine):
+    snap = _snapshot(tmp_path / "snap.pickle")
+    assert main(["replay", str(snap), "--engine", engine, "--json", "--compare", "recorded", "cupool"]) == 0
+    recorded, defaults = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [recorded["configuration"], defaults["configuration"]] == ["recorded", "cupool"]
+    assert recorded["settings"]["expandable_segments"] is False and recorded["settings"]["stitch"] is False
+    assert defaults["settings"]["expandable_segments"] is True and defaults["settings"]["stitch"] is True
+    assert defaults["capacity"] == recorded["capacity"]  # the same device
+    # A pool made with the settings the row ran with is a fresh cupool.Pool on that device.
+    ran_with = {k: v for k, v in defaults["settings"].items() if k != "capacity"}
+    assert cupool.Pool("sim", capacity=defaults["capacity"], **ran_with).config == \
+        cupool.Pool("sim", capacity=defaults["capacity"]).config
+    # --config applies over cupool's defaults too.
+    assert main(["replay", str(snap), "--engine", engine, "--json", "--compare", "cupool",
+                 "--config", "release_threshold=0"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["release_threshold"] == 0

@@ -139,3 +139,26 @@ def test_a_read_only_output_is_refused_as_open_would(tmp_path, trace, capsys):
     assert main(["export", str(trace), "-o", str(out)]) == 2
     assert capsys.readouterr().err == f"cupool: error: cannot write the snapshot {out}: Permission denied\n"
     assert out.read_bytes() == b"keep me"
+
+
+# ------------------------------------------------------------------ -o and folders (issue 36 #10)
+@pytest.mark.parametrize("argv, default, what", [
+    (["export"], "snapshot.pickle", "snapshot"),
+    (["export", "--format", "rmm-csv"], "rmm_log.csv", "RMM log"),
+    (["report"], "report.png", "report"),
+])
+def test_a_folder_as_output_means_a_file_in_it_for_every_command(tmp_path, trace, capsys, argv, default, what):
+    cmd, *options = argv
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for output in (str(existing), str(existing) + "/"):  # an existing folder, with or without its slash
+        assert main([cmd, str(trace), "-o", output, *options]) == 0
+        assert capsys.readouterr().out.startswith(f"wrote {existing / default}")
+        assert sorted(p.name for p in existing.iterdir()) == [default]
+    # A name ending in a slash is a folder too: one that is not there is refused, and nothing is written.
+    missing = tmp_path / "missing"
+    assert main([cmd, str(trace), "-o", f"{missing}/", *options]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"cupool: error: cannot write the {what} {missing / default}: "
+                                 f"the folder {missing} does not exist\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing", "t.h5"]

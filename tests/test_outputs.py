@@ -145,7 +145,7 @@ def test_standard_output(tmp_path, trace, standard_runs, kind, name):
     folder, r = standard_runs[kind, name]
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.startswith(OUTPUTS[kind][1]) and b"wrote" not in r.stdout
-    assert r.stderr.decode().startswith(f"wrote {name}")
+    assert r.stderr.decode().startswith(f"wrote {'standard output' if name == '-' else name}: ")  # not "wrote -:"
     assert list(folder.iterdir()) == []  # no file named "-" (or anything else)
     if kind == "snapshot":
         file = tmp_path / "s.pickle"

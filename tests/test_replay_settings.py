@@ -177,12 +177,12 @@ def test_device_takes_a_name_as_info_does(tmp_path, capsys):
     path = tmp_path / "multi.pickle"
     busy = [_event("alloc", A, 30 * MiB, 1), _event("free_completed", A, 30 * MiB, 2)]
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_event("snapshot", 0, 0, 0)], busy]}))
-    for name in ("cuda:1", "sim:1", "CUDA:1"):
+    for name in ("cuda:1", "sim:1", "CUDA:1", "1"):  # or a bare index, as torch takes one (issue 35 #4)
         assert main(["replay", str(path), "--device", name]) == 0, name
         assert "peak allocated     30 MiB" in capsys.readouterr().out
     assert main(["replay", str(path), "--device", "cuda"]) == 2  # device 0: only a marker
     assert "device 0 holds nothing" in capsys.readouterr().err
-    for bad in ("gpu:1", "cuda:x", "-1", "1"):  # a name, as info and demo take it: not a bare index
+    for bad in ("gpu:1", "cuda:x", "-1"):
         assert main(["replay", str(path), "--device", bad]) == 2
         assert capsys.readouterr().err.startswith(f"cupool: error: --device {bad}: device")
 

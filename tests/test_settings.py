@@ -67,3 +67,18 @@ def test_the_readme_lists_the_cupool_conf_keys():
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "CUPOOL_CONF=" in x and "keys:" in x)
     keys = re.search(r"\(keys: ([^;]*);", line).group(1)
     assert [k.strip(" `") for k in keys.split(",")] == list(settings.names(conf=True))
+
+
+@pytest.mark.parametrize("kw, said", [
+    ({"capacity": "1GiB", "max_size": "2GiB"}, "max_size: '2GiB' is more than the 1 GiB (1073741824 bytes)"),
+    ({"max_size": "6GiB"}, "max_size: '6GiB' is more than the 4 GiB"),  # the sim device's default size
+    ({"capacity": "64MiB", "max_size": 64 * 2**20 + 1}, "max_size: 67108865 is more than the 64 MiB (67108864 "),
+])
+def test_a_max_size_past_the_device_is_refused_naming_it(kw, said):
+    """A cap the device can never reach caps nothing: it was a typo or the wrong device (issue 36 #19)."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        cupool.Pool("sim", **kw)
+    assert cupool.Pool("sim", capacity="1GiB", max_size="1GiB").limit == 2**30  # the whole device is a cap
+    # Managed memory holds more than the device: its own total is the bound.
+    assert cupool.Pool("sim", capacity="64MiB", upstream="managed", expandable_segments=False,
+                       max_size="96MiB").limit == 96 * 2**20

@@ -41,6 +41,7 @@ __all__ = [
     "HostView",
     "KINDS",
     "make_device",
+    "note_auto_fallback",
     "Mapping",
     "PAGE",
     "parse_device",
@@ -98,22 +99,16 @@ def resolve_device(device: str, capacity: int | str | None, note_fallback: bool 
     ``capacity`` and, with ``present``, against the machine.
 
     The syntax is ``split_device``'s.  ``capacity`` is refused for a kind that takes
-    none.  With ``note_fallback``, "auto" says once per process that it fell back
-    to a kind that needs no GPU.  ``present=False`` reads a name without asking for
-    the device (a recorded one, as ``cupool replay --device`` names a device of a
-    snapshot): "cuda" needs no GPU here.  Sim devices are numbered like GPUs so that
+    none.  With ``note_fallback``, "auto" says once per process, after those checks,
+    that it fell back to a kind that needs no GPU (``note_auto_fallback``).
+    ``present=False`` reads a name without asking for the device (a recorded one,
+    as ``cupool replay --device`` names a device of a snapshot): "cuda" needs no GPU
+    here.  Sim devices are numbered like GPUs so that
     code which keeps a pool per device (``default_pool(i)``, ``install()``) runs,
     and is tested, without one.
     """
-    global _auto_note_given
     name, index = split_device(device)
-    if name == AUTO:
-        kind = auto_kind(cuda_available())
-        if not kind.needs_gpu and note_fallback and not _auto_note_given:
-            log.warning("cupool: no usable CUDA GPU found; using %s", kind.help)
-            _auto_note_given = True
-    else:
-        kind = KINDS[name]
+    kind = auto_kind(cuda_available()) if name == AUTO else KINDS[name]
     if capacity is not None and not kind.sized:
         sized = [k.name for k in KINDS.values() if k.sized]
         where = "a GPU" if kind.needs_gpu else f"a {kind.name} device"
@@ -123,7 +118,19 @@ def resolve_device(device: str, capacity: int | str | None, note_fallback: bool 
         free = [k.name for k in KINDS.values() if not k.needs_gpu]
         raise NoDeviceError(f"device={device!r}, but no usable CUDA GPU (or CuPy) was found; "
                             f"use {one_of([*free, AUTO])}")
+    if name == AUTO and note_fallback:
+        note_auto_fallback(kind)
     return kind, 0 if index is None else index
+
+
+def note_auto_fallback(kind: DeviceKind) -> None:
+    """Say once per process, on the ``cupool`` logger, that ``auto`` picked ``kind`` for want of a GPU (nothing
+    if ``kind`` is a GPU's).  Said once a device is made, never before an error of the same call; a command
+    whose own output says which device it is on (``cupool info``) resolves ``auto`` without it."""
+    global _auto_note_given
+    if not kind.needs_gpu and not _auto_note_given:
+        log.warning("cupool: no usable CUDA GPU found; using %s", kind.help)
+        _auto_note_given = True
 
 
 def parse_device(device: str, capacity: int | str | None, note_fallback: bool = True,
@@ -140,8 +147,11 @@ def make_device(device: str | Device = AUTO, capacity: int | str | None = None) 
         if capacity is not None:
             raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
         return device
-    kind, index = resolve_device(device, capacity)
-    return kind.make(index, capacity if capacity is not None else kind.capacity)
+    kind, index = resolve_device(device, capacity, note_fallback=False)
+    made = kind.make(index, capacity if capacity is not None else kind.capacity)
+    if split_device(device)[0] == AUTO:  # made: the notice cannot come before an error of this call
+        note_auto_fallback(kind)
+    return made
 
 
 def pinned_device(device: str | Device, capacity: int | str | None) -> Device:

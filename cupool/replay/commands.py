@@ -19,7 +19,7 @@ from ..device import split_device
 from ..device.kinds import AUTO
 from ..trace import Trace, load_trace
 from ..trace.importers import CAPACITY_HEADROOM, recorded_peak_allocated
-from .config import accepted_keys, check_settings, recorded_peak_reserved_of, recorded_segments
+from .config import accepted_keys, check_settings, recorded_keys, recorded_peak_reserved_of, recorded_segments
 from .driver import (
     ENGINES,
     FRAGMENTATION_NOTE,
@@ -34,12 +34,16 @@ from .report import plot_report
 from .seed import has_history, seed_count, seeded_blocks
 
 
+#: ``--compare``'s names of whole configurations: the recording allocator's settings, and cupool's defaults.
+RECORDED, CUPOOL = "recorded", "cupool"
+
 REPLAY_DESCRIPTION = (
     "Replay a trace's allocations and frees on a fresh pool over the sim device (no GPU needed), and report peak "
     "reserved and allocated memory, fragmentation, OOMs and segments.  By default a trace replays under the "
     "recorded allocator's settings: a cupool trace's own, a PyTorch snapshot's kind of segments (plain, or "
     "expandable without stitching).  --config changes settings over those; --compare replays once per "
-    "configuration and prints one row each.  Every result names the settings it ran with.")
+    "configuration and prints one row each ('--compare recorded cupool': the recorded allocator beside cupool's "
+    "defaults on the same device).  Every result names the settings it ran with.")
 REPORT_DESCRIPTION = (
     "Replay a trace as 'cupool replay' does (the same settings give the same figures) and plot memory over "
     "time, fragmentation over time and a segment map at the peak reserved moment, into one image.")
@@ -56,11 +60,14 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     _add_capacity(p)
     p.add_argument("--compare", nargs="+", default=None, metavar="CFG",
                    help="replay once per configuration (each K=V,... with the keys --config takes, over --config "
-                        "and the recorded settings; 'recorded' for those alone); every "
-                        "configuration is checked before the first replay, and rows print as each replay finishes")
+                        "and the recorded settings; 'recorded' for those alone; 'cupool' for cupool's defaults, "
+                        "expandable segments with stitching, on the recorded device, with --config over them); "
+                        "every configuration is checked before the first replay, and rows print as each replay "
+                        "finishes")
     p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help="which device of a multi-device PyTorch snapshot, named as 'cupool info' names one "
-                        "(cuda:1, or sim:1); auto (the default): the one with the most events")
+                   help="which device of a multi-device PyTorch snapshot: its index (1), as torch takes one, or "
+                        "named as 'cupool info' names one (cuda:1, or sim:1); auto (the default): the one with the "
+                        "most events")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
                         "and spilling); default: pool for traces with movable buffers, else numba")
@@ -73,14 +80,26 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                    description=REPORT_DESCRIPTION)
     p.add_argument("trace", help="cupool HDF5 trace, PyTorch memory snapshot pickle, or RMM log CSV")
     p.add_argument("-o", "--output", default="report.png",
-                   help="image to write (default report.png; a folder gets report.png in it, a name without an "
-                        "extension gets .png), '-' for standard output; a device or FIFO is written into")
+                   help="image to write (default report.png; a folder, one that exists or a name ending in '/', "
+                        "gets report.png in it, a name without an extension gets .png), '-' for standard output; "
+                        "a device or FIFO is written into")
     p.add_argument("--config", default=None, metavar="K=V,...",
                    help=f"pool settings over the recorded ones: {', '.join(accepted_keys('numba'))}; a trace with "
                         "movable buffers also takes "
                         f"{', '.join(k for k in accepted_keys('pool') if k not in accepted_keys('numba'))}")
     _add_capacity(p)
     p.set_defaults(func=_cmd_report)
+
+
+def cupool_defaults(engine: str) -> dict[str, Any]:
+    """``--compare cupool``: every recorded setting ``engine`` takes at cupool's default (the registry's), but
+    the device's size, which stays the recorded one: what cupool would do with the recorded program.
+
+    A PyTorch snapshot's recorded settings are its allocator's (plain segments, or
+    expandable ones without stitching); cupool's defaults are expandable segments
+    with stitching where the device has virtual memory, as the sim device has.
+    """
+    return {k: settings.BY_NAME[k].default for k in recorded_keys(engine) if k != "capacity"}
 
 
 def _keys() -> str:
@@ -92,11 +111,15 @@ def _keys() -> str:
 def _snapshot_device(text: str) -> int | None:
     """``--device``: a PyTorch snapshot's device, named as ``info`` and ``demo`` name one (``split_device``'s
     syntax): ``cuda:1`` or ``sim:1`` (the sim device numbers its devices like GPUs) mean the snapshot's
-    device 1, ``cuda`` its device 0, ``auto`` (None) the one with the most events.  No GPU is needed."""
+    device 1, ``cuda`` its device 0, ``auto`` (None) the one with the most events; a bare index (``1``) is
+    that device, as torch takes one.  No GPU is needed."""
+    bare = text.strip()
+    if bare.isascii() and bare.isdigit():
+        return int(bare)
     try:
         kind, index = split_device(text)
     except ValueError as e:  # a DeviceNameError, naming the string: said as info and demo say it
-        raise ValueError(f"--device {text}: {e}") from None
+        raise ValueError(f"--device {text}: {e}, or the index of a device of the snapshot, as in --device 1") from None
     return None if kind == AUTO else (0 if index is None else index)
 
 
@@ -120,8 +143,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace, device=_snapshot_device(args.device))
     base = _base_config(args)
     specs = args.compare or [None]
-    configs = [base if s in (None, "recorded") else {**base, **parse_config(s)} for s in specs]
-    engine = args.engine or default_engine(trace, *configs)  # one engine for every configuration compared
+    engine = args.engine or default_engine(trace, base)  # one engine for every configuration compared
+    configs = [base if s in (None, RECORDED) else {**cupool_defaults(engine), **base} if s == CUPOOL
+               else {**base, **parse_config(s)} for s in specs]
     for c in configs:  # refuse a bad key or value before spending time on any replay
         check_settings(trace, c, engine)
     if engine == "numba":  # the compile notice goes out before the output, not between its lines
@@ -133,7 +157,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     results = (replay(trace, c, engine=engine, progress=args.progress) for c in configs)  # one at a time
     if args.json:
         for spec, c, r in zip(specs, configs, results):
-            print(json.dumps(_json_row(args.trace, spec or "recorded", r, _capacity_source(trace, c, args),
+            print(json.dumps(_json_row(args.trace, spec or RECORDED, r, _capacity_source(trace, c, args),
                                        recorded_peak, recorded_reserved), default=str), flush=True)
         return 0
     counts = trace.counts()
@@ -173,7 +197,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         for label, value in rows:
             print(f"{label:<19}{value}")
         return 0
-    names = [spec or "recorded" for spec in specs]
+    names = [spec or RECORDED for spec in specs]
     width = max(13, *map(len, names))
     if recorded_reserved is not None or recorded_peak is not None:
         print(f"recorded: peak reserved {format_bytes(recorded_reserved) if recorded_reserved else 'unknown'}, "
@@ -274,12 +298,9 @@ def _show_config(cfg: dict[str, Any], capacity: int, *, capacity_shown: bool = T
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .._files import refuse_overwriting_input, status_stream
+    from .._files import output_name, refuse_overwriting_input, status_stream
 
-    out = _report_path(args.output)
-    folder = out.resolve().parent
-    if not folder.is_dir():  # before the replay, which can take a while
-        raise OSError(f"cannot write the report {out}: the folder {folder} does not exist")
+    out = _report_path(args.output)  # before the replay, which can take a while
     refuse_overwriting_input(out, args.trace, "report")
     trace = load_trace(args.trace)
     config = _base_config(args)
@@ -287,7 +308,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     said = status_stream(out)  # not into the image, when that is standard output
     for w in summary["warnings"]:
         print(f"warning: {w}", file=said)
-    print(f"wrote {out}: peak reserved {format_bytes(summary['peak_reserved'])}, "
+    print(f"wrote {output_name(out)}: peak reserved {format_bytes(summary['peak_reserved'])}, "
           f"max fragmentation {summary['max_fragmentation']:.3f} ({FRAGMENTATION_NOTE}), "
           f"{summary['fragmentation_at_peak']:.3f} at peak reserved", file=said)
     over = format_bytes(summary["peak_oversubscribed"])
@@ -301,21 +322,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _report_path(output: str) -> Path:
     """The file the report goes to, so that the command names the file it writes.
 
-    Given a folder, ``report.png`` in it; given a name without an extension,
-    that name with ``.png`` (which matplotlib would add without a word).  An
-    extension matplotlib cannot write is refused before the replay.  Standard
-    output (``-``), a device or a FIFO is written as it is named (a PNG if the
-    name has no extension).
+    Given a folder (one that exists, or a name ending in a slash: ``output_path``,
+    as ``export`` reads it), ``report.png`` in it; given a name without an
+    extension, that name with ``.png`` (which matplotlib would add without a
+    word).  An extension matplotlib cannot write is refused before the replay.
+    Standard output (``-``), a device or a FIFO is written as it is named (a PNG
+    if the name has no extension).
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
-    from .._files import written_in_place
+    from .._files import output_path, written_in_place
 
-    out = Path(output)
+    out = output_path(output, "report.png", "report")
     in_place = written_in_place(output)
-    if out.is_dir() and not in_place:
-        out = out / "report.png"
-    elif not out.suffix and not in_place:
+    if not out.suffix and not in_place:
         out = out.with_name(out.name + ".png")
     formats = FigureCanvasBase.get_supported_filetypes()
     if (out.suffix or not in_place) and out.suffix[1:].lower() not in formats:

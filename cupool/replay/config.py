@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from .._units import parse_size
+from ..core.sizes import round_page
 from ..device.sim import SimDevice
 from ..errors import OutOfMemoryError
 from ..pool import Pool
@@ -143,8 +145,25 @@ def replay_settings(trace: Trace, config: dict[str, Any] | None, engine: str) ->
     ``expandable_segments=true`` over a plain recording, stitching follows the
     pool's default as it would in a fresh pool.
     """
-    cfg = settings.resolve_derived(config or {}, recorded_config(trace, engine))
+    given = config or {}
+    cfg = settings.resolve_derived(given, recorded_config(trace, engine))
+    if "capacity" in given and "max_size" not in given and _past_the_device(cfg.get("max_size"), cfg["capacity"]):
+        # A device given smaller than the recorded cap is the cap itself (as it was when the pool took the
+        # smaller of the two); the pool now refuses a max_size past its device, which nobody gave here.
+        del cfg["max_size"]
     return {k: v for k, v in cfg.items() if not (v is None and settings.BY_NAME[k].follows is not None)}
+
+
+def _past_the_device(max_size: Any, capacity: Any) -> bool:
+    """Whether a ``max_size`` is more than a sim device of ``capacity`` holds (False when either is unreadable:
+    the pool refuses that in its own words)."""
+    if max_size is None:
+        return False
+    try:
+        total = round_page(parse_size(capacity, name="capacity"))
+        return parse_size(max_size, total, "max_size") > total
+    except (ValueError, TypeError):
+        return False
 
 
 def ran_with(cfg: dict[str, Any], pool: Pool) -> dict[str, Any]:
