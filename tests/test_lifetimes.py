@@ -11,8 +11,10 @@ pool of its own.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -731,3 +733,39 @@ def test_7_stitched_allocation_alive_at_exit_prints_no_traceback():
     assert "stitched 6291456" in r.stdout
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
 
+
+# ------------------------------------------- issue 36 #2 copies of a handle
+def _handles(p: cupool.Pool) -> dict[str, Any]:
+    m = p.movable(MiB)
+    view = m.array()
+    return {"allocation": p.malloc(MiB), "movable": m, "lease": view.base.owner, "view": view}
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, pickle.dumps], ids=["copy", "deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", ["allocation", "movable", "lease"])
+def test_36_2_a_handle_cannot_be_copied(kind, how):
+    """``copy.copy`` made a second owner: dropping it freed the block under the first, and the next
+    malloc handed out the same address again (a Movable's free and the pool's close then raised)."""
+    p = cupool.Pool("sim", capacity="64MiB")
+    handles = _handles(p)
+    name = type(handles[kind]).__name__
+    try:  # not pytest.raises: its traceback would keep the handle alive
+        how(handles[kind])
+        refused = ""
+    except TypeError as e:
+        refused = str(e)
+    assert f"cupool.{name} cannot be copied or pickled" in refused, refused or "copied"
+    gc.collect()
+    p.check()
+    taken = {handles["allocation"].ptr, handles["movable"].ptr}
+    again = [p.malloc(MiB) for _ in range(4)]
+    assert not taken & {a.ptr for a in again}, "an address still held was handed out again"
+    del handles["view"], handles["lease"]
+    gc.collect()
+    handles["movable"].free()
+    handles["allocation"].free()
+    for a in again:
+        a.free()
+    p.check()
+    assert p.stats()["allocated_bytes.all.current"] == 0
+    p.close()
