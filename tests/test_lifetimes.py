@@ -769,3 +769,94 @@ def test_36_2_a_handle_cannot_be_copied(kind, how):
     p.check()
     assert p.stats()["allocated_bytes.all.current"] == 0
     p.close()
+
+
+# ------------------------------------------------ issue 36 #5 pools across fork
+_FORKS = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import cupool
+
+    def in_child(fn):
+        # fn() in a forked child that always leaves through os._exit: its exit code, or "hangs"
+        pid = os.fork()
+        if pid == 0:
+            code = 99
+            try:
+                code = fn()
+            except BaseException as e:
+                print("child raised", type(e).__name__, e, flush=True)
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + float(sys.argv[2])
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.01)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return "hangs"
+
+    p = cupool.Pool("sim", capacity="64MiB", expandable_segments=sys.argv[1] == "expandable")
+    m = p.movable(1 << 20)
+    view = m.array()
+    view[:] = 1
+
+    def writes_and_mallocs():
+        view[:] = 7  # the child's copy of the buffer
+        try:
+            p.malloc(1 << 20)
+            return 3
+        except cupool.errors.StateError as e:
+            print("refused:", e, flush=True)
+        q = cupool.Pool("sim", capacity="64MiB", expandable_segments=sys.argv[1] == "expandable")
+        q.malloc(1 << 20).free()  # a pool of the child's own serves it
+        q.check()
+        return 0
+
+    print("child", in_child(writes_and_mallocs), "parent reads", view.min(), view.max(), flush=True)
+
+    held, go = threading.Event(), threading.Event()
+    def holder():
+        with p.hold():
+            held.set()
+            go.wait()
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait()
+
+    def mallocs():
+        try:
+            p.malloc(1 << 20)
+            return 3
+        except cupool.errors.StateError:
+            return 0
+
+    print("held", in_child(mallocs), flush=True)
+    go.set()
+    t.join()
+    p.malloc(1 << 20).free()
+    del view
+    m.free()
+    p.check()
+    p.close()
+    print("parent fine", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+@pytest.mark.parametrize("segments", ["expandable", "plain"])
+def test_36_5_a_forked_child_neither_shares_nor_hangs(segments):
+    """A forked child wrote the parent's expandable-segment bytes (7 read back in the parent), and
+    hung on its first malloc when another thread held the pool's lock at the fork (Note [Fork])."""
+    r = subprocess.run([sys.executable, "-c", _FORKS, segments, str(5 * HANG_S)],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "child 0 parent reads 1 1" in r.stdout, out
+    assert "refused: cupool: this pool was made in process" in r.stdout and "'spawn'" in r.stdout, out
+    assert "held 0" in r.stdout, "the child " + ("hangs" if "held hangs" in r.stdout else "was not refused") + "\n" + out
+    assert "parent fine" in r.stdout, out
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, out
