@@ -397,6 +397,11 @@ class Pool:
     def closed(self) -> bool:
         return self._arena.closed
 
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of what this pool's segments come from: its upstream's, so that
+        managed memory counts the host memory it pages out to (issue 36 #7), not the device's alone."""
+        return self._upstream.mem_info()
+
     def check(self) -> None:
         """Verify the heaps' invariants and that the books agree with them (for tests)."""
         with self.hold():
