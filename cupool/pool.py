@@ -350,8 +350,8 @@ class Pool:
         return self._arena.limit
 
     @limit.setter
-    def limit(self, max_size: int | str) -> None:
-        self.set_limit(max_size)
+    def limit(self, size: int | str) -> None:
+        self.set_limit(size)
 
     @property
     def defrag_threshold(self) -> float | None:
@@ -407,15 +407,61 @@ class Pool:
         with self.hold():
             self._arena.check()
 
-    def set_limit(self, max_size: int | str) -> None:
-        """Change the cap on reserved bytes now (as ``max_size``).  Below what is reserved, cached
-        segments go back; live memory stays, and the pool does not grow until enough is freed."""
-        limit = min(self._total, parse_size(max_size, self._total, "max_size"))
+    def set_limit(self, size: int | str | None = None, fraction: float | None = None) -> None:
+        """Change the cap on reserved bytes now, as CuPy's ``MemoryPool.set_limit(size=None, fraction=None)``.
+
+        ``size`` is bytes, or a size as ``max_size`` takes it ("2GiB", "50%"); ``fraction``
+        a share of the device's memory in [0, 1].  Neither, or 0, lifts the cap as in CuPy:
+        to the whole device (its upstream's total, which ``get_limit()`` then says, for a
+        pool always has a limit).  Below what is reserved, cached segments go back; live
+        memory stays, and the pool does not grow until enough is freed.
+        """
+        total = self._total
+        if size is not None and fraction is not None:
+            raise ValueError("set_limit: give size or fraction, not both (as CuPy's set_limit)")
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                raise TypeError(f"set_limit: fraction must be a number in [0, 1], got {fraction!r}")
+            if not 0 <= fraction <= 1:
+                raise ValueError(f"set_limit: fraction must be in [0, 1], got {fraction}")
+            limit = int(total * fraction)
+        else:
+            limit = 0 if size is None else min(total, parse_size(size, total, "size"))
+        limit = limit or total
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit
         if over:
             self.empty_cache()
+
+    # CuPy's MemoryPool API (``cupy.get_default_memory_pool()``), read from the figures and the limit
+    # above, so that code written for CuPy's pool runs on cupool's unchanged.
+    def get_limit(self) -> int:
+        """The cap on reserved bytes (CuPy's ``get_limit``; ``limit``)."""
+        return self.limit
+
+    def used_bytes(self) -> int:
+        """Bytes of blocks in use (CuPy's ``used_bytes``; ``allocated_bytes.all.current``)."""
+        return self.stats()["allocated_bytes.all.current"]
+
+    def total_bytes(self) -> int:
+        """Bytes the pool holds from the device, in use or cached (CuPy's ``total_bytes``; ``reserved_bytes.all.current``)."""
+        return self.stats()["reserved_bytes.all.current"]
+
+    def free_bytes(self) -> int:
+        """Bytes held but not in use (CuPy's ``free_bytes``): ``total_bytes() - used_bytes()``."""
+        s = self.stats()
+        return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
+
+    def n_free_blocks(self) -> int:
+        """Free blocks in the pool's segments (CuPy's ``n_free_blocks``), as ``view.segments()`` shows them."""
+        with self.hold() as view:
+            return sum(b.free for seg in view.segments() for b in seg.blocks)
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        """CuPy's ``free_all_blocks``: ``empty_cache()``.  With a ``stream`` too, it gives back every
+        stream's free segments: more than CuPy would, never anything in use."""
+        self.empty_cache()
 
     @property
     def admission(self) -> Callable[[int, str], str | None] | None:
