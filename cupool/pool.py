@@ -59,6 +59,7 @@ from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
 from .core.sizes import LARGE, round_size
 from .core.view import ArenaView
+from .cupy_pool import CupyPoolMethods
 from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError, DeadlockError, StateError
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
 __all__ = ["Allocation", "CompactionReport", "PinnedPool", "Pool"]
 
 
-class Pool:
+class Pool(CupyPoolMethods):
     """A best-fit caching pool of device memory, one per device.
 
     Parameters
@@ -398,8 +399,7 @@ class Pool:
         return self._arena.closed
 
     def mem_info(self) -> tuple[int, int]:
-        """``(free, total)`` bytes of what this pool's segments come from: its upstream's, so that
-        managed memory counts the host memory it pages out to (issue 36 #7), not the device's alone."""
+        """``(free, total)`` bytes of where the segments come from: the upstream's (managed: the host too)."""
         return self._upstream.mem_info()
 
     def check(self) -> None:
@@ -408,14 +408,10 @@ class Pool:
             self._arena.check()
 
     def set_limit(self, size: int | str | None = None, fraction: float | None = None) -> None:
-        """Change the cap on reserved bytes now, as CuPy's ``MemoryPool.set_limit(size=None, fraction=None)``.
-
-        ``size`` is bytes, or a size as ``max_size`` takes it ("2GiB", "50%"); ``fraction``
-        a share of the device's memory in [0, 1].  Neither, or 0, lifts the cap as in CuPy:
-        to the whole device (its upstream's total, which ``get_limit()`` then says, for a
-        pool always has a limit).  Below what is reserved, cached segments go back; live
-        memory stays, and the pool does not grow until enough is freed.
-        """
+        """Change the cap on reserved bytes now, as CuPy's ``MemoryPool.set_limit``: ``size`` as ``max_size``
+        takes it ("2GiB", "50%", bytes), or a ``fraction`` in [0, 1] of the device.  Neither, or 0, lifts the
+        cap as in CuPy, to the device's (upstream's) total.  Below what is reserved, cached segments go
+        back; live memory stays, and the pool does not grow until enough is freed."""
         total = self._total
         if size is not None and fraction is not None:
             raise ValueError("set_limit: give size or fraction, not both (as CuPy's set_limit)")
@@ -424,44 +420,14 @@ class Pool:
                 raise TypeError(f"set_limit: fraction must be a number in [0, 1], got {fraction!r}")
             if not 0 <= fraction <= 1:
                 raise ValueError(f"set_limit: fraction must be in [0, 1], got {fraction}")
-            limit = int(total * fraction)
+            limit = int(total * fraction) or total
         else:
-            limit = 0 if size is None else min(total, parse_size(size, total, "size"))
-        limit = limit or total
+            limit = total if size is None else min(total, parse_size(size, total, "size")) or total
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit
         if over:
             self.empty_cache()
-
-    # CuPy's MemoryPool API (``cupy.get_default_memory_pool()``), read from the figures and the limit
-    # above, so that code written for CuPy's pool runs on cupool's unchanged.
-    def get_limit(self) -> int:
-        """The cap on reserved bytes (CuPy's ``get_limit``; ``limit``)."""
-        return self.limit
-
-    def used_bytes(self) -> int:
-        """Bytes of blocks in use (CuPy's ``used_bytes``; ``allocated_bytes.all.current``)."""
-        return self.stats()["allocated_bytes.all.current"]
-
-    def total_bytes(self) -> int:
-        """Bytes the pool holds from the device, in use or cached (CuPy's ``total_bytes``; ``reserved_bytes.all.current``)."""
-        return self.stats()["reserved_bytes.all.current"]
-
-    def free_bytes(self) -> int:
-        """Bytes held but not in use (CuPy's ``free_bytes``): ``total_bytes() - used_bytes()``."""
-        s = self.stats()
-        return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
-
-    def n_free_blocks(self) -> int:
-        """Free blocks in the pool's segments (CuPy's ``n_free_blocks``), as ``view.segments()`` shows them."""
-        with self.hold() as view:
-            return sum(b.free for seg in view.segments() for b in seg.blocks)
-
-    def free_all_blocks(self, stream: Any = None) -> None:
-        """CuPy's ``free_all_blocks``: ``empty_cache()``.  With a ``stream`` too, it gives back every
-        stream's free segments: more than CuPy would, never anything in use."""
-        self.empty_cache()
 
     @property
     def admission(self) -> Callable[[int, str], str | None] | None:
