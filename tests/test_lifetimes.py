@@ -817,6 +817,13 @@ _FORKS = textwrap.dedent(
             return 3
         except cupool.errors.StateError as e:
             print("refused:", e, flush=True)
+        for op in (p.compact, p.empty_cache):  # they would move or give back the parent's memory
+            try:
+                op()
+                return 4
+            except cupool.errors.StateError:
+                pass
+        p.check()  # refused with nothing changed
         q = cupool.Pool("sim", capacity="64MiB", expandable_segments=sys.argv[1] == "expandable")
         q.malloc(1 << 20).free()  # a pool of the child's own serves it
         q.check()

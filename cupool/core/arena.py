@@ -133,12 +133,7 @@ class Arena(FastPath):
         The miss path reads as one chain, one rung a line (Note [Out of memory]);
         ``closed_ok``: a closed pool still brings a spilled buffer back (Note [Lifetimes]).
         """
-        if self.forked:
-            raise StateError(
-                f"cupool: this pool was made in process {self.forked} before it forked, and its memory is that "
-                "process's (a CUDA context does not cross fork()): make a new cupool.Pool in the "
-                "child, or start workers with multiprocessing's 'spawn' method"
-            )
+        self.refuse_if_forked()
         if self.closed and not closed_ok:
             raise ClosedError("cupool: this pool is closed; it hands out no more memory")
         size = round_size(n)
@@ -275,6 +270,7 @@ class Arena(FastPath):
     def release_free_segments(self, kept_too: bool = False, holes: bool = False) -> int:
         """Give every wholly free segment (and free tail) back; the preallocated one only with ``kept_too``;
         with ``holes`` (``empty_cache``) what the source can give back between live blocks too."""
+        self.refuse_if_forked()
         return self.segments.trim_all(kept_too, holes)
 
     def close(self) -> tuple[int, int]:
@@ -298,6 +294,15 @@ class Arena(FastPath):
         self.refresh_fast()
         self.give_back.detach()
 
+    def refuse_if_forked(self) -> None:
+        """In a fork's child, the StateError that every request, compaction and release meets (Note [Fork])."""
+        if self.forked:
+            raise StateError(
+                f"cupool: this pool was made in process {self.forked} before it forked, and its memory is that "
+                "process's (a CUDA context does not cross fork()): make a new cupool.Pool in the "
+                "child, or start workers with multiprocessing's 'spawn' method"
+            )
+
     def close_soon(self) -> None:
         """``close()`` for a finalizer: now if the lock is free, else by the lock holder (Note [Finalizers])."""
         self.finalize_later(_Closing(self))
@@ -315,6 +320,7 @@ class Arena(FastPath):
     def settle_streams(self, wait: bool) -> int:
         """Make blocks whose stream is done with them usable by every stream (Note [Streams])."""
         if wait:
+            self.refuse_if_forked()  # waiting is for the device, which is the parent's
             self.books.syncs += 1
         return self.streams.settle(self.heaps, wait)
 
@@ -396,8 +402,9 @@ class _Closing:
 # #5; Note [Sim memory across fork] makes the child's view a copy).  Nor the
 # threads: one that held a pool's lock at the fork never lets go in the child,
 # whose first malloc waited for ever.  So in the child each live arena gets a
-# fresh lock and refuses every request with a StateError that says what to do
-# (make a new pool there, or use the 'spawn' start method); frees of the
+# fresh lock and refuses every request, compaction, wait for the device and
+# release with a StateError that says what to do (make a new pool there, or
+# use the 'spawn' start method; ``refuse_if_forked``); frees of the
 # parent's handles keep the books and give nothing back to the device, and the
 # arena's finalizer is detached.  Refusing, not rebuilding, is the one answer
 # that holds on both devices.  Reads (stats, snapshots) still answer.
