@@ -242,7 +242,9 @@ class SimVirtualMemory(VirtualMemory):
 # every other page: a copy), closes its copy of the memfd and counts as given
 # back: frees do nothing, and creating or mapping memory refuses.  Pools made
 # before the fork refuse in the child anyway (Note [Fork]); this keeps arrays the
-# child already holds from reaching the parent's bytes.
+# child already holds from reaching the parent's bytes.  The copy is one pass
+# over the mapped bytes, in the child, at the fork (also a subprocess started
+# with ``preexec_fn``, which forks through these hooks).
 _LIVE: weakref.WeakSet[SimVirtualMemory] = weakref.WeakSet()
 
 
