@@ -34,6 +34,16 @@ MAX_NBYTES = (1 << 63) - 1
 MAX_DEVICE_BYTES = 1 << 48
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlong = _SHOWN.maxstring = 40
+#: Digits after the point that a size may have: far past what changes a byte count (2**40 is 13 digits),
+#: and far below Python's limit on converting digits to an int (4300), which has no word of the key.
+_MAX_DECIMALS = 100
+
+
+def _shown_int(n: int) -> str:
+    """``n`` for an error message: Python will not turn an int of more than 4300 digits into text."""
+    if n.bit_length() <= 128:
+        return _SHOWN.repr(n)
+    return f"a{' negative' if n < 0 else ''} number of about {int(n.bit_length() * 0.30103) + 1} digits"
 
 
 def as_nbytes(value: object, name: str = "nbytes") -> int:
@@ -50,9 +60,9 @@ def as_nbytes(value: object, name: str = "nbytes") -> int:
     else:
         n = operator.index(cast(SupportsIndex, value))  # its type has __index__, checked above
     if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
+        raise ValueError(f"{name} must be >= 0, got {_shown_int(n)}")
     if n > MAX_NBYTES:
-        raise ValueError(f"{name} must be at most 2**63 - 1 bytes, got {_SHOWN.repr(n)}")
+        raise ValueError(f"{name} must be at most 2**63 - 1 bytes, got {_shown_int(n)}")
     return n
 
 
@@ -68,7 +78,15 @@ def parse_size(value: object, total: int | None = None, name: str = "size") -> i
         m = _SIZE_RE.match(value)
         if not m:
             raise ValueError(f"{name}: cannot parse {_SHOWN.repr(value)} as a size (try 2GB, 512MiB or 50%)")
-        number, unit = Fraction(m.group(1)), m.group(2).lower()
+        whole, _, decimals = m.group(1).partition(".")
+        whole, unit = whole.lstrip("0"), m.group(2).lower()
+        if len(whole) > len(str(MAX_NBYTES)):  # read as digits, it would meet Python's limit on them
+            raise ValueError(f"{name}: {_SHOWN.repr(value)} is " + (
+                "more than 100%" if unit == "%" else "more bytes than a 64-bit size holds"))
+        if len(decimals) > _MAX_DECIMALS:
+            raise ValueError(f"{name}: {_SHOWN.repr(value)} has {len(decimals)} digits after the point; "
+                             f"a size has at most {_MAX_DECIMALS}")
+        number = Fraction(f"{whole or 0}.{decimals}0")
         if unit == "%":
             if total is None:
                 raise ValueError(f"{name}: {value!r} is a percentage, but there is no total to take it of")

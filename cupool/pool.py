@@ -59,6 +59,7 @@ from .core.movables import Movables
 from .core.sites import Leak, SiteTracker, SiteUsage
 from .core.sizes import LARGE, round_size
 from .core.view import ArenaView
+from .cupy_pool import CupyPoolMethods
 from .device import Device, make_device, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError, DeadlockError, StateError
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
 __all__ = ["Allocation", "CompactionReport", "PinnedPool", "Pool"]
 
 
-class Pool:
+class Pool(CupyPoolMethods):
     """A best-fit caching pool of device memory, one per device.
 
     Parameters
@@ -354,8 +355,8 @@ class Pool:
         return self._arena.limit
 
     @limit.setter
-    def limit(self, max_size: int | str) -> None:
-        self.set_limit(max_size)
+    def limit(self, size: int | str) -> None:
+        self.set_limit(size)
 
     @property
     def defrag_threshold(self) -> float | None:
@@ -401,15 +402,31 @@ class Pool:
     def closed(self) -> bool:
         return self._arena.closed
 
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of where the segments come from: the upstream's (managed: the host too)."""
+        return self._upstream.mem_info()
+
     def check(self) -> None:
         """Verify the heaps' invariants and that the books agree with them (for tests)."""
         with self.hold():
             self._arena.check()
 
-    def set_limit(self, max_size: int | str) -> None:
-        """Change the cap on reserved bytes now (as ``max_size``).  Below what is reserved, cached
-        segments go back; live memory stays, and the pool does not grow until enough is freed."""
-        limit = min(self._total, parse_size(max_size, self._total, "max_size"))
+    def set_limit(self, size: int | str | None = None, fraction: float | None = None) -> None:
+        """Change the cap on reserved bytes now, as CuPy's ``MemoryPool.set_limit``: ``size`` as ``max_size``
+        takes it ("2GiB", "50%", bytes), or a ``fraction`` in [0, 1] of the device.  Neither, or 0, lifts the
+        cap as in CuPy, to the device's (upstream's) total.  Below what is reserved, cached segments go
+        back; live memory stays, and the pool does not grow until enough is freed."""
+        total = self._total
+        if size is not None and fraction is not None:
+            raise ValueError("set_limit: give size or fraction, not both (as CuPy's set_limit)")
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                raise TypeError(f"set_limit: fraction must be a number in [0, 1], got {fraction!r}")
+            if not 0 <= fraction <= 1:
+                raise ValueError(f"set_limit: fraction must be in [0, 1], got {fraction}")
+            limit = int(total * fraction) or total
+        else:
+            limit = total if size is None else min(total, parse_size(size, total, "size")) or total
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit

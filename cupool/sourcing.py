@@ -29,7 +29,7 @@ class Sourcing:
     #: What percentages and the default limit are taken of: the upstream's total (managed memory's is larger).
     total: int
     #: The upstream itself: its ``stats()``, and ``set_release_threshold`` for the pool's ``release_threshold``
-    #: (the stream-ordered upstream passes it to the driver's pool). Unused under virtual memory.
+    #: (the stream-ordered upstream passes it to the driver's pool), and what the pool reports free (``Pool.mem_info``).
     upstream_object: DeviceUpstream
 
 

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+import cupool
 from cupool._units import as_nbytes, format_bytes, parse_size
 
 
@@ -85,3 +86,24 @@ def test_parse_size_is_exact_and_bounded():
     with pytest.raises(ValueError, match=r"nbytes must be at most 2\*\*63 - 1 bytes"):
         as_nbytes(2**63)
     assert as_nbytes(2**63 - 1) == 2**63 - 1
+
+
+def test_sizes_of_thousands_of_digits_name_their_key():
+    """Issue 36 #6: past 4,300 digits Python's int-limit message came out, naming no key."""
+    from cupool.config import parse_conf
+
+    with pytest.raises(ValueError, match=r"^capacity: '9999.*' is more bytes than a 64-bit size holds$"):
+        parse_size("9" * 5000, name="capacity")
+    with pytest.raises(ValueError, match=r"^capacity: .* is more than 100%$"):
+        parse_size("9" * 5000 + "%", total=10, name="capacity")
+    with pytest.raises(ValueError, match=r"^capacity: .* has 5000 digits after the point; a size has at most 100$"):
+        parse_size("1." + "0" * 5000, name="capacity")
+    assert parse_size("0" * 5000 + "12KiB") == 12 * 1024  # leading zeros are no digits of the value
+    with pytest.raises(ValueError, match=r"^CUPOOL_CONF: capacity: '9999.*' is more bytes than a 64-bit size holds$"):
+        parse_conf("capacity=" + "9" * 5000)
+    with pytest.raises(ValueError, match=r"^capacity must be at most 2\*\*63 - 1 bytes, got a number of about 5001 digits$"):
+        parse_size(10**5000, name="capacity")
+    with pytest.raises(ValueError, match=r"^capacity must be >= 0, got a negative number of about 5001 digits$"):
+        parse_size(-(10**5000), name="capacity")
+    with pytest.raises(ValueError, match=r"^capacity must be at most 2\*\*63 - 1 bytes, got a number of about 5001"):
+        cupool.Pool("sim", capacity=10**5000)

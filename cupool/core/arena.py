@@ -11,16 +11,17 @@ spill or give memory back; it does not know movable buffers beyond their count
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .._units import format_bytes
-from ..errors import ClosedError, DeadlockError, DeviceOutOfMemory, OutOfMemoryError
+from ..errors import ClosedError, DeadlockError, DeviceOutOfMemory, OutOfMemoryError, StateError
 from .books import ALL, ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
 from .events import Observers, log_callback_error
-from .fast import Allocation, FastPath
+from .fast import Allocation, FastPath, make_lock
 from . import interrupts
 from .heap import Block, Heap, Segment
 from .segments import DeviceSegments, SegmentSource
@@ -66,7 +67,7 @@ class Arena(FastPath):
     # Slots, not a __dict__: the compiled fast path's methods then skip looking for
     # overrides in an instance dict on every call (Cython's cpdef dispatch).
     __slots__ = ("device", "limit", "policy", "heaps", "observers", "segments", "view", "closed",
-                 "streams", "compaction_stale", "refusal")
+                 "streams", "compaction_stale", "refusal", "forked", "give_back")
 
     def __init__(
         self, device: Any, limit: int, policy: Policy, track_sites: bool,
@@ -95,8 +96,11 @@ class Arena(FastPath):
         self.refusal = ""
         # A dropped arena gives every segment back (Note [Lifetimes]).  Not at exit:
         # the process's end returns device memory, and CUDA may already be gone.
-        fin = weakref.finalize(self, _give_back, self.segments)
-        fin.atexit = False
+        self.give_back = weakref.finalize(self, _give_back, self.segments)
+        self.give_back.atexit = False
+        # In a fork's child, the process that made this arena (Note [Fork]); 0 in that process.
+        self.forked = 0
+        _LIVE.add(self)
         interrupts.install()  # Note [Interrupts]
 
     def set_eager(self, eager: bool) -> None:
@@ -129,6 +133,7 @@ class Arena(FastPath):
         The miss path reads as one chain, one rung a line (Note [Out of memory]);
         ``closed_ok``: a closed pool still brings a spilled buffer back (Note [Lifetimes]).
         """
+        self.refuse_if_forked()
         if self.closed and not closed_ok:
             raise ClosedError("cupool: this pool is closed; it hands out no more memory")
         size = round_size(n)
@@ -238,7 +243,7 @@ class Arena(FastPath):
         merged = self.heaps[kind].give(block, stream, self.streams.freed(stream))
         seg = merged.segment
         if self.closed:  # drain: a closed pool gives each segment back as it empties (Note [Lifetimes])
-            if not seg.used:
+            if not seg.used and not self.forked:
                 self.segments.drop(kind, seg)
         else:  # the rule book's after_free: a stitched segment at once, the rest when releasing eagerly
             self.segments.after_free(kind, merged, not self.parking and self.policy.releases_now())
@@ -265,6 +270,7 @@ class Arena(FastPath):
     def release_free_segments(self, kept_too: bool = False, holes: bool = False) -> int:
         """Give every wholly free segment (and free tail) back; the preallocated one only with ``kept_too``;
         with ``holes`` (``empty_cache``) what the source can give back between live blocks too."""
+        self.refuse_if_forked()
         return self.segments.trim_all(kept_too, holes)
 
     def close(self) -> tuple[int, int]:
@@ -276,6 +282,26 @@ class Arena(FastPath):
         with self.locked("close()"):  # Note [Lock protocol]
             self.close_locked()
             return self.books.cur[ALLOCATIONS][ALL], self.books.cur[ALLOCATED][ALL]
+
+    def forget_after_fork(self, parent: int) -> None:
+        """In a fork's child: refuse every request from now on, and never give back the parent's memory (Note [Fork])."""
+        self.lock = make_lock()  # a thread of the parent may have held it: it is not here to let go
+        self.holder = None
+        self.pending.clear()
+        self.forked = parent
+        self.closed = True
+        self.parking = False
+        self.refresh_fast()
+        self.give_back.detach()
+
+    def refuse_if_forked(self) -> None:
+        """In a fork's child, the StateError that every request, compaction and release meets (Note [Fork])."""
+        if self.forked:
+            raise StateError(
+                f"cupool: this pool was made in process {self.forked} before it forked, and its memory is that "
+                "process's (a CUDA context does not cross fork()): make a new cupool.Pool in the "
+                "child, or start workers with multiprocessing's 'spawn' method"
+            )
 
     def close_soon(self) -> None:
         """``close()`` for a finalizer: now if the lock is free, else by the lock holder (Note [Finalizers])."""
@@ -294,6 +320,7 @@ class Arena(FastPath):
     def settle_streams(self, wait: bool) -> int:
         """Make blocks whose stream is done with them usable by every stream (Note [Streams])."""
         if wait:
+            self.refuse_if_forked()  # waiting is for the device, which is the parent's
             self.books.syncs += 1
         return self.streams.settle(self.heaps, wait)
 
@@ -364,6 +391,34 @@ class _Closing:
     def finalize_locked(self) -> int:
         self.arena.close_locked()
         return 0
+
+
+# Note [Fork]
+# ~~~~~~~~~~~
+# A forked child gets a copy of every pool its parent made, but not their memory:
+# a CUDA context does not cross fork() (PyTorch refuses CUDA in a forked child,
+# "Cannot re-initialize CUDA in forked subprocess"; CuPy's calls fail there), and
+# the sim device's expandable segments would be shared with the parent (issue 36
+# #5; Note [Sim memory across fork] makes the child's view a copy).  Nor the
+# threads: one that held a pool's lock at the fork never lets go in the child,
+# whose first malloc waited for ever.  So in the child each live arena gets a
+# fresh lock and refuses every request, compaction, wait for the device and
+# release with a StateError that says what to do (make a new pool there, or
+# use the 'spawn' start method; ``refuse_if_forked``); frees of the
+# parent's handles keep the books and give nothing back to the device, and the
+# arena's finalizer is detached.  Refusing, not rebuilding, is the one answer
+# that holds on both devices.  Reads (stats, snapshots) still answer.
+_LIVE: weakref.WeakSet[Arena] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    parent = os.getppid()
+    for arena in list(_LIVE):
+        arena.forget_after_fork(parent)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _give_back(source: SegmentSource) -> None:

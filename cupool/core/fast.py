@@ -250,9 +250,25 @@ class Allocation:
             else:
                 owner.pending.append(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self)
+
     def __repr__(self) -> str:
         state = "freed" if self.block is None else f"stream={self.stream}"
         return f"<cupool.Allocation ptr={self.ptr:#x} size={self.size} {state}>"
+
+
+def refuse_copy(handle: object) -> Any:
+    """Raise the TypeError that ``copy.copy``, ``copy.deepcopy`` and ``pickle`` meet on a handle.
+
+    A handle (``Allocation``, ``Movable``, ``Lease``) is the one owner of its memory: its
+    finalizer gives the memory back.  A copy would be a second owner, and dropping it would
+    free the block under the original (issue 36 #2), so every way of copying is refused here,
+    compiled and pure alike, through ``__reduce_ex__``, which all three ask.
+    """
+    name = type(handle).__name__
+    raise TypeError(f"a cupool.{name} cannot be copied or pickled: it is the one owner of its memory, "
+                    f"and a copy would free it a second time; share the {name} itself")
 
 
 def new_allocation(owner: FastPath, block: Any, size: Any, stream: Any, kind: int) -> Allocation:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .fast import refuse_copy
+
 if TYPE_CHECKING:
     from .heap import Block
 
@@ -130,6 +132,9 @@ class Movable:
         if not self.freed:
             self.owner.finalize_later(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self)
+
     def __repr__(self) -> str:
         where = "freed" if self.freed else f"ptr={self.ptr:#x}" if self.block is not None else "spilled"
         return f"<cupool.Movable {self.size} bytes {where} leases={self.leases} gen={self.generation}>"
@@ -148,6 +153,9 @@ class Lease:
 
     def __del__(self) -> None:
         self.movable.owner.finalize_later(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self)
 
 
 def as_shape(shape: Any) -> tuple[int, ...]:

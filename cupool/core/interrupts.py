@@ -24,7 +24,9 @@ Three guards keep Ctrl-C working:
   for ever) is raised wherever it lands: a broken pool beats a process that
   cannot be stopped;
 - a handler of the user's own is never replaced, and none is installed off the
-  main thread.
+  main thread.  One that chains to the handler it replaced (``old(signum,
+  frame)``, the usual way to add to Ctrl-C) asks for what that one does, so
+  the deferral holds under it too.
 
 A ``KeyboardInterrupt`` raised by a subscriber callback is deferred the same
 way, on any thread.  ``PyThreadState_SetAsyncExc`` (a debugger's tool) cannot
@@ -74,8 +76,6 @@ def _in_operation(frame: FrameType | None) -> bool:
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    if signal.getsignal(signal.SIGINT) is not _on_sigint:  # replaced since: not ours to judge
-        raise KeyboardInterrupt
     me = threading.get_ident()
     now = time.monotonic()
     if not _in_operation(frame) or (me in OWED and now - _since[0] > PATIENCE_S):

@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,7 @@ class SimVirtualMemory(VirtualMemory):
         self._punch = True
         self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
         self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
+        _LIVE.add(self)  # Note [Sim memory across fork]
 
     # -- host access (tests and the sim pool read and write through this) --------
     def bytes_at(self, addr: int, nbytes: int) -> np.ndarray:
@@ -134,7 +136,9 @@ class SimVirtualMemory(VirtualMemory):
 
     def _check_live(self, op: str) -> None:
         if self._disposed:
-            raise VirtualMemoryError(f"{op}: this virtual memory was given back (closed, or at interpreter exit)")
+            raise VirtualMemoryError(
+                f"{op}: this virtual memory was given back (closed, at interpreter exit, or inherited through fork())"
+            )
 
     # -- hooks ------------------------------------------------------------------
     def _outside(self) -> int:
@@ -212,5 +216,42 @@ class SimVirtualMemory(VirtualMemory):
     def _close(self) -> None:
         self._finalizer()
 
+    def _forked(self) -> None:
+        """In a fork's child: this object's bytes become the child's own (Note [Sim memory across fork])."""
+        self._lock = threading.RLock()  # a thread of the parent may have held it: it is not here to let go
+        if self._disposed:
+            return
+        for m in self.mappings():
+            data = ctypes.string_at(m.addr, m.nbytes) if m.accessible else b""
+            prot = _PROT_RW if m.accessible else _PROT_NONE
+            self._mmap(m.addr, m.nbytes, prot, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            ctypes.memmove(m.addr, data, len(data))
+        self._finalizer.detach()  # from now on _disposed: frees do nothing, anything that takes memory refuses
+        os.close(self._fd)  # the child's copy of the descriptor only
+
     def __repr__(self) -> str:
         return f"SimVirtualMemory(capacity={self.capacity}, granularity={self.granularity})"
+
+
+# Note [Sim memory across fork]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A fork's child inherits the memfd and its ``MAP_SHARED`` mappings: without care,
+# a child writing a buffer writes the parent's (issue 36 #5), and its frees punch
+# holes in the parent's memory.  So in the child every live instance turns each
+# mapping into private anonymous memory holding the same bytes (what fork gives
+# every other page: a copy), closes its copy of the memfd and counts as given
+# back: frees do nothing, and creating or mapping memory refuses.  Pools made
+# before the fork refuse in the child anyway (Note [Fork]); this keeps arrays the
+# child already holds from reaching the parent's bytes.  The copy is one pass
+# over the mapped bytes, in the child, at the fork (also a subprocess started
+# with ``preexec_fn``, which forks through these hooks).
+_LIVE: weakref.WeakSet[SimVirtualMemory] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for vm in list(_LIVE):
+        vm._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

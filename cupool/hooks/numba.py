@@ -145,7 +145,7 @@ class CupoolMemoryManager(_cuda.GetIpcHandleMixin, _cuda.HostOnlyCUDAMemoryManag
 
     def get_memory_info(self) -> Any:
         pool = self.pool
-        free, total = pool.device.mem_info()
+        free, total = pool.mem_info()
         s = pool.stats()
         reserved = s["reserved_bytes.all.current"]
         cached = reserved - s["allocated_bytes.all.current"]

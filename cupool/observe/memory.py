@@ -82,7 +82,8 @@ def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
     ``total`` is the pool's limit (the device's memory when the pool has none:
     ``max_size``, ``memory_fraction`` or ``CUPOOL_CONF`` set one), and ``free``
     what the pool may still reserve: the device's free memory, but no more than
-    the limit leaves.  As in torch, ``free`` leaves out the bytes the pool holds
+    the limit leaves (managed memory: what the device and the host memory it
+    pages out to have free, ``Pool.mem_info``).  As in torch, ``free`` leaves out the bytes the pool holds
     cached (``memory_reserved() - memory_allocated()``), which it also serves
     from; the Numba plugin's ``get_memory_info`` counts them in, as Numba asks.
     A closed pool (a ``using`` or ``install`` of a pool closed since) hands out
@@ -97,7 +98,7 @@ def pool_mem_get_info(pool: Pool) -> tuple[int, int]:
     """``mem_get_info``'s ``(free, total)`` of ``pool`` itself (``cupool.torch`` asks it of torch's pool)."""
     if pool.closed:
         raise ClosedError(f"cupool: mem_get_info() on a closed pool ({pool!r}): it hands out no memory")
-    device_free, _ = pool.device.mem_info()
+    device_free, _ = pool.mem_info()
     reserved = pool.stats()["reserved_bytes.all.current"]
     return min(device_free, max(pool.limit - reserved, 0)), pool.limit
 

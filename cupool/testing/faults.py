@@ -177,7 +177,7 @@ class FaultRules:
     def shrink_limit(self, fraction: float) -> None:
         if self._limit is None:
             self._limit = self.pool.limit
-        self.pool.set_limit(int(self._limit * fraction) // PAGE * PAGE)
+        self.pool.set_limit(max(PAGE, int(self._limit * fraction) // PAGE * PAGE))  # 0 would lift the cap (CuPy's rule)
         assert self.pool.limit <= self._limit
 
     @precondition(lambda self: self._limit is not None)
