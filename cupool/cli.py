@@ -142,7 +142,7 @@ def _info_pool(args: argparse.Namespace) -> Pool:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     pool = _info_pool(args)
-    free, total = pool.device.mem_info()
+    free, total = pool.mem_info()
     print(f"device          {pool.device.name} ({pool.device!r})")
     if isinstance(pool.device, CudaDevice):
         import cupy

@@ -67,7 +67,7 @@ from .pressure.compact import BackgroundCompactor, CompactionReport, compact
 from .pressure.policy import PoolPolicy, check_defrag_threshold
 from .pressure.scheduler import BASE_LADDER, POLICIES, Scheduler
 from .pressure.spill import make_tier
-from .sizing import check_fraction, resolve
+from .sizing import check_fraction, cupy_limit, resolve
 from .sourcing import sourcing
 
 if TYPE_CHECKING:
@@ -416,17 +416,7 @@ class Pool(CupyPoolMethods):
         takes it ("2GiB", "50%", bytes), or a ``fraction`` in [0, 1] of the device.  Neither, or 0, lifts the
         cap as in CuPy, to the device's (upstream's) total.  Below what is reserved, cached segments go
         back; live memory stays, and the pool does not grow until enough is freed."""
-        total = self._total
-        if size is not None and fraction is not None:
-            raise ValueError("set_limit: give size or fraction, not both (as CuPy's set_limit)")
-        if fraction is not None:
-            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-                raise TypeError(f"set_limit: fraction must be a number in [0, 1], got {fraction!r}")
-            if not 0 <= fraction <= 1:
-                raise ValueError(f"set_limit: fraction must be in [0, 1], got {fraction}")
-            limit = int(total * fraction) or total
-        else:
-            limit = total if size is None else min(total, parse_size(size, total, "size")) or total
+        limit = cupy_limit(self._total, size, fraction)
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit

@@ -11,6 +11,7 @@ before it makes a device (a bad setting must not leave one behind) and
 | ``memory_fraction`` (0 < f <= 1) | the limit: at most this share of the device |
 | ``initial_size`` | a preallocated segment, whole pages, within the limit |
 | ``release_threshold`` | bytes above which emptied memory goes back at once |
+| ``set_limit(size, fraction)`` | CuPy's: the limit; neither, or 0, is the device's total |
 """
 
 from __future__ import annotations
@@ -47,3 +48,18 @@ def resolve(
         raise ValueError(f"initial_size {format_bytes(init)} is above the pool's limit {format_bytes(limit)}")
     threshold = None if release_threshold is None else parse_size(release_threshold, total, "release_threshold")
     return limit, init, threshold
+
+
+def cupy_limit(total: int, size: int | str | None, fraction: float | None) -> int:
+    """The cap CuPy's ``MemoryPool.set_limit(size=None, fraction=None)`` means on a device of ``total`` bytes:
+    ``size`` as ``max_size`` takes it (capped at ``total``), or a ``fraction`` in [0, 1]; neither, or 0, is
+    ``total`` (CuPy's "no limit")."""
+    if size is not None and fraction is not None:
+        raise ValueError("set_limit: give size or fraction, not both (as CuPy's set_limit)")
+    if fraction is not None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"set_limit: fraction must be a number in [0, 1], got {fraction!r}")
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"set_limit: fraction must be in [0, 1], got {fraction}")
+        return int(total * fraction) or total
+    return total if size is None else min(total, parse_size(size, total, "size")) or total
