@@ -175,6 +175,12 @@ def test_running_out_of_address_space_is_an_out_of_memory_error_and_the_pools_ma
             b = pool.malloc(1 << 20)
             b.free()
             pool.check()
+        try:
+            cupool.Pool("sim", capacity="64GiB")  # its sim device alone needs 128 GiB of addresses
+        except cupool.errors.AddressSpaceExhausted as e:
+            assert "address space" in str(e) and isinstance(e, cupool.Error), str(e)
+        else:
+            raise AssertionError("a sim device found addresses the process does not have")
         print(len(pools))
         """
     )
