@@ -307,3 +307,27 @@ def test_pools_made_one_after_another_on_a_gpu_never_run_out_of_addresses(fake_g
     gc.collect()
     # every pool gone: the GPU's virtual memory went with them, and gave its addresses and context back
     assert fake_gpu.reserved == {} and fake_gpu.retained == 0
+
+
+def test_a_pool_that_outgrows_its_arena_numbers_the_next_after_it_and_replays_to_itself():
+    """Four streams growing both size classes hold eight regions: more than one arena of 4 x the limit.
+    The next arenas follow the first in the space's lane (Note [Address arena]), so the ranges keep the
+    order the replay engine gives them, and the recording replays to itself in both engines."""
+    from cupool.replay import replay
+
+    pool = cupool.Pool("sim", capacity="64MiB", expandable_segments=True, stitch=False)
+    rec = pool.record()
+    rec.start()
+    live = [pool.malloc(n, stream=s) for s in range(4) for n in (1000, 3 * MiB)]
+    live[0].free()
+    live[3].free()
+    live += [pool.malloc(5 * MiB, stream=2), pool.malloc(500, stream=3), pool.malloc(7 * MiB, stream=1)]
+    rec.stop()
+    space = space_of(pool)
+    bases = sorted(space.arenas)
+    assert len(bases) >= 2 and all(b - a == space.arena for a, b in zip(bases, bases[1:]))
+    stats = pool.stats()
+    want = (stats["reserved_bytes.all.peak"], stats["segment.all.peak"], stats["num_device_alloc"], stats["num_ooms"])
+    for engine in ("numba", "pool"):
+        r = replay(rec.trace(), engine=engine)
+        assert (r.peak_reserved, r.peak_segments, r.segment_allocs, r.ooms) == want, engine

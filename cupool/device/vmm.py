@@ -50,9 +50,20 @@ granule that is never lent (``RANGE_GAP`` granules), so two ranges never touch:
 whoever reads the mapping events (a trace's exporter) can tell two ranges from
 one grown range.  The numba replay engine models exactly this
 (``cupool.replay.engine_memory``, with the arena and span of ``config_array``).
-A space whose arena runs out (many streams, or holes left by stitching) reserves
-another, numbered after the first, wherever the backend puts it: from then on
-only the order within each arena is the rule's.  A backend that refuses a whole
+A space whose arena runs out reserves another, numbered after the first: where
+the backend lets addresses be chosen (the sim device, ``_reserve_at``), arena k
+lies k arenas past the base of the space's *lane*, addresses set aside (not
+reserved) for ``LANE_ARENAS`` of them, so the arenas follow each other and first
+fit runs on over them as over one, which is what the engine models
+(``config_array``'s arena is a lane).  Elsewhere (a GPU, or a lane whose
+addresses something else holds) the next arena lies wherever the backend puts
+it: from then on only the order within each arena is the rule's.  An
+arena holds three growing regions and their gaps with room to spare: one stream's
+two size classes, exact segments and stitching; a pool whose streams each grow
+both size classes at once takes a second arena from its second stream on.  That
+is the price of holding no more than ``ARENA_SPANS`` times what the pool may
+hold (issue 34; the arena was 64 regions of twice the device before, 17.5 TiB on
+an H200, and ran a GPU out of addresses after a few pools).  A backend that refuses a whole
 arena reserves that range on its own, and says so in ``arena_fallback``; one that
 refuses that too has run out of address space, which is ``AddressSpaceExhausted``
 (a ``DeviceOutOfMemory``: the pool's request fails with ``OutOfMemoryError``
@@ -85,6 +96,10 @@ GRANULE = 2 << 20
 #: A pool's arena holds this many growing regions' worth of addresses (Note [Address arena]): one per
 #: size class of one stream, and as much again for a second stream, exact segments and stitching.
 ARENA_SPANS = 4
+
+
+#: The arenas one space may number in its lane (Note [Address arena]): arena k lies k arenas past the lane's base.
+LANE_ARENAS = 16
 
 
 #: Granules left unlent after each reserved range, so that no two ranges touch (Note [Address arena]).
@@ -227,9 +242,17 @@ class VirtualMemory(ABC):
             return addr
 
     def _new_arena(self, space: AddressSpace, nbytes: int) -> int:
-        """Reserve another arena of ``space`` from the backend and take ``nbytes`` from its front (Note [Address
-        arena]); a backend that refuses the arena is asked for the range alone, and one that refuses that too
-        is out of address space."""
+        """Reserve another arena of ``space`` from the backend and take ``nbytes`` from it (Note [Address arena]):
+        the next of its lane where the backend lets addresses be chosen, else wherever the backend puts it; a
+        backend that refuses the arena is asked for the range alone, and one that refuses that too is out of
+        address space."""
+        base = self._numbered_arena(space)
+        if base is not None:  # it follows the last: first fit runs on over both, as the replay engine's does
+            space.arenas[base] = self._arenas[base] = space.arena
+            space.free.give(base, space.arena)
+            addr = space.free.take(nbytes)
+            if addr is not None:
+                return addr
         size = max(nbytes, space.arena)
         try:
             base = self._reserve(size)
@@ -261,8 +284,25 @@ class VirtualMemory(ABC):
             # The arena keeps it reserved (Note [Address arena]), its gap with it.
             self._space_of.pop(addr).free.give(addr, nbytes + RANGE_GAP * self.granularity)
 
+    def _numbered_arena(self, space: AddressSpace) -> int | None:
+        """The next arena of ``space``'s lane, reserved at its number's address, or None where the backend
+        chooses addresses itself, the lane is full, or its addresses are taken (lock held)."""
+        if space.lane is None and not space.arenas:
+            space.lane = self._take_lane(LANE_ARENAS * space.arena)
+        if space.lane is None or space.numbered >= LANE_ARENAS:
+            return None
+        at = space.lane + space.numbered * space.arena
+        if not self._reserve_at(at, space.arena):  # something holds its addresses: no more numbered arenas
+            if not space.numbered:
+                self._give_lane(space.lane, LANE_ARENAS * space.arena)
+                space.lane = None
+            space.numbered = LANE_ARENAS
+            return None
+        space.numbered += 1
+        return at
+
     def _give_back(self, space: AddressSpace) -> None:
-        """Free ``space``'s arenas in the backend; refused while it holds a range (lock held)."""
+        """Free ``space``'s arenas in the backend, and its lane; refused while it holds a range (lock held)."""
         held = [a for a, s in self._space_of.items() if s is space]
         if held:
             raise VirtualMemoryError(f"give_back: the address space still holds {len(held)} range(s), at {held[0]:#x}")
@@ -272,6 +312,9 @@ class VirtualMemory(ABC):
                 self._free_range(base, size)
         space.arenas.clear()
         space.free = FreeRanges()
+        if space.lane is not None:
+            self._give_lane(space.lane, LANE_ARENAS * space.arena)
+            space.lane, space.numbered = None, 0
 
     def create(self, nbytes: int) -> Chunk:
         """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""
@@ -433,6 +476,18 @@ class VirtualMemory(ABC):
     @abstractmethod
     def _reserve(self, nbytes: int) -> int: ...
 
+    def _take_lane(self, nbytes: int) -> int | None:
+        """Addresses, not reserved, for a space's numbered arenas (Note [Address arena]); None: this backend
+        chooses every address itself."""
+        return None
+
+    def _give_lane(self, addr: int, nbytes: int) -> None:
+        """A lane from ``_take_lane`` is free again."""
+
+    def _reserve_at(self, addr: int, nbytes: int) -> bool:
+        """Reserve exactly ``[addr, addr + nbytes)``, if nothing holds any of it; whether it was."""
+        return False
+
     @abstractmethod
     def _free_range(self, addr: int, nbytes: int) -> None: ...
 
@@ -473,6 +528,9 @@ class AddressSpace:
         #: Its arenas (base -> bytes), in the order they were reserved, and their addresses not lent.
         self.arenas: dict[int, int] = {}
         self.free = FreeRanges()
+        #: Where its numbered arenas go, and how many it has (None: the backend chooses, or not yet asked).
+        self.lane: int | None = None
+        self.numbered = 0
 
     @property
     def vm(self) -> VirtualMemory:

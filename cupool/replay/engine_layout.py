@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..device.vmm import address_arena, region_span
+from ..device.vmm import LANE_ARENAS, address_arena, region_span
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
 #: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: streams with frees since the last
@@ -103,7 +103,7 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
     limit = int(cfg[C_LIMIT])
     holds = capacity if limit < 0 else limit  # a growing region, and the pool's arena (Note [Address arena])
     cfg[C_VSPAN] = region_span(holds)
-    cfg[C_ARENA] = address_arena(holds)
+    cfg[C_ARENA] = LANE_ARENAS * address_arena(holds)  # a lane of numbered arenas (Note [Address arena])
     cfg[C_HOLDS] = cfg[C_SPAN] if resolved["upstream"] == "managed" else capacity
     return cfg
 
