@@ -6,6 +6,7 @@ Charter: this module knows only units; every other module imports its errors fro
 | --- | --- | --- |
 | ``OutOfMemoryError`` | ``MemoryError`` (and CuPy's ``OutOfMemoryError``) | the reclaim ladder ran and the request still does not fit |
 | ``DeviceOutOfMemory`` | ``MemoryError`` | the device refused a segment (internal to the ladder) |
+| ``AddressSpaceExhausted`` | ``MemoryError`` | a ``DeviceOutOfMemory``: no addresses left to reserve (in a request, an ``OutOfMemoryError`` says so; a sim device raises it when made) |
 | ``InvalidFreeError``, ``DoubleFreeError``, ``ForeignAllocationError`` | ``ValueError`` | a free of something that is not a live allocation of this pool |
 | ``ClosedError`` | ``ValueError`` | the pool is closed |
 | ``TraceError`` | ``ValueError`` | a trace file that cannot be used |
@@ -126,6 +127,16 @@ class DeviceOutOfMemory(Error, MemoryError):
     """The device itself refused a segment (cudaErrorMemoryAllocation or the sim arena is full).
 
     Internal to the pool's reclaim ladder: users see ``OutOfMemoryError``.
+    """
+
+
+class AddressSpaceExhausted(DeviceOutOfMemory):
+    """The backend (the driver, or the process's address space on the sim device) has no addresses left
+    to reserve, though memory may be free (Note [Address arena] in ``cupool.device.vmm``).
+
+    A ``DeviceOutOfMemory``: the request fails as ``OutOfMemoryError`` naming the address space,
+    and every pool keeps what it has.  Making a sim device, whose arena is reserved whole, raises it
+    directly.
     """
 
 

@@ -161,7 +161,7 @@ class Pool(CupyPoolMethods):
             "memory_fraction": memory_fraction,
             "expandable_segments": src.expandable_segments, "stitch": src.stitch, "upstream": src.upstream,
         }
-        arena = self._arena = Arena(dev, limit, policy, track_sites, src.make)
+        arena = self._arena = Arena(dev, limit, policy, track_sites, src.make(limit))
         self._movables = Movables(arena)
         tier = make_tier(spill, dev, lambda: _spill_pinned_pool(dev), owner=self)
         #: Orders the reclaim ladder per spill_policy and carries out its steps.

@@ -20,9 +20,10 @@ from .device.upstream import DeviceUpstream, make_upstream
 
 @dataclass(frozen=True)
 class Sourcing:
-    """What the settings resolve to: the source's maker (``Arena(source=...)``), and what is in force."""
+    """What the settings resolve to: the source's maker (``Arena(source=make(limit))``), and what is in force."""
 
-    make: Callable[..., SegmentSource]
+    #: Given the pool's limit (virtual memory sizes the pool's addresses by it), the maker of its source.
+    make: Callable[[int], Callable[..., SegmentSource]]
     expandable_segments: bool
     stitch: bool
     upstream: str
@@ -44,14 +45,14 @@ def sourcing(device: Device, expandable_segments: bool | None, stitch: bool | No
     vm = virtual_memory_of(device, expandable_segments, stitch)  # None without expandable segments
     stitching = vm is not None and stitch is not False
 
-    def plain(dev: Any, heaps: Any, books: Any, observers: Any) -> SegmentSource:
-        return DeviceSegments(dev, heaps, books, observers, up)
+    def plain(limit: int) -> Callable[..., SegmentSource]:
+        return lambda dev, heaps, books, observers: DeviceSegments(dev, heaps, books, observers, up)
 
     if vm is None:
         return Sourcing(plain, False, False, up.kind, up.mem_info()[1], up)
     mapped = vm
 
-    def expander(dev: Any, heaps: Any, books: Any, observers: Any) -> SegmentSource:
-        return Expander(mapped, dev, heaps, books, observers, stitching)
+    def expander(limit: int) -> Callable[..., SegmentSource]:
+        return lambda dev, heaps, books, observers: Expander(mapped, dev, heaps, books, observers, stitching, limit)
 
     return Sourcing(expander, True, stitching, up.kind, up.mem_info()[1], up)

@@ -185,3 +185,61 @@ class CudaPoolMachine(PoolMachine):
 
 
 TestCudaPoolMachine = needs_gpu(CudaPoolMachine.TestCase)
+
+
+# The GPU run of 2026-11-28 (issue 34): TestCudaPoolMachine failed with hypothesis's
+# FlakyStrategyDefinition ("the data drawn depends on state outside the test case").  What the
+# machine draws depends on what the pool served (a refused malloc adds nothing to the allocations
+# bundle), and every example's pool shared the GPU with the pools of the examples before it, which
+# were still alive (not yet collected) and held what they had reserved: address space then (an
+# arena of 17.5 TiB each, never freed), device memory too.  So an example's refusals depended on the
+# run so far, and a replay drew differently.  The same on the sim device: one device for every
+# example, as a GPU is, and the pools kept alive, as anything may keep them.
+class SharedDeviceMachine(PoolStateMachine):
+    device = SimDevice("160MiB")  # shared by every example: three pools' limits and a bit
+    kept: list = []  # the examples' pools, alive after their examples
+
+    def make_pool(self):
+        pool = cupool.Pool(SharedDeviceMachine.device, max_size="48MiB")
+        SharedDeviceMachine.kept.append(pool)
+        return pool
+
+    def device_is_the_examples(self):
+        return False
+
+
+def test_pools_of_examples_before_leave_a_shared_device_as_they_found_it():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    try:
+        run_state_machine_as_test(
+            SharedDeviceMachine, settings=settings(max_examples=25, stateful_step_count=30, database=None)
+        )
+        assert len(SharedDeviceMachine.kept) >= 10
+        assert all(p.closed and p.stats()["reserved_bytes.all.current"] == 0 for p in SharedDeviceMachine.kept)
+    finally:
+        SharedDeviceMachine.kept.clear()
+
+
+class _RefusingDevice(SimDevice):
+    """A device that refuses every segment, as a GPU full of other processes' memory would."""
+
+    def malloc(self, nbytes):
+        raise cupool.errors.DeviceOutOfMemory("another process holds the rest")
+
+
+class _OutsideMachine(PoolStateMachine):
+    def make_pool(self):
+        return cupool.Pool(_RefusingDevice("64MiB"), expandable_segments=False, max_size="48MiB")
+
+    def device_is_the_examples(self):
+        return False
+
+
+def test_a_refusal_from_outside_the_example_is_named_in_the_log(caplog):
+    machine = _OutsideMachine()
+    with caplog.at_level("WARNING", logger="cupool"):
+        machine.malloc(4096, 0)
+    assert "outside this example" in caplog.text and "another process holds the rest" in caplog.text
+    machine.teardown()
+    assert machine.pool.closed

@@ -1,8 +1,8 @@
 """Expandable segments and stitching: segments made of 2 MiB granules mapped into virtual ranges.
 
 PyTorch's expandable segments, over ``cupool.device.vmm.VirtualMemory``: each
-stream and size class gets one *region*, a virtual range twice the device's
-size (addresses cost nothing), whose mapped prefix is a heap segment that grows at its end when nothing
+stream and size class gets one *region*, a virtual range as long as the pool's
+limit (addresses cost little), whose mapped prefix is a heap segment that grows at its end when nothing
 fits (``grow``: granules mapped there, the last block extended) and shrinks
 from its end when its tail is free (``trim``: granules unmapped and released).
 Every granule is its own physical chunk, because the driver maps only whole
@@ -28,7 +28,8 @@ device's virtual memory (``Device.virtual_memory()``, which a device without any
 refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
 block's bytes really live in the mapping, and touching an unmapped granule is
 refused, or faults, as on a GPU). As in PyTorch, each stream and size class
-has one *region*, a reserved range of addresses twice the device's size; its
+has one *region*, a reserved range of addresses as long as the pool's limit, from
+the pool's own address space (Note [Address arena]); its
 mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
 maps just the granules the region's last free block lacks at the region's end
 and extends that block (``Heap.extend``), within the limit, before the ladder; a
@@ -76,7 +77,7 @@ from typing import Any
 import numpy as np
 
 from ..device.base import Device
-from ..device.vmm import Chunk, VirtualMemory
+from ..device.vmm import Chunk, VirtualMemory, region_span
 from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
@@ -142,15 +143,17 @@ class Expander:
 
     def __init__(
         self, vm: VirtualMemory, device: Device, heaps: tuple[Heap, Heap], books: Books, observers: Observers,
-        stitch: bool,
+        stitch: bool, holds: int | None = None,
     ) -> None:
         self.vm = vm
+        holds = vm.capacity if holds is None else holds  # what the pool may map: its limit
+        self.space = vm.address_space(holds)  # the pool's own addresses (Note [Address arena])
         self.device = device
         self.granule = g = vm.granularity
         self.heaps = heaps
         self.books = books
         self.observers = observers
-        self.span = 2 * vm.capacity  # a stream's region: twice the device (addresses cost nothing)
+        self.span = region_span(holds, g)  # a stream's region: all the pool may map
         self.stitching = stitch
         self.whole = False  # free granules go back one by one, wherever they lie
         self.regions: dict[tuple[int, Any], Region] = {}  # (kind, stream) -> growable region
@@ -307,6 +310,8 @@ class Expander:
         if self.closing:
             for region in [r for r in self.ranges.values() if not r.segments]:
                 self._forget(region)
+            if not self.ranges and not self.closed:
+                self.space.give_back()
         return released
 
     # ---------------------------------------------------------------- stitching
@@ -417,7 +422,7 @@ class Expander:
 
     # ------------------------------------------------------------------- device
     def _reserve(self, nbytes: int, growable: bool, stitched: bool) -> Region:
-        region = Region(self.vm.reserve(nbytes), nbytes, growable, stitched)
+        region = Region(self.space.reserve(nbytes), nbytes, growable, stitched)
         self.ranges[region.base] = region
         return region
 
@@ -426,7 +431,9 @@ class Expander:
         if region.growable:
             self.regions = {k: r for k, r in self.regions.items() if r is not region}
         if not self.closed:
-            self.vm.free_range(region.base)
+            self.space.free_range(region.base)
+            if self.closing and not self.ranges:  # a closed pool, emptied: its addresses go back too
+                self.space.give_back()
 
     def _create(self, nbytes: int) -> list[Chunk]:
         """One chunk per granule, all or none (``DeviceOutOfMemory`` releases those made)."""
@@ -489,6 +496,8 @@ class Expander:
             self.vm.release(chunk)
         for base in list(self.ranges):
             self.vm.free_range(base)
+        if not self.vm.closed:
+            self.space.give_back()
 
     def stats(self) -> dict[str, int]:
         return {

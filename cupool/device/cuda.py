@@ -16,7 +16,7 @@ from ..errors import DeviceOutOfMemory, StateError
 from .base import Capabilities, Device, HostView
 from .cuda_moves import CudaMover, NumbaMoveKernel, driver_batch_copy
 from .cuda_vmm import CudaVirtualMemory
-from .vmm import VirtualMemory, VirtualMemoryUnsupported
+from .vmm import VirtualMemory, VirtualMemoryUnsupported, shared
 
 # cudaHostAllocPortable | cudaHostAllocMapped: usable from every context, addressable from kernels.
 _HOST_ALLOC_FLAGS = 0x1 | 0x2
@@ -40,7 +40,7 @@ class CudaDevice(Device):
         self._dev = cupy.cuda.Device(index)
         self._mover: CudaMover | None = None  # made on the first move
         self._moves_ready = False
-        self._vm: CudaVirtualMemory | None = None  # made by virtual_memory(), on first use
+        self._vm: VirtualMemory | None = None  # the GPU's one (virtual_memory()), on first use
         self._hints: ManagedHints | bool | None = None  # None: not asked yet; False: the device takes none
 
     def malloc(self, nbytes: int) -> int:
@@ -127,11 +127,13 @@ class CudaDevice(Device):
             self._rt.free(ptr)
 
     def virtual_memory(self) -> VirtualMemory:
-        """``CudaVirtualMemory`` on this GPU (the ``vmm`` extra); ``VirtualMemoryUnsupported`` without it."""
+        """The ``CudaVirtualMemory`` of this GPU (the ``vmm`` extra), one for every pool and ``CudaDevice`` of it
+        (Note [Address arena]); ``VirtualMemoryUnsupported`` without it."""
         if not self.capabilities.grow_in_place:
             raise VirtualMemoryUnsupported(f"{self.name} ({type(self).__name__}) offers no virtual memory management")
-        if self._vm is None:
-            self._vm = CudaVirtualMemory(self.index)
+        if self._vm is None or self._vm.closed:
+            index = self.index
+            self._vm = shared(("cuda", index), lambda: CudaVirtualMemory(index))
         return self._vm
 
     def mem_info(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ around each call so the caller's current context is left alone.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,11 @@ class CudaVirtualMemory(VirtualMemory):
         if capacity is None:
             capacity = int(self._call(drv.cuDeviceTotalMem, self._dev))
         super().__init__(capacity, granularity)
+        # What a dropped, unclosed instance must still give back: its arenas, then the retained context
+        # (Note [Address arena]).  Not at exit: the process's end returns both, and the driver may be gone.
+        self._reserved: dict[int, int] = {}
+        self._finalizer = weakref.finalize(self, _dispose, drv, self._dev, self._ctx, self._reserved)
+        self._finalizer.atexit = False
 
     def _call(self, fn: Callable[..., tuple[Any, ...]], *args: Any) -> Any:
         """Run a driver call; return its value (None, one value, or a tuple); raise on failure."""
@@ -85,10 +91,13 @@ class CudaVirtualMemory(VirtualMemory):
 
     # -- hooks ------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> int:
-        return int(self._in_ctx(self._drv.cuMemAddressReserve, nbytes, self.granularity, 0, 0))
+        addr = int(self._in_ctx(self._drv.cuMemAddressReserve, nbytes, self.granularity, 0, 0))
+        self._reserved[addr] = nbytes
+        return addr
 
     def _free_range(self, addr: int, nbytes: int) -> None:
         self._in_ctx(self._drv.cuMemAddressFree, addr, nbytes)
+        del self._reserved[addr]
 
     def _create(self, nbytes: int) -> Any:
         return self._in_ctx(self._drv.cuMemCreate, nbytes, self._prop, 0)
@@ -106,7 +115,22 @@ class CudaVirtualMemory(VirtualMemory):
         self._in_ctx(self._drv.cuMemUnmap, addr, nbytes)
 
     def _close(self) -> None:
-        self._call(self._drv.cuDevicePrimaryCtxRelease, self._dev)
+        self._finalizer()  # the arenas are freed by now: the context is released
 
     def __repr__(self) -> str:
         return f"CudaVirtualMemory({self.index}, capacity={self.capacity}, granularity={self.granularity})"
+
+
+def _dispose(drv: Any, dev: Any, ctx: Any, reserved: dict[int, int]) -> None:
+    """Free the arenas a collected ``CudaVirtualMemory`` still holds and release its retained context.
+
+    Its pools are gone (each held it), and gave their granules back as they went.
+    A finalizer must not raise: the driver's refusals are ignored, as at the end of a process.
+    """
+    if reserved:
+        drv.cuCtxPushCurrent(ctx)
+        for addr, nbytes in reserved.items():
+            drv.cuMemAddressFree(addr, nbytes)
+        drv.cuCtxPopCurrent()
+        reserved.clear()
+    drv.cuDevicePrimaryCtxRelease(dev)

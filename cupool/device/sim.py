@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._units import format_bytes, parse_size, round_up
-from ..errors import DeviceOutOfMemory
+from ..errors import AddressSpaceExhausted, DeviceOutOfMemory
 from .base import PAGE, Capabilities, Device, HostView
 from .ranges import FreeRanges
 from .sim_vmm import SimVirtualMemory
@@ -75,9 +75,9 @@ class SimDevice(Device):
         try:
             self._mmap = mmap.mmap(-1, self._span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         except OSError as e:
-            raise ValueError(
+            raise AddressSpaceExhausted(
                 f"capacity: a sim device of {format_bytes(self.capacity)} needs {format_bytes(self._span)} of "
-                f"address space, which this machine refused ({e.strerror or e}; see ulimit -v and "
+                f"address space, which this process was refused ({e.strerror or e}; see ulimit -v and "
                 "vm.overcommit_memory)"
             ) from None
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)

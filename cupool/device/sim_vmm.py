@@ -30,6 +30,13 @@ from .vmm import GRANULE, VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupp
 
 _PROT_NONE, _PROT_RW = 0x0, 0x1 | 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17; an older kernel takes the address as a hint, which is checked
+
+# Lanes for the address spaces' numbered arenas (Note [Address arena]), one table for every sim virtual
+# memory of the process: addresses from 1 TiB to 64 TiB, which a 64-bit Linux process leaves to
+# whoever names them (the kernel maps top down from near 128 TiB; programs load far above or below).
+_LANES = FreeRanges(1 << 40, 63 << 40)
+_LANES_LOCK = threading.Lock()
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -44,7 +51,14 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int]) -> None:
+def _give_lanes(lanes: dict[int, int]) -> None:
+    with _LANES_LOCK:
+        for addr, nbytes in lanes.items():
+            _LANES.give(addr, nbytes)
+    lanes.clear()
+
+
+def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int], lanes: dict[int, int]) -> None:
     """Give back address space and the memfd; unmapping a range takes its mappings with it.
 
     Runs at ``close()``, when the object dies, or at exit (a pool still alive then
@@ -53,6 +67,7 @@ def _dispose(libc: ctypes.CDLL, fd: int, reserved: dict[int, int]) -> None:
     for addr, nbytes in reserved.items():
         libc.munmap(addr, nbytes)
     reserved.clear()
+    _give_lanes(lanes)
     os.close(fd)
 
 
@@ -91,7 +106,8 @@ class SimVirtualMemory(VirtualMemory):
         self._holes = FreeRanges()  # free ranges of the memfd
         self._punch = True
         self._reserved: dict[int, int] = {}  # what a dropped, unclosed instance must still give back
-        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved)
+        self._lanes: dict[int, int] = {}  # and its spaces' lanes
+        self._finalizer = weakref.finalize(self, _dispose, self._libc, self._fd, self._reserved, self._lanes)
         _LIVE.add(self)  # Note [Sim memory across fork]
 
     # -- host access (tests and the sim pool read and write through this) --------
@@ -162,6 +178,30 @@ class SimVirtualMemory(VirtualMemory):
         _check(self._libc.munmap(addr + nbytes, raw + g - addr), "munmap")
         self._reserved[addr] = nbytes
         return addr
+
+    def _take_lane(self, nbytes: int) -> int | None:
+        with _LANES_LOCK:
+            addr = _LANES.take(nbytes)
+        if addr is not None:
+            self._lanes[addr] = nbytes
+        return addr
+
+    def _give_lane(self, addr: int, nbytes: int) -> None:
+        if self._lanes.pop(addr, None) is not None:  # not given back yet (by the finalizer, at exit)
+            with _LANES_LOCK:
+                _LANES.give(addr, nbytes)
+
+    def _reserve_at(self, addr: int, nbytes: int) -> bool:
+        self._check_live("reserve")
+        flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED_NOREPLACE
+        p: int | None = self._libc.mmap(addr, nbytes, _PROT_NONE, flags, -1, 0)
+        if p is None or p == _MAP_FAILED:
+            return False  # EEXIST: something holds some of it (or ENOMEM: the process has no room)
+        if p != addr:  # a kernel without MAP_FIXED_NOREPLACE put it elsewhere
+            _check(self._libc.munmap(p, nbytes), "munmap")
+            return False
+        self._reserved[addr] = nbytes
+        return True
 
     def _free_range(self, addr: int, nbytes: int) -> None:
         if self._disposed:

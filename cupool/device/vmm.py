@@ -33,18 +33,41 @@ Note [Address arena]
 Placement breaks ties by address: best fit takes the lowest address among equal
 sizes, stitching the lowest among equal holes.  So where a reserved range lies
 must not depend on where the operating system or the driver likes to put a
-mapping, or a replay of a recording (on the sim device, in the numba engine)
-places differently from the recording.  ``reserve`` therefore hands out ranges
-first fit, lowest address first, from an *arena* of addresses the backend
-reserves once (``address_arena(capacity)``), and ``free_range`` only returns the
-range to the arena; the backend's ``_free_range`` runs for a whole arena, at
-``close``.  Each range is followed by one granule that is never lent
-(``RANGE_GAP`` granules), so two ranges never touch: whoever reads the mapping
-events (a trace's exporter) can tell two ranges from one grown range.  The numba replay engine models exactly this (``cupool.replay.engine_memory``).
-An arena that runs out is followed by another, wherever the backend puts it:
-from then on only the order within each arena is the rule's.  A backend that
-cannot reserve a whole arena (a driver with less address space) reserves each
-range on its own, and says so in ``arena_fallback``.
+mapping, nor on what other pools do, or a replay of a recording (on the sim
+device, in the numba engine) places differently from the recording.  One
+virtual memory serves every pool of a device (``shared``: one per GPU, one per
+sim device), and each pool reserves from an ``AddressSpace`` of its own: ranges
+first fit, lowest address first, from an *arena* that the space reserves from
+the backend on first use, sized by what the pool may hold (``address_arena``:
+``ARENA_SPANS`` times its limit, the device's capacity without one, and a
+growing region is one limit long: ``region_span``).  ``free_range`` only returns
+a range to its space's arena; the backend's ``_free_range`` runs for a whole
+arena, when the space is given back (its pool closed and emptied, or collected)
+or at ``close``.  So a pool holds a few times what it may map in addresses, never
+a device-sized arena, and a process holds as many pools as it likes; the ranges
+a pool gets depend on that pool's own calls alone.  Each range is followed by one
+granule that is never lent (``RANGE_GAP`` granules), so two ranges never touch:
+whoever reads the mapping events (a trace's exporter) can tell two ranges from
+one grown range.  The numba replay engine models exactly this
+(``cupool.replay.engine_memory``, with the arena and span of ``config_array``).
+A space whose arena runs out reserves another, numbered after the first: where
+the backend lets addresses be chosen (the sim device, ``_reserve_at``), arena k
+lies k arenas past the base of the space's *lane*, addresses set aside (not
+reserved) for ``LANE_ARENAS`` of them, so the arenas follow each other and first
+fit runs on over them as over one, which is what the engine models
+(``config_array``'s arena is a lane).  Elsewhere (a GPU, or a lane whose
+addresses something else holds) the next arena lies wherever the backend puts
+it: from then on only the order within each arena is the rule's.  An
+arena holds three growing regions and their gaps with room to spare: one stream's
+two size classes, exact segments and stitching; a pool whose streams each grow
+both size classes at once takes a second arena from its second stream on.  That
+is the price of holding no more than ``ARENA_SPANS`` times what the pool may
+hold (issue 34; the arena was 64 regions of twice the device before, 17.5 TiB on
+an H200, and ran a GPU out of addresses after a few pools).  A backend that refuses a whole
+arena reserves that range on its own, and says so in ``arena_fallback``; one that
+refuses that too has run out of address space, which is ``AddressSpaceExhausted``
+(a ``DeviceOutOfMemory``: the pool's request fails with ``OutOfMemoryError``
+naming the address space, and every pool keeps what it has).
 
 Backends: ``SimVirtualMemory`` (``cupool.device.sim_vmm``, a memfd on Linux) and
 ``CudaVirtualMemory`` (``cupool.device.cuda_vmm``, ``cuda.bindings.driver``).
@@ -54,33 +77,43 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedDict
 
-from .._units import format_bytes
-from ..errors import DeviceOutOfMemory
+from .._units import format_bytes, round_up
+from ..errors import AddressSpaceExhausted, DeviceOutOfMemory
 from ..errors import VirtualMemoryError as VirtualMemoryError  # re-exported: the device layer's errors
 from ..errors import VirtualMemoryUnsupported as VirtualMemoryUnsupported
 from .ranges import FreeRanges
 
 #: What ``cuMemGetAllocationGranularity`` reports on every current NVIDIA GPU.
 GRANULE = 2 << 20
-#: Addresses are reserved from the backend this many growing regions (each twice the device) at a
-#: time, capped at 64 TiB: Note [Address arena].
-ARENA_REGIONS = 64
-ARENA_MAX = 1 << 46
+#: A pool's arena holds this many growing regions' worth of addresses (Note [Address arena]): one per
+#: size class of one stream, and as much again for a second stream, exact segments and stitching.
+ARENA_SPANS = 4
+
+
+#: The arenas one space may number in its lane (Note [Address arena]): arena k lies k arenas past the lane's base.
+LANE_ARENAS = 16
 
 
 #: Granules left unlent after each reserved range, so that no two ranges touch (Note [Address arena]).
 RANGE_GAP = 1
 
 
-def address_arena(capacity: int) -> int:
-    """The addresses one arena holds, for a device of ``capacity`` bytes (Note [Address arena])."""
-    return min(2 * capacity * ARENA_REGIONS, ARENA_MAX)
+def region_span(holds: int, granularity: int = GRANULE) -> int:
+    """A growing region's addresses, for a pool that may hold ``holds`` bytes: all it may map, in granules."""
+    return round_up(max(holds, 1), granularity)
+
+
+def address_arena(holds: int, granularity: int = GRANULE) -> int:
+    """The addresses one arena of a pool that may hold ``holds`` bytes reserves (Note [Address arena])."""
+    return ARENA_SPANS * region_span(holds, granularity)
 
 
 _chunk_ids = itertools.count()
@@ -137,11 +170,13 @@ class VirtualMemory(ABC):
         self._mapped_of: dict[int, int] = {}  # chunk id -> number of mappings
         self._in_use = 0
         self._closed = False
-        # Note [Address arena]: the arenas reserved from the backend (base -> bytes), and
-        # their addresses not lent to a range.
+        # Note [Address arena]: the arenas reserved from the backend (base -> bytes), every space's, and
+        # the space each reserved range came from.
         self._arenas: dict[int, int] = {}
-        self._addresses = FreeRanges()
-        #: Why ranges are reserved one by one from the backend (it refused an arena), or None.
+        self._space_of: dict[int, AddressSpace] = {}
+        #: The space ``reserve`` takes from when no pool's is named: one arena's worth of the device.
+        self.space = AddressSpace(self, self.capacity)
+        #: Why a range was last reserved on its own from the backend (it refused an arena), or None.
         self.arena_fallback: str | None = None
 
     # -- reading the state ------------------------------------------------------
@@ -173,37 +208,72 @@ class VirtualMemory(ABC):
             return None
 
     # -- the operations ---------------------------------------------------------
-    def reserve(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` of addresses (no memory), granule-aligned; return the base address."""
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def address_bytes(self) -> int:
+        """Addresses reserved from the backend now, every pool's arenas together (Note [Address arena])."""
+        with self._lock:
+            return sum(self._arenas.values())
+
+    def address_space(self, holds: int) -> AddressSpace:
+        """A pool's own addresses, for a pool that may hold ``holds`` bytes (Note [Address arena])."""
+        with self._lock:
+            self._check_open()
+            return AddressSpace(self, holds)
+
+    def reserve(self, nbytes: int, space: AddressSpace | None = None) -> int:
+        """Reserve ``nbytes`` of addresses (no memory), granule-aligned, from ``space`` (this object's own
+        when None); return the base address.  ``AddressSpaceExhausted`` when the backend has none left."""
         with self._lock:
             self._check_open()
             self._check_size(nbytes, "nbytes")
+            space = self.space if space is None else space
+            if space.vm is not self:
+                raise VirtualMemoryError("reserve: that address space belongs to another virtual memory")
             lent = nbytes + RANGE_GAP * self.granularity
-            addr = self._addresses.take(lent)
+            addr = space.free.take(lent)
             if addr is None:
-                addr = self._new_arena(lent)
+                addr = self._new_arena(space, lent)
             self._ranges[addr] = nbytes
+            self._space_of[addr] = space
             return addr
 
-    def _new_arena(self, nbytes: int) -> int:
-        """Reserve another arena from the backend and take ``nbytes`` from its front (Note [Address arena])."""
-        g = self.granularity
-        size = max(nbytes, address_arena(self.capacity) // g * g)
-        if self.arena_fallback is None:
+    def _new_arena(self, space: AddressSpace, nbytes: int) -> int:
+        """Reserve another arena of ``space`` from the backend and take ``nbytes`` from it (Note [Address arena]):
+        the next of its lane where the backend lets addresses be chosen, else wherever the backend puts it; a
+        backend that refuses the arena is asked for the range alone, and one that refuses that too is out of
+        address space."""
+        base = self._numbered_arena(space)
+        if base is not None:  # it follows the last: first fit runs on over both, as the replay engine's does
+            space.arenas[base] = self._arenas[base] = space.arena
+            space.free.give(base, space.arena)
+            addr = space.free.take(nbytes)
+            if addr is not None:
+                return addr
+        size = max(nbytes, space.arena)
+        try:
+            base = self._reserve(size)
+        except (DeviceOutOfMemory, VirtualMemoryError, OSError) as e:
+            self.arena_fallback = f"the backend refused an arena of {format_bytes(size)}: {e}"
+            size = nbytes
             try:
                 base = self._reserve(size)
-            except (DeviceOutOfMemory, VirtualMemoryError, OSError) as e:
-                self.arena_fallback = f"the backend refused an arena of {format_bytes(size)}: {e}"
-        if self.arena_fallback is not None:
-            size = nbytes
-            base = self._reserve(size)
+            except (DeviceOutOfMemory, VirtualMemoryError, OSError) as e2:
+                raise AddressSpaceExhausted(
+                    f"{self!r}: out of address space: {format_bytes(nbytes)} of addresses refused ({e2}); "
+                    f"this device's pools hold {len(self._arenas)} arena(s), {format_bytes(sum(self._arenas.values()))}"
+                ) from None
         self._arenas[base] = size
+        space.arenas[base] = size
         if size > nbytes:
-            self._addresses.give(base + nbytes, size - nbytes)
+            space.free.give(base + nbytes, size - nbytes)
         return base
 
     def free_range(self, addr: int) -> None:
-        """Give back a reserved range; refused while anything is mapped in it."""
+        """Give back a reserved range to its space; refused while anything is mapped in it."""
         with self._lock:
             nbytes = self._ranges.get(addr)
             if nbytes is None:
@@ -212,7 +282,39 @@ class VirtualMemory(ABC):
                 raise VirtualMemoryError(f"free_range: [{addr:#x}, +{format_bytes(nbytes)}) still has mappings")
             del self._ranges[addr]
             # The arena keeps it reserved (Note [Address arena]), its gap with it.
-            self._addresses.give(addr, nbytes + RANGE_GAP * self.granularity)
+            self._space_of.pop(addr).free.give(addr, nbytes + RANGE_GAP * self.granularity)
+
+    def _numbered_arena(self, space: AddressSpace) -> int | None:
+        """The next arena of ``space``'s lane, reserved at its number's address, or None where the backend
+        chooses addresses itself, the lane is full, or its addresses are taken (lock held)."""
+        if space.lane is None and not space.arenas:
+            space.lane = self._take_lane(LANE_ARENAS * space.arena)
+        if space.lane is None or space.numbered >= LANE_ARENAS:
+            return None
+        at = space.lane + space.numbered * space.arena
+        if not self._reserve_at(at, space.arena):  # something holds its addresses: no more numbered arenas
+            if not space.numbered:
+                self._give_lane(space.lane, LANE_ARENAS * space.arena)
+                space.lane = None
+            space.numbered = LANE_ARENAS
+            return None
+        space.numbered += 1
+        return at
+
+    def _give_back(self, space: AddressSpace) -> None:
+        """Free ``space``'s arenas in the backend, and its lane; refused while it holds a range (lock held)."""
+        held = [a for a, s in self._space_of.items() if s is space]
+        if held:
+            raise VirtualMemoryError(f"give_back: the address space still holds {len(held)} range(s), at {held[0]:#x}")
+        for base, size in space.arenas.items():
+            del self._arenas[base]
+            if not self._closed:
+                self._free_range(base, size)
+        space.arenas.clear()
+        space.free = FreeRanges()
+        if space.lane is not None:
+            self._give_lane(space.lane, LANE_ARENAS * space.arena)
+            space.lane, space.numbered = None, 0
 
     def create(self, nbytes: int) -> Chunk:
         """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""
@@ -290,7 +392,6 @@ class VirtualMemory(ABC):
             for base, size in self._arenas.items():
                 self._free_range(base, size)
             self._arenas.clear()
-            self._addresses = FreeRanges()
             self._close()
             self._closed = True
 
@@ -375,6 +476,18 @@ class VirtualMemory(ABC):
     @abstractmethod
     def _reserve(self, nbytes: int) -> int: ...
 
+    def _take_lane(self, nbytes: int) -> int | None:
+        """Addresses, not reserved, for a space's numbered arenas (Note [Address arena]); None: this backend
+        chooses every address itself."""
+        return None
+
+    def _give_lane(self, addr: int, nbytes: int) -> None:
+        """A lane from ``_take_lane`` is free again."""
+
+    def _reserve_at(self, addr: int, nbytes: int) -> bool:
+        """Reserve exactly ``[addr, addr + nbytes)``, if nothing holds any of it; whether it was."""
+        return False
+
     @abstractmethod
     def _free_range(self, addr: int, nbytes: int) -> None: ...
 
@@ -395,3 +508,71 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+
+class AddressSpace:
+    """One pool's addresses (Note [Address arena]): ranges first fit, lowest first, from arenas of ``arena``
+    bytes that it reserves from its virtual memory's backend as it needs them, the first on first use.
+
+    ``give_back()`` frees the arenas once the space holds no range (the pool closed and emptied, or
+    collected); a later ``reserve`` starts a new arena.  Thread-safe under the virtual memory's lock.
+    Whoever holds a space holds its virtual memory too (a pool's ``Expander`` does).
+    """
+
+    def __init__(self, vm: VirtualMemory, holds: int) -> None:
+        if isinstance(holds, bool) or not isinstance(holds, int) or holds < 0:
+            raise ValueError(f"holds: the bytes a pool may hold, an int >= 0, got {holds!r}")
+        self._vm = weakref.ref(vm)  # not the object: its own space would make a cycle, delaying its finalizer
+        #: The bytes of each arena the space reserves: ``address_arena`` of what the pool may hold.
+        self.arena = address_arena(holds, vm.granularity)
+        #: Its arenas (base -> bytes), in the order they were reserved, and their addresses not lent.
+        self.arenas: dict[int, int] = {}
+        self.free = FreeRanges()
+        #: Where its numbered arenas go, and how many it has (None: the backend chooses, or not yet asked).
+        self.lane: int | None = None
+        self.numbered = 0
+
+    @property
+    def vm(self) -> VirtualMemory:
+        vm = self._vm()
+        if vm is None:
+            raise VirtualMemoryError("address space: its virtual memory is gone")
+        return vm
+
+    def reserve(self, nbytes: int) -> int:
+        return self.vm.reserve(nbytes, self)
+
+    def free_range(self, addr: int) -> None:
+        self.vm.free_range(addr)
+
+    def give_back(self) -> None:
+        with self.vm._lock:
+            self.vm._give_back(self)
+
+    @property
+    def address_bytes(self) -> int:
+        """Addresses this space holds reserved from the backend."""
+        return sum(self.arenas.values())
+
+    def __repr__(self) -> str:
+        return f"AddressSpace(arena={format_bytes(self.arena)}, {len(self.arenas)} arena(s))"
+
+
+_shared: weakref.WeakValueDictionary[Hashable, VirtualMemory] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def shared(key: Hashable, make: Callable[[], VirtualMemory]) -> VirtualMemory:
+    """The one virtual memory of the device ``key`` names (``("cuda", 0)``), made by ``make()`` when none is
+    alive (Note [Address arena]).
+
+    Every pool on the device shares it: one retained context, one set of books of
+    the device's physical memory, and each pool's arena inside.  It lives while a
+    device object or a pool holds it; then its finalizer gives its address space
+    (and a GPU's retained context) back.  A closed one is replaced.
+    """
+    with _shared_lock:
+        vm = _shared.get(key)
+        if vm is None or vm.closed:
+            vm = _shared[key] = make()
+        return vm

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..device.vmm import address_arena
+from ..device.vmm import LANE_ARENAS, address_arena, region_span
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
 #: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: streams with frees since the last
@@ -101,8 +101,10 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
         cfg[CFG_SLOTS.index(slot)] = _as_int(slot, resolved[slot])
     capacity = int(cfg[C_CAPACITY])
     cfg[C_SPAN] = SPAN_HEADROOM * capacity
-    cfg[C_VSPAN] = 2 * capacity  # twice the device, as ``cupool.core.expandable`` reserves a growing region
-    cfg[C_ARENA] = address_arena(capacity)
+    limit = int(cfg[C_LIMIT])
+    holds = capacity if limit < 0 else limit  # a growing region, and the pool's arena (Note [Address arena])
+    cfg[C_VSPAN] = region_span(holds)
+    cfg[C_ARENA] = LANE_ARENAS * address_arena(holds)  # a lane of numbered arenas (Note [Address arena])
     cfg[C_HOLDS] = cfg[C_SPAN] if resolved["upstream"] == "managed" else capacity
     return cfg
 

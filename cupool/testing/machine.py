@@ -12,6 +12,8 @@ limit respected.
 
 from __future__ import annotations
 
+import logging
+import warnings
 import weakref
 from typing import Any
 
@@ -37,6 +39,8 @@ from .ledger import Ledger
 from .strategies import sizes
 
 __all__ = ["PoolStateMachine"]
+
+log = logging.getLogger("cupool")
 
 _SIZES = sizes()
 _STREAMS = st.integers(0, 2)
@@ -129,6 +133,21 @@ class PoolStateMachine(RuleBasedStateMachine):
         """The pool's stream for the machine's stream ``i`` (0, 1 or 2)."""
         return i
 
+    def device_is_the_examples(self) -> bool:
+        """Whether what the device refuses depends on this example alone: a sim device (the default
+        ``make_pool`` makes one per example), not a GPU that other pools and processes share.
+
+        Hypothesis replays an example by replaying its draws, and what the machine draws
+        next depends on what the pool served (a refused ``malloc`` adds nothing to the
+        ``allocations`` bundle, so the rules drawn after it differ).  A device that refuses
+        for reasons outside the example would make a replay draw differently, which hypothesis
+        reports as ``FlakyStrategyDefinition`` ("the data drawn depends on state outside the
+        test case"), naming nothing.  So on such a device a refusal within the pool's limit
+        is logged (``_refused``), where the failure's report shows it.  The machine's own part is
+        to leave nothing of an example to the next: ``teardown`` closes the pool.
+        """
+        return self.sim
+
     # ---------------------------------------------------------------- helpers
     def _reserved(self) -> int:
         return int(self.pool.stats()["reserved_bytes.all.current"])
@@ -158,6 +177,12 @@ class PoolStateMachine(RuleBasedStateMachine):
     def _refused(self, e: Exception) -> Any:
         if isinstance(e, ClosedError):
             assert self.closed, f"an open pool refused a valid request: {e}"
+        # "the device refused" is the arena's word for a refusal of the device itself, not of the pool's limit.
+        if isinstance(e, OutOfMemoryError) and "the device refused" in e.reason and not self.device_is_the_examples():
+            log.warning(
+                "cupool.testing: the device refused memory within the pool's limit (%s); that depends on state "
+                "outside this example (other pools or processes on the device), so hypothesis may find the "
+                "example's data drawn differently when it replays it (FlakyStrategyDefinition)", e)
         return multiple()
 
     # ------------------------------------------------------------------ rules
@@ -287,9 +312,13 @@ class PoolStateMachine(RuleBasedStateMachine):
         self._reserved_before = reserved
 
     def teardown(self) -> None:
-        """Free everything the machine tracks, so that one example's memory never leaks into the next."""
+        """Free everything the machine tracks and close the pool, so that one example's memory and
+        addresses never leak into the next (on a GPU the next example's pool shares the device)."""
         self.leases.clear()
         for entry in list(self.ledger.entries.values()):
             if isinstance(entry.obj, (Allocation, Movable)) and not entry.obj.freed:
                 entry.obj.free()
         self.ledger.entries.clear()
+        with warnings.catch_warnings():  # what a subclass keeps goes back when it dies: no need to say so
+            warnings.simplefilter("ignore", ResourceWarning)
+            self.pool.close()
