@@ -327,7 +327,8 @@ def test_a_pool_that_outgrows_its_arena_numbers_the_next_after_it_and_replays_to
     bases = sorted(space.arenas)
     assert len(bases) >= 2 and all(b - a == space.arena for a, b in zip(bases, bases[1:]))
     stats = pool.stats()
-    want = (stats["reserved_bytes.all.peak"], stats["segment.all.peak"], stats["num_device_alloc"], stats["num_ooms"])
+    want = (stats["reserved_bytes.all.peak"], stats["segment.all.peak"], stats["num_device_alloc"],
+            stats["num_ooms"])
     for engine in ("numba", "pool"):
         r = replay(rec.trace(), engine=engine)
-        assert (r.peak_reserved, r.peak_segments, r.segment_allocs, r.ooms) == want, engine
+        assert (r.peak_reserved, r.peak_segments, r.device_allocs, r.ooms) == want, engine
