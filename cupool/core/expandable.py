@@ -76,6 +76,7 @@ from typing import Any
 import numpy as np
 
 from ..device.base import Device
+from ..device.costs import remap_pays
 from ..device.vmm import Chunk, VirtualMemory
 from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
@@ -163,6 +164,8 @@ class Expander:
         self.stitches = 0
         self.stitched_bytes = 0
         self.remapped_bytes = 0  # compaction's moves made by remapping granules instead of copying
+        self.batching = False  # inside trim_all: one synchronization for all its unmaps
+        self.quiet = False  # the device was synchronized since the lock was taken: unmap without waiting
 
     # ------------------------------------------------------------------ growth
     def need(self, kind: int, size: int, stream: Any) -> int:
@@ -234,8 +237,9 @@ class Expander:
         assert isinstance(region, Region)
         self.heaps[kind].remove_segment(seg)
         if not self.closed:
-            for chunk in self._unmap(seg.addr, seg.size):
-                self.vm.release(chunk)
+            with self.vm.batch():
+                for chunk in self._unmap(seg.addr, seg.size):
+                    self.vm.release(chunk)
         self.books.account(kind, SEGMENTS, -1)
         self._unmapped(kind, seg.addr, seg.size, seg.stream)
         region.segments -= 1
@@ -269,8 +273,9 @@ class Expander:
             self.drop(kind, seg)
             return end - lo
         self.heaps[kind].trim(seg, end - lo)
-        for chunk in self._unmap(lo, end - lo):
-            self.vm.release(chunk)
+        with self.vm.batch():
+            for chunk in self._unmap(lo, end - lo):
+                self.vm.release(chunk)
         self._unmapped(kind, lo, end - lo, seg.stream)
         region = seg.region
         assert isinstance(region, Region)
@@ -278,14 +283,26 @@ class Expander:
             region.frontier = lo
         return end - lo
 
-    def trim_all(self, kept_too: bool, holes: bool = False) -> int:
+    def trim_all(self, kept_too: bool, holes: bool = False, synced: bool = False) -> int:
         """Unmap every free tail (the ladder's release step), and with ``holes`` every free granule
         between live blocks too (``empty_cache``); returns the bytes.
 
         ``kept_too`` is the closing pool's call: the preallocated segment goes too,
         and from now on so does every range left empty.  Holes are cut in address
         order, as the replay engine cuts them (``engine_memory.release_holes``).
+        The device is synchronized once for the lot, before the first unmap, or not at
+        all where the caller says it is ``synced`` (it waited for the device with the
+        lock held since, as compaction does).
         """
+        self.quiet = synced
+        self.batching = True
+        try:
+            with self.vm.batch():
+                return self._trim_all(kept_too, holes)
+        finally:
+            self.quiet = self.batching = False
+
+    def _trim_all(self, kept_too: bool, holes: bool) -> int:
         if kept_too:
             self.closing = True
         released = 0
@@ -375,10 +392,12 @@ class Expander:
 
     # --------------------------------------------------------------- compaction
     def move(self, moves: Sequence[PlannedMove]) -> None:
-        """Carry out compaction's moves in order: whole mapped granules trade chunks (no copy), the rest are copied."""
+        """Carry out compaction's moves in order: whole mapped granules trade chunks where that costs the
+        device less than copying them (never on a GPU: Note [Per-call costs]), the rest are copied."""
         batch: list[PlannedMove] = []
+        costs = self.device.costs
         for x in moves:
-            if self._remappable(x.src, x.dst, x.nbytes):
+            if remap_pays(costs, x.nbytes, self.granule) and self._remappable(x.src, x.dst, x.nbytes):
                 execute(self.device, batch)
                 batch = []
                 self._remap(x.src, x.dst, x.nbytes)
@@ -407,12 +426,13 @@ class Expander:
             a, b = dst + i * g, src + i * g
             now[a], now[b] = now.get(b, self.chunks[b]), now.get(a, self.chunks[a])
         changed = {a: c for a, c in now.items() if c is not self.chunks[a]}
-        for a in changed:
-            self.vm.unmap(a, g)
-        for a, c in changed.items():
-            self.vm.map(a, c)
-            self.vm.set_access(a, g)
-            self.chunks[a] = c
+        with self.vm.batch():
+            for a in changed:
+                self.vm.unmap(a, g)
+            for a, c in changed.items():
+                self.vm.map(a, c)
+                self.vm.set_access(a, g)
+                self.chunks[a] = c
         self.remapped_bytes += n
 
     # ------------------------------------------------------------------- device
@@ -432,8 +452,9 @@ class Expander:
         """One chunk per granule, all or none (``DeviceOutOfMemory`` releases those made)."""
         chunks: list[Chunk] = []
         try:
-            for _ in range(nbytes // self.granule):
-                chunks.append(self.vm.create(self.granule))
+            with self.vm.batch():
+                for _ in range(nbytes // self.granule):
+                    chunks.append(self.vm.create(self.granule))
         except BaseException:
             for c in chunks:
                 self.vm.release(c)
@@ -442,18 +463,22 @@ class Expander:
 
     def _map(self, addr: int, chunks: list[Chunk]) -> None:
         g = self.granule
-        for i, chunk in enumerate(chunks):
-            self.vm.map(addr + i * g, chunk)
-            self.chunks[addr + i * g] = chunk
-        self.vm.set_access(addr, len(chunks) * g)
+        with self.vm.batch():
+            for i, chunk in enumerate(chunks):
+                self.vm.map(addr + i * g, chunk)
+                self.chunks[addr + i * g] = chunk
+            self.vm.set_access(addr, len(chunks) * g)
         self.maps += len(chunks)
 
     def _unmap(self, addr: int, nbytes: int) -> list[Chunk]:
         g = self.granule
         if not self.closed:
             # cudaFree waits for the device; cuMemUnmap does not, and a kernel queued on a
-            # stream may still use a block freed there.  So wait first, as PyTorch does.
-            self.device.synchronize()
+            # stream may still use a block freed there.  So wait first, as PyTorch does:
+            # once for a batch of unmaps (``trim_all``), the lock held throughout.
+            if not self.quiet:
+                self.device.synchronize()
+                self.quiet = self.batching
             self.vm.unmap(addr, nbytes)
         self.unmaps += nbytes // g
         return [self.chunks.pop(a) for a in range(addr, addr + nbytes, g)]
@@ -484,9 +509,10 @@ class Expander:
         if self.closed:
             return
         self.closed = True
-        for addr, chunk in list(self.chunks.items()):
-            self.vm.unmap(addr, self.granule)
-            self.vm.release(chunk)
+        with self.vm.batch():
+            for addr, chunk in list(self.chunks.items()):
+                self.vm.unmap(addr, self.granule)
+                self.vm.release(chunk)
         for base in list(self.ranges):
             self.vm.free_range(base)
 
