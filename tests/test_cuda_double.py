@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cupool
 from cupool.device.costs import H200, copy_seconds, remap_pays
@@ -143,3 +145,83 @@ def test_on_a_gpu_copying_beats_remapping_at_every_size_and_on_the_sim_remapping
     for granules in (1, 2, 10, 1000, 100_000):
         assert not remap_pays(H200, granules * GRANULE, GRANULE)
     assert remap_pays(None, GRANULE, GRANULE)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.booleans(), st.sampled_from([None, 0]))
+def test_handles_of_many_granules_keep_every_invariant_and_every_byte(data, stitch, threshold):
+    """Growing, trimming, cutting holes, stitching and compacting with one handle per grow (Note [Virtual
+    memory]): the device maps exactly the pool's granules, each handle once and whole, and bytes survive."""
+    double = CudaDouble("96MiB")  # room for the mover's buffers beside the pool's limit
+    pool = cupool.Pool(double.device(), max_size="48MiB", expandable_segments=True, stitch=stitch,
+                       release_threshold=threshold, defrag_threshold=None)
+    live: list[tuple[object, int]] = []
+    seed = 0
+
+    def write(ptr, n):
+        nonlocal seed
+        seed += 1
+        double.write(ptr, np.full(min(n, 4096), seed % 251, np.uint8))
+        return seed % 251
+
+    for op in data.draw(st.lists(st.sampled_from(["malloc", "punch", "free", "movable", "compact", "empty"]),
+                                 min_size=5, max_size=30)):
+        if op == "malloc":
+            n = data.draw(st.one_of(st.integers(1, 12 * MiB), st.integers(1, 6).map(lambda k: k * GRANULE)))
+            try:
+                a = pool.malloc(n)
+            except cupool.OutOfMemoryError:
+                continue
+            live.append((a, write(a.ptr, a.size)))
+        elif op == "punch":
+            got = []
+            while len(got) < 24:
+                try:
+                    got.append(pool.malloc(data.draw(st.integers(1, 3)) * GRANULE))
+                except cupool.OutOfMemoryError:
+                    break
+            for a in got[::2]:
+                pool.free(a)
+            live += [(a, write(a.ptr, a.size)) for a in got[1::2]]
+        elif op == "free" and live:
+            a, _ = live.pop(data.draw(st.integers(0, len(live) - 1)))
+            a.free()
+        elif op == "movable":
+            try:
+                m = pool.movable(data.draw(st.integers(1, 3)) * GRANULE + data.draw(st.sampled_from([0, 4096])))
+            except cupool.OutOfMemoryError:
+                continue
+            live.append((m, write(m.ptr, m.size)))
+        elif op == "compact":
+            pool.compact()
+        elif op == "empty":
+            pool.empty_cache()
+        pool.check()
+        vm = pool.device.virtual_memory()
+        assert sum(m.nbytes for m in vm.mappings()) == pool.stats()["reserved_bytes.all.current"] == vm.in_use
+        assert len(vm.mappings()) == len(vm.chunks())  # every handle mapped once, whole
+        for a, v in live:
+            assert (double.read(a.ptr, min(a.size, 4096)) == v).all(), f"{a!r} lost its bytes"
+    for a, _ in live:
+        a.free()
+    pool.close()
+    assert double.driver.vm.mappings() == [] and double.driver.vm.chunks() == []
+
+
+def test_stitching_unmaps_each_hole_once_and_maps_the_handles_with_one_set_access(double):
+    pool = expandable(double, max_size="48MiB", stitch=True, defrag_threshold=None)
+    got = [pool.malloc(2 * GRANULE) for _ in range(12)]  # a handle per grow: 12 handles of 2 granules
+    for i, a in enumerate(got):
+        double.write(a.ptr, np.full(4096, i, np.uint8))
+    for a in got[::2]:
+        a.free()  # six holes of one handle each
+    mark = double.log.mark()
+    big = pool.malloc(10 * GRANULE)  # no room to grow: stitched from five holes
+    counts = double.log.counts(mark)
+    assert pool.stats()["num_stitches"] == 1
+    assert counts["cuMemUnmap"] == counts["cuMemMap"] == 5 and counts["cuMemSetAccess"] == 1
+    assert counts["cuMemCreate"] == 0 and counts["cuCtxPushCurrent"] <= 2
+    assert all((double.read(a.ptr, 4096) == i).all() for i, a in enumerate(got) if i % 2)
+    pool.check()
+    big.free()

@@ -96,8 +96,8 @@ class CudaMover:
         an H100) raises here, before compaction has changed the heap.  The scratch
         buffer is taken here too, so that no later call allocates.
         """
-        self._scratch_for(SCRATCH_BYTES)
         at = self._staging_for(64 << 10)
+        self._scratch_for(SCRATCH_BYTES)
         for n in (8, 1):  # far past any plan prepare's own moves upload: both signatures
             self._kernel.prepare(n)
             self.execute(np.array([at + (32 << 10)]), np.array([at + (48 << 10)]), np.array([n]))

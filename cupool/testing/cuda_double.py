@@ -339,6 +339,17 @@ class _Device:
         return None
 
 
+class _Event:
+    """``cupy.cuda.Event``: recorded (the work before it is done at once on the CPU)."""
+
+    def __init__(self, log: CallLog, disable_timing: bool = False) -> None:
+        self.log = log
+        self.done = True
+
+    def record(self, stream: Any) -> None:
+        self.log.record("eventRecord")
+
+
 class CudaDouble:
     """One GPU of ``capacity`` bytes, on the CPU: ``device()`` is a ``CudaDevice`` whose calls all land in ``log``.
 
@@ -352,8 +363,14 @@ class CudaDouble:
         self.driver: Driver = Driver(self.log, self.capacity, lambda: self.runtime.used, batch)
         self.kernel = Kernel(self.log)
         current = SimpleNamespace(ptr=0)
+        log = self.log
+
+        def event(disable_timing: bool = False) -> _Event:
+            return _Event(log, disable_timing)
+
         self.cupy = SimpleNamespace(cuda=SimpleNamespace(
-            runtime=self.runtime, Device=_Device, get_current_stream=lambda: current))
+            runtime=self.runtime, Device=_Device, get_current_stream=lambda: current, Event=event,
+            ExternalStream=lambda ptr: SimpleNamespace(ptr=ptr)))
 
     def device(self) -> CudaDevice:
         return CudaDevice(0, cupy=self.cupy, driver=self.driver, kernel=self.kernel)
