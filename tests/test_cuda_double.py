@@ -236,3 +236,23 @@ def test_growing_by_64_granules_is_estimated_within_3x_cudamalloc_of_the_bytes(d
     pool.malloc(64 * GRANULE)
     assert double.log.estimate(mark) <= 3 * 61.1e-6
     keep.free()
+
+
+def test_the_expandable_machine_holds_on_the_double():
+    """tests/test_expandable.py's state machine with a GPU's handles (one per grow) and copying compaction."""
+    from hypothesis import settings as machine_settings
+    from test_expandable import ExpandableMachine
+
+    doubles = []
+
+    class OnDouble(ExpandableMachine):
+        @property
+        def device(self):  # a fresh GPU per run: nothing one run leaves changes the next one's draws
+            if not hasattr(self, "double"):
+                self.double = CudaDouble("64MiB")
+                doubles.append(self.double)
+            return self.double.device()
+
+    OnDouble.TestCase.settings = machine_settings(max_examples=15, stateful_step_count=30, deadline=None)
+    OnDouble.TestCase().runTest()
+    assert doubles and all(d.driver.vm.mappings() == [] for d in doubles)

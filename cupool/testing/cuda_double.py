@@ -9,7 +9,8 @@ granules makes one ``cuMemSetAccess``"); ``CallLog.estimate`` prices it with a
 GPU's measured per-call costs (``cupool.device.costs``, Note [Per-call costs]),
 which ``benchmarks/bench_driver_calls.py`` prints beside the targets.
 
-The bytes are real: device memory from ``malloc`` is host memory, and the
+The bytes are real: device memory from ``malloc`` is host memory (CuPy arrays
+over it are numpy views), and the
 driver's virtual memory is a ``SimVirtualMemory`` (a memfd mapped into reserved
 addresses), driven through its public, checked calls, so a map, unmap or access
 change the driver would refuse is refused here too, and the copies, the kernel
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._units import parse_size
+from ..device.base import HostView
 from ..device.costs import H200, CallCost
 from ..device.cuda import CudaDevice
 from ..device.sim_vmm import SimVirtualMemory
@@ -115,7 +117,7 @@ class Runtime:
     """The ``cupy.cuda.runtime`` calls cupool makes; device memory is host memory, charged to ``capacity``."""
 
     CUDARuntimeError = CudaRuntimeError
-    cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice = 1, 2, 3
+    memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
 
     def __init__(self, log: CallLog, capacity: int, held: Any) -> None:
         self.log = log
@@ -350,6 +352,15 @@ class _Event:
         self.log.record("eventRecord")
 
 
+def _unowned(ptr: int, nbytes: int, owner: object, device_id: int = 0) -> Any:
+    return SimpleNamespace(ptr=ptr, size=nbytes, owner=owner)
+
+
+def _ndarray(shape: tuple[int, ...], dtype: Any, memptr: Any) -> np.ndarray:
+    """``cupy.ndarray`` over device memory: a numpy view of the host memory behind it, holding its owner."""
+    return np.asarray(HostView(memptr.ptr, shape, np.dtype(dtype), memptr.mem.owner))
+
+
 class CudaDouble:
     """One GPU of ``capacity`` bytes, on the CPU: ``device()`` is a ``CudaDevice`` whose calls all land in ``log``.
 
@@ -368,9 +379,12 @@ class CudaDouble:
         def event(disable_timing: bool = False) -> _Event:
             return _Event(log, disable_timing)
 
-        self.cupy = SimpleNamespace(cuda=SimpleNamespace(
-            runtime=self.runtime, Device=_Device, get_current_stream=lambda: current, Event=event,
-            ExternalStream=lambda ptr: SimpleNamespace(ptr=ptr)))
+        self.cupy = SimpleNamespace(
+            cuda=SimpleNamespace(
+                runtime=self.runtime, Device=_Device, get_current_stream=lambda: current, Event=event,
+                ExternalStream=lambda ptr: SimpleNamespace(ptr=ptr), UnownedMemory=_unowned,
+                MemoryPointer=lambda mem, offset: SimpleNamespace(ptr=mem.ptr + offset, mem=mem)),
+            ndarray=_ndarray)
 
     def device(self) -> CudaDevice:
         return CudaDevice(0, cupy=self.cupy, driver=self.driver, kernel=self.kernel)
