@@ -208,7 +208,7 @@ class Pool(CupyPoolMethods):
         with self.hold():
             arena = self._arena
             arena.settle_streams(wait=True)
-            released = arena.release_free_segments(holes=True)
+            released = arena.release_free_segments(holes=True, synced=True)  # waited just above
             if arena.observers.active:  # the program's own call, for a replay to make at this point
                 arena.observers.emit("call:empty_cache", 0, released, 0)
             return released

@@ -275,6 +275,7 @@ class GpuLike(SimDevice):
     asks of the address space, without a GPU (its bytes are never touched here)."""
 
     virtual_memory = CudaDevice.virtual_memory
+    _driver = None  # CudaDevice.virtual_memory reads it: None is the real driver's key, which the fixture fakes
 
     @property
     def name(self) -> str:
@@ -284,7 +285,7 @@ class GpuLike(SimDevice):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     gpu = FakeGpu()
-    monkeypatch.setattr(cuda_module, "CudaVirtualMemory", lambda index: CudaVirtualMemory(index, driver=gpu.driver))
+    monkeypatch.setattr(cuda_module, "CudaVirtualMemory", lambda index, driver=None: CudaVirtualMemory(index, driver=gpu.driver))
     gc.collect()  # no virtual memory of cuda:0 left from elsewhere
     return gpu
 

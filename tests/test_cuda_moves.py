@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import needs_gpu
-from cupool.device.cuda_moves import BATCH_MIN, CudaMover, batch_copy_over
+from cupool.device.cuda_moves import BATCH_MIN, SCRATCH_BYTES, CudaMover, batch_copy_over
 
 STREAM = 77
 ARENA = 1 << 20
@@ -34,7 +34,7 @@ class FakeRuntime:
     CUDARuntimeError = RuntimeError
 
     def __init__(self) -> None:
-        self.mem = np.zeros(4 * ARENA, np.uint8)
+        self.mem = np.zeros(4 * ARENA + SCRATCH_BYTES, np.uint8)  # room for prepare()'s scratch
         self.base = self.mem.ctypes.data
         self.top = 2 * ARENA  # the first half is the "pool"; malloc hands out the second
         self.calls: list[tuple] = []
@@ -220,17 +220,31 @@ def test_prepare_compiles_both_element_sizes_and_launches_them():
     assert kernel.prepared == [8, 1] and [launch[0] for launch in kernel.launches] == [8, 1]
 
 
-def test_scratch_comes_and_goes_and_a_full_device_chunks_instead():
+def test_scratch_is_kept_from_call_to_call_and_a_full_device_chunks_instead():
     data = bytes(range(256)) * 16
     moves = [(0, 8, 2048)]  # a long slide by one word: through scratch
     m, rt, _ = mover()
     assert run(m, rt, moves, data) == reference(bytearray(data), moves)
-    assert ("malloc", 2048) in rt.calls and len(rt.of("free")) == 1
+    assert ("malloc", 2048) in rt.calls and not rt.of("free")
+    before = len(rt.calls)
+    assert run(m, rt, moves, data) == reference(bytearray(data), moves)
+    assert not [c for c in rt.calls[before:] if c[0] in ("malloc", "free")]  # kept: nothing per call
     m, rt, kernel = mover()
-    m.prepare()
+    run(m, rt, [(0, 64, 8)], data)  # the staging buffer, no scratch
     rt.full = True
     assert run(m, rt, moves, data) == reference(bytearray(data), moves)
     assert kernel.launches[-1][2] == 256  # chunked by the distance: 256 groups
+
+
+def test_after_prepare_no_call_allocates_even_a_slide_through_scratch():
+    # The GPU run of 2026-11-28: a slide over itself took cudaMalloc + cudaFree of scratch on every call.
+    m, rt, _ = mover()
+    m.prepare()
+    before = len(rt.calls)
+    data = bytes(range(256)) * 16
+    for moves in ([(0, 8, 2048)], [(8, 0, 2048)], [(0, 64, 8)]):
+        assert run(m, rt, moves, data) == reference(bytearray(data), moves)
+    assert not [c for c in rt.calls[before:] if c[0] in ("malloc", "free")]
 
 
 def fake_driver(with_batch=True):

@@ -267,11 +267,12 @@ class Arena(FastPath):
     def drop_segment(self, kind: int, seg: Segment) -> None:
         self.segments.drop(kind, seg)
 
-    def release_free_segments(self, kept_too: bool = False, holes: bool = False) -> int:
+    def release_free_segments(self, kept_too: bool = False, holes: bool = False, synced: bool = False) -> int:
         """Give every wholly free segment (and free tail) back; the preallocated one only with ``kept_too``;
-        with ``holes`` (``empty_cache``) what the source can give back between live blocks too."""
+        with ``holes`` (``empty_cache``) what the source can give back between live blocks too; ``synced``:
+        the caller waited for the device with the lock held since, so unmapping need not wait again."""
         self.refuse_if_forked()
-        return self.segments.trim_all(kept_too, holes)
+        return self.segments.trim_all(kept_too, holes, synced)
 
     def close(self) -> tuple[int, int]:
         """Stop handing out memory and give back every segment that is free (Note [Lifetimes]).

@@ -5,9 +5,9 @@ stream and size class gets one *region*, a virtual range as long as the pool's
 limit (addresses cost little), whose mapped prefix is a heap segment that grows at its end when nothing
 fits (``grow``: granules mapped there, the last block extended) and shrinks
 from its end when its tail is free (``trim``: granules unmapped and released).
-Every granule is its own physical chunk, because the driver maps only whole
-chunks from their start (Note [Virtual memory], below): that is what
-lets granules be placed independently.
+On the sim device every granule is its own physical chunk, because the driver
+maps only whole chunks from their start (Note [Virtual memory], below): that is
+what lets granules be placed independently; on a GPU each grow is one chunk.
 
 *Stitching* (``stitch``) serves a large request no free range fits from the
 granules under free blocks in the middle of segments: it unmaps them there,
@@ -19,7 +19,8 @@ Reserved bytes are mapped granules, always: every mapped granule lies in
 exactly one heap segment, and every segment of a region is mapped whole.
 The device work of a grow, trim or stitch is a few calls per granule it maps or
 unmaps, whatever the number of blocks alive.  Compaction's moves of whole mapped
-granules (``move``) trade chunks between the two ranges instead of copying.
+granules (``move``) trade chunks between the two ranges instead of copying where
+that costs the device less (on the sim device; never on a GPU).
 
 Note [Virtual memory]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -40,9 +41,19 @@ once, after a free, above ``release_threshold``.  ``empty_cache()`` also unmaps
 the granules under free blocks between live ones, as PyTorch's expandable
 segments do, which splits their segments (``Heap.cut``); the ladder's release
 step leaves those holes to stitching, which remaps them side by side exactly
-where a request needs them. Each granule is its own chunk
+where a request needs them. On the sim device each granule is its own chunk
 because the driver maps only whole chunks from their start (H100, driver 580):
-that is what lets granules move independently.
+that is what lets granules move independently.  On a GPU (a device with a cost
+table, Note [Per-call costs]) a driver call costs 20-50 µs, so each grow, new
+segment or stitch's fresh part is *one* handle (``whole_handles``), mapped with one
+``cuMemMap`` and one ``cuMemSetAccess`` per contiguous range (growing by 64 granules:
+3 calls where it was 129, about 0.1 ms instead of 3.6 ms on an H200; PyTorch maps
+2 MiB handles for small blocks and 20 MiB for large ones).  A handle goes back
+whole: trimming, cutting holes and stitching take the handles wholly under free
+blocks (``_whole``), so a free tail inside a handle that still holds a live block
+stays mapped until the block is freed.  Unmapping is one ``cuMemUnmap`` per
+contiguous range and one device synchronization per batch (``trim_all``, a stitch),
+the context pushed once per batch (``VirtualMemory.batch``).
 
 *Stitching* (``stitch=True``) is a ladder step after release, for large requests:
 the granules under free blocks in the middle of segments (largest holes first,
@@ -56,10 +67,12 @@ The invariants, checked by ``pool.check()`` and ``tests/test_expandable.py``: ev
 mapped granule lies in exactly one heap segment and every segment is mapped
 whole, so reserved bytes are mapped granules; no chunk is mapped twice, so live
 blocks never share physical memory; every live block's bytes survive every
-grow, unmap, stitch and remap. Compaction's moves of whole mapped granules
+grow, unmap, stitch and remap. On the sim device, compaction's moves of whole mapped granules
 (a movable buffer covering them, moved to a granule boundary) are made by
 trading chunks between the two ranges, granule by granule in memmove's order,
-instead of copying (``Expander.move``; the expander is the arena's segment source, ``cupool.core.segments``); the rest are copied as on any device. Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
+instead of copying (``Expander.move``; the expander is the arena's segment source, ``cupool.core.segments``);
+the rest are copied as on any device.  On a GPU every move is copied: a remapped granule
+costs 30x or more what copying its 2 MiB does (Note [Per-call costs]). Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
 names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
 contiguous mapped range as a segment with ``is_expandable``. The device work of a
 grow, unmap or stitch is a few calls per granule, whatever the number of live
@@ -77,6 +90,7 @@ from typing import Any
 import numpy as np
 
 from ..device.base import Device
+from ..device.costs import remap_pays
 from ..device.vmm import Chunk, VirtualMemory, region_span
 from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
@@ -158,7 +172,10 @@ class Expander:
         self.whole = False  # free granules go back one by one, wherever they lie
         self.regions: dict[tuple[int, Any], Region] = {}  # (kind, stream) -> growable region
         self.ranges: dict[int, Region] = {}  # every region, by base address
-        self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there
+        self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there (over one or more granules)
+        self.base_of: dict[int, int] = {}  # chunk id -> the address it is mapped at
+        # Note [Virtual memory]: one handle per grow where each driver call costs more than a copy.
+        self.whole_handles = device.costs is not None
         self.closed = False  # the arena's finalizer gave everything back: no more device calls
         self.closing = False  # the pool is closed: ranges left empty go back too
         self.maps = 0  # granules mapped
@@ -166,6 +183,8 @@ class Expander:
         self.stitches = 0
         self.stitched_bytes = 0
         self.remapped_bytes = 0  # compaction's moves made by remapping granules instead of copying
+        self.batching = False  # inside trim_all: one synchronization for all its unmaps
+        self.quiet = False  # the device was synchronized since the lock was taken: unmap without waiting
 
     # ------------------------------------------------------------------ growth
     def need(self, kind: int, size: int, stream: Any) -> int:
@@ -237,8 +256,9 @@ class Expander:
         assert isinstance(region, Region)
         self.heaps[kind].remove_segment(seg)
         if not self.closed:
-            for chunk in self._unmap(seg.addr, seg.size):
-                self.vm.release(chunk)
+            with self.vm.batch():
+                for chunk in self._unmap(seg.addr, seg.size):
+                    self.vm.release(chunk)
         self.books.account(kind, SEGMENTS, -1)
         self._unmapped(kind, seg.addr, seg.size, seg.stream)
         region.segments -= 1
@@ -266,14 +286,16 @@ class Expander:
         if not last.free:
             return 0
         lo, end = hole(last.addr, last.size, self.granule)  # the segment ends on a granule: so does the hole
+        lo, end = self._whole(lo, end)
         if lo >= end:
             return 0
         if lo == seg.addr:
             self.drop(kind, seg)
             return end - lo
         self.heaps[kind].trim(seg, end - lo)
-        for chunk in self._unmap(lo, end - lo):
-            self.vm.release(chunk)
+        with self.vm.batch():
+            for chunk in self._unmap(lo, end - lo):
+                self.vm.release(chunk)
         self._unmapped(kind, lo, end - lo, seg.stream)
         region = seg.region
         assert isinstance(region, Region)
@@ -281,14 +303,26 @@ class Expander:
             region.frontier = lo
         return end - lo
 
-    def trim_all(self, kept_too: bool, holes: bool = False) -> int:
+    def trim_all(self, kept_too: bool, holes: bool = False, synced: bool = False) -> int:
         """Unmap every free tail (the ladder's release step), and with ``holes`` every free granule
         between live blocks too (``empty_cache``); returns the bytes.
 
         ``kept_too`` is the closing pool's call: the preallocated segment goes too,
         and from now on so does every range left empty.  Holes are cut in address
         order, as the replay engine cuts them (``engine_memory.release_holes``).
+        The device is synchronized once for the lot, before the first unmap, or not at
+        all where the caller says it is ``synced`` (it waited for the device with the
+        lock held since, as compaction does).
         """
+        self.quiet = synced
+        self.batching = True
+        try:
+            with self.vm.batch():
+                return self._trim_all(kept_too, holes)
+        finally:
+            self.quiet = self.batching = False
+
+    def _trim_all(self, kept_too: bool, holes: bool) -> int:
         if kept_too:
             self.closing = True
         released = 0
@@ -298,7 +332,7 @@ class Expander:
                     released += self._trim_tail(kind, seg)
         if holes:
             cuts = [
-                (*hole(b.addr, b.size, self.granule), kind, b)
+                (*self._whole(*hole(b.addr, b.size, self.granule)), kind, b)
                 for kind, heap in enumerate(self.heaps) for seg in heap.segments.values()
                 if seg.region is not None and (kept_too or not seg.keep)
                 for b in seg.blocks() if b.free
@@ -332,13 +366,15 @@ class Expander:
                 if not usable(s, stream, None):
                     continue
                 for b in heap.free_blocks(s):
-                    lo, hi = hole(b.addr, b.size, g)
+                    lo, hi = self._whole(*hole(b.addr, b.size, g))
                     if hi > lo and b.segment.region is not None and not b.segment.keep:
                         holes.append((hi - lo, lo, k, b))
         lengths = np.array([h[0] for h in holes], np.int64)
         order, count, got = stitch_pick(lengths, np.array([h[1] for h in holes], np.int64), want)
-        taken = [(holes[i][2], holes[i][3], holes[i][1], holes[i][1] + int(lengths[i])) for i in order[:count]]
-        got = int(got)
+        taken = [(holes[i][2], holes[i][3], *self._whole(holes[i][1], holes[i][1] + int(lengths[i])))
+                 for i in order[:count]]
+        taken = [t for t in taken if t[3] > t[2]]  # a last hole clipped inside one handle gives nothing
+        got = sum(hi - lo for _, _, lo, hi in taken)
         fresh = want - got
         if not taken or fresh > room:
             return False
@@ -348,9 +384,14 @@ class Expander:
             return False
         region = self._reserve(want, growable=False, stitched=True)
         chunks: list[Chunk] = []
-        for k, b, lo, hi in taken:
-            chunks += self._cut(k, b, lo, hi)
-        self._map(region.base, chunks + new)
+        self.batching = True  # one synchronization and one context push for every cut
+        try:
+            with self.vm.batch():
+                for k, b, lo, hi in taken:
+                    chunks += self._cut(k, b, lo, hi)
+                self._map(region.base, chunks + new)
+        finally:
+            self.batching = self.quiet = False
         region.frontier += want
         self._mapped(kind, region.base, want, stream)
         region.tail = self._add(kind, region, region.base, want, stream, keep=False)
@@ -380,10 +421,12 @@ class Expander:
 
     # --------------------------------------------------------------- compaction
     def move(self, moves: Sequence[PlannedMove]) -> None:
-        """Carry out compaction's moves in order: whole mapped granules trade chunks (no copy), the rest are copied."""
+        """Carry out compaction's moves in order: whole mapped granules trade chunks where that costs the
+        device less than copying them (never on a GPU: Note [Per-call costs]), the rest are copied."""
         batch: list[PlannedMove] = []
+        costs = self.device.costs
         for x in moves:
-            if self._remappable(x.src, x.dst, x.nbytes):
+            if remap_pays(costs, x.nbytes, self.granule) and self._remappable(x.src, x.dst, x.nbytes):
                 execute(self.device, batch)
                 batch = []
                 self._remap(x.src, x.dst, x.nbytes)
@@ -396,7 +439,12 @@ class Expander:
         if src % g or dst % g or n % g:
             return False
         chunks = self.chunks
-        return all(a in chunks and a - src + dst in chunks for a in range(src, src + n, g))
+
+        def single(a: int) -> bool:
+            c = chunks.get(a)
+            return c is not None and c.nbytes == g
+
+        return all(single(a) and single(a - src + dst) for a in range(src, src + n, g))
 
     def _remap(self, src: int, dst: int, n: int) -> None:
         """Move ``[src, src + n)`` to ``dst`` by swapping chunks granule by granule, as memmove would copy.
@@ -412,12 +460,14 @@ class Expander:
             a, b = dst + i * g, src + i * g
             now[a], now[b] = now.get(b, self.chunks[b]), now.get(a, self.chunks[a])
         changed = {a: c for a, c in now.items() if c is not self.chunks[a]}
-        for a in changed:
-            self.vm.unmap(a, g)
-        for a, c in changed.items():
-            self.vm.map(a, c)
-            self.vm.set_access(a, g)
-            self.chunks[a] = c
+        with self.vm.batch():
+            for a in changed:
+                self.vm.unmap(a, g)
+            for a, c in changed.items():
+                self.vm.map(a, c)
+                self.vm.set_access(a, g)
+                self.chunks[a] = c
+                self.base_of[c.id] = a
         self.remapped_bytes += n
 
     # ------------------------------------------------------------------- device
@@ -436,11 +486,15 @@ class Expander:
                 self.space.give_back()
 
     def _create(self, nbytes: int) -> list[Chunk]:
-        """One chunk per granule, all or none (``DeviceOutOfMemory`` releases those made)."""
+        """One chunk per granule, or one for the lot with ``whole_handles`` (Note [Virtual memory]);
+        all or none (``DeviceOutOfMemory`` releases those made)."""
         chunks: list[Chunk] = []
+        if self.whole_handles:
+            return [self.vm.create(nbytes)] if nbytes else []
         try:
-            for _ in range(nbytes // self.granule):
-                chunks.append(self.vm.create(self.granule))
+            with self.vm.batch():
+                for _ in range(nbytes // self.granule):
+                    chunks.append(self.vm.create(self.granule))
         except BaseException:
             for c in chunks:
                 self.vm.release(c)
@@ -449,21 +503,47 @@ class Expander:
 
     def _map(self, addr: int, chunks: list[Chunk]) -> None:
         g = self.granule
-        for i, chunk in enumerate(chunks):
-            self.vm.map(addr + i * g, chunk)
-            self.chunks[addr + i * g] = chunk
-        self.vm.set_access(addr, len(chunks) * g)
-        self.maps += len(chunks)
+        at = addr
+        with self.vm.batch():
+            for chunk in chunks:
+                self.vm.map(at, chunk)
+                self.base_of[chunk.id] = at
+                for a in range(at, at + chunk.nbytes, g):
+                    self.chunks[a] = chunk
+                at += chunk.nbytes
+            self.vm.set_access(addr, at - addr)
+        self.maps += (at - addr) // g
+
+    def _whole(self, lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` of granules narrowed to the handles wholly inside it (a handle is unmapped whole)."""
+        if not self.whole_handles or lo >= hi:
+            return lo, hi
+        g, chunks, base_of = self.granule, self.chunks, self.base_of
+        while lo < hi and base_of[chunks[lo].id] != lo:
+            lo += g
+        while hi > lo and base_of[chunks[hi - g].id] + chunks[hi - g].nbytes != hi:
+            hi -= g
+        return lo, hi
 
     def _unmap(self, addr: int, nbytes: int) -> list[Chunk]:
         g = self.granule
         if not self.closed:
             # cudaFree waits for the device; cuMemUnmap does not, and a kernel queued on a
-            # stream may still use a block freed there.  So wait first, as PyTorch does.
-            self.device.synchronize()
+            # stream may still use a block freed there.  So wait first, as PyTorch does:
+            # once for a batch of unmaps (``trim_all``), the lock held throughout.
+            if not self.quiet:
+                self.device.synchronize()
+                self.quiet = self.batching
             self.vm.unmap(addr, nbytes)
         self.unmaps += nbytes // g
-        return [self.chunks.pop(a) for a in range(addr, addr + nbytes, g)]
+        out = []
+        for a in range(addr, addr + nbytes, g):
+            c = self.chunks.pop(a)
+            if self.base_of[c.id] == a:
+                out.append(c)
+        for c in out:
+            del self.base_of[c.id]
+        return out
 
     # -------------------------------------------------------------------- books
     def _add(self, kind: int, region: Region, addr: int, n: int, stream: Any, keep: bool) -> Segment:
@@ -491,9 +571,11 @@ class Expander:
         if self.closed:
             return
         self.closed = True
-        for addr, chunk in list(self.chunks.items()):
-            self.vm.unmap(addr, self.granule)
-            self.vm.release(chunk)
+        with self.vm.batch():
+            for addr, chunk in list(self.chunks.items()):
+                if self.base_of[chunk.id] == addr:
+                    self.vm.unmap(addr, chunk.nbytes)
+                    self.vm.release(chunk)
         for base in list(self.ranges):
             self.vm.free_range(base)
         if not self.vm.closed:
@@ -524,8 +606,12 @@ class Expander:
                     assert a in self.chunks, f"{seg!r}: granule {a:#x} is not mapped"
                 seen += seg.size // g
         assert seen == len(self.chunks), f"{len(self.chunks) - seen} mapped granule(s) lie in no segment"
-        ids = [c.id for c in self.chunks.values()]
-        assert len(set(ids)) == len(ids), "a chunk is mapped twice"
+        for a, c in self.chunks.items():  # each chunk mapped once, whole, from its base
+            base = self.base_of[c.id]
+            assert base <= a < base + c.nbytes and self.chunks.get(base) is c, f"chunk {c.id} is mapped twice"
+        for c_id, base in self.base_of.items():
+            c = self.chunks[base]
+            assert c.id == c_id and all(self.chunks.get(a) is c for a in range(base, base + c.nbytes, g))
         for region in self.ranges.values():
             tail = region.tail
             assert tail is None or tail.addr + tail.size == region.frontier, f"{region!r}: tail {tail!r}"

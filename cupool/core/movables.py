@@ -211,8 +211,11 @@ class Movables:
             arena.observers.emit("alloc_movable", block.addr, block.size, m.stream)
             arena.observers.emit("restore", block.addr, m.size, m.stream)
 
-    def apply_moves(self, moves: Sequence[PlannedMove]) -> None:
+    def apply_moves(self, moves: Sequence[PlannedMove], synced: bool = False) -> None:
         """Carry out planned moves on the device and point their Movables at the new blocks.
+
+        The device is synchronized first (a kernel may still read a buffer whose arrays
+        are gone), unless the caller did so with the lock held since (``synced``).
 
         The caller holds strong references to every buffer planned (``live()``), so
         each block's weak reference is alive.  A block may move twice in one plan
@@ -229,7 +232,8 @@ class Movables:
             if not isinstance(m, Movable):
                 raise AssertionError(f"compaction planned a move of {x.block!r}, which is no live movable buffer")
             owners.append(m)
-        arena.device.synchronize()
+        if not synced:
+            arena.device.synchronize()
         arena.segments.move(moves)
         for x, m in zip(moves, owners):
             m.block = x.block

@@ -53,6 +53,9 @@ class Device(ABC):
     kind: str
     index: int = 0
     capabilities: ClassVar[Capabilities]
+    #: What its driver calls cost, by call (``cupool.device.costs``), where measured; None where
+    #: moving memory costs what the CPU's memmove does (the sim devices).
+    costs: ClassVar[dict[str, Any] | None] = None
 
     @property
     def name(self) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import DeviceOutOfMemory, StateError
 from .base import Capabilities, Device, HostView
-from .cuda_moves import CudaMover, NumbaMoveKernel, driver_batch_copy
+from .costs import H200, CallCost
+from .cuda_moves import CudaMover, MoveKernel, NumbaMoveKernel, batch_copy_over, driver_batch_copy
 from .cuda_vmm import CudaVirtualMemory
 from .vmm import VirtualMemory, VirtualMemoryUnsupported, shared
 
@@ -23,15 +24,26 @@ _HOST_ALLOC_FLAGS = 0x1 | 0x2
 
 
 class CudaDevice(Device):
-    """A CUDA GPU through ``cupy.cuda.runtime``."""
+    """A CUDA GPU through ``cupy.cuda.runtime``.
+
+    ``cupy``, ``driver`` and ``kernel`` are for tests and benchmarks without a GPU
+    (``cupool.testing.cuda_double``): stand-ins for CuPy, ``cuda.bindings.driver``
+    and the move kernel, which then carry every call this device makes.
+    """
 
     kind = "cuda"
     capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True)
+    #: What its calls cost (Note [Per-call costs]): the one GPU measured so far stands for all.
+    costs: ClassVar[dict[str, CallCost] | None] = H200
 
-    def __init__(self, index: int = 0) -> None:
-        import cupy
+    def __init__(self, index: int = 0, *, cupy: Any = None, driver: Any = None, kernel: MoveKernel | None = None) -> None:
+        if cupy is None:
+            import cupy as cupy_module
 
+            cupy = cupy_module
         self._cupy = cupy
+        self._driver = driver  # None: cuda.bindings.driver, imported when first needed
+        self._kernel = kernel
         self._rt = cupy.cuda.runtime
         count = self._rt.getDeviceCount()
         if not 0 <= index < count:
@@ -132,8 +144,9 @@ class CudaDevice(Device):
         if not self.capabilities.grow_in_place:
             raise VirtualMemoryUnsupported(f"{self.name} ({type(self).__name__}) offers no virtual memory management")
         if self._vm is None or self._vm.closed:
-            index = self.index
-            self._vm = shared(("cuda", index), lambda: CudaVirtualMemory(index))
+            index, driver = self.index, self._driver
+            # keyed by the driver too: a stand-in's device (cupool.testing.cuda_double) never shares the GPU's
+            self._vm = shared(("cuda", index, driver), lambda: CudaVirtualMemory(index, driver=driver))
         return self._vm
 
     def mem_info(self) -> tuple[int, int]:
@@ -194,7 +207,9 @@ class CudaDevice(Device):
 
     def _movers(self) -> CudaMover:
         if self._mover is None:
-            self._mover = CudaMover(self._rt, NumbaMoveKernel(self.index), driver_batch_copy(self.index))
+            kernel = self._kernel or NumbaMoveKernel(self.index)
+            batch = driver_batch_copy(self.index) if self._driver is None else batch_copy_over(self._driver, self.index)
+            self._mover = CudaMover(self._rt, kernel, batch)
         return self._mover
 
     def to_host(self, ptr: int, nbytes: int) -> np.ndarray:

@@ -11,12 +11,16 @@ kernel step of an earlier phase has yet to write, and the other way round.
 
 Per call, nothing is allocated on the device and no array view is built: the
 plan goes up through one staging buffer kept from call to call (grown by
-doubling), and the kernel is launched on raw pointers (its arguments are typed
-``CPointer``) through the compiled kernel's own ``launch``, skipping Numba's
-dispatcher and its argument typing.  Nothing goes through Numba's or CuPy's
-allocator either: with cupool installed as theirs, that would re-enter the pool
-in the middle of a compaction.  The rare scratch buffer (a long slide by a little)
-comes straight from ``cudaMalloc``.
+doubling), a slide over itself by a little goes through one scratch buffer kept
+the same way (``SCRATCH_BYTES``, taken by ``prepare``: a ``cudaMalloc`` and a
+``cudaFree`` per call cost about 90 µs on an H200 and the free waits for the whole
+device, the 2026-11-28 run's one failed mover test), and the kernel is launched on
+raw pointers (its arguments are typed ``CPointer``) through the compiled kernel's
+own ``launch``, skipping Numba's dispatcher and its argument typing.  Nothing goes
+through Numba's or CuPy's allocator either: with cupool installed as theirs, that
+would re-enter the pool in the middle of a compaction; both buffers come straight
+from ``cudaMalloc``, and a device too full for the scratch moves window by window
+through what it has (or in chunks, without any).
 
 The runtime, the kernel and the batched copy are passed in, so that the whole of
 this runs on the CPU against fakes (``tests/test_cuda_moves.py``).
@@ -75,6 +79,8 @@ class CudaMover:
         self._stream = 0
         self._staging = 0
         self._staging_size = 0
+        self._scratch = 0
+        self._scratch_size = 0
 
     @property
     def stream(self) -> int:
@@ -87,9 +93,11 @@ class CudaMover:
         """Compile and size the kernel, then launch it for words and for bytes, on a few staging bytes.
 
         A launch the device refuses (a grid too large to be cooperative, as once on
-        an H100) raises here, before compaction has changed the heap.
+        an H100) raises here, before compaction has changed the heap.  The scratch
+        buffer is taken here too, so that no later call allocates.
         """
         at = self._staging_for(64 << 10)
+        self._scratch_for(SCRATCH_BYTES)
         for n in (8, 1):  # far past any plan prepare's own moves upload: both signatures
             self._kernel.prepare(n)
             self.execute(np.array([at + (32 << 10)]), np.array([at + (48 << 10)]), np.array([n]))
@@ -106,7 +114,9 @@ class CudaMover:
             return
         ws = word_size(src, dst, nbytes)
         window = min(int(scratch_needed(src // ws, dst // ws, nbytes // ws)) * ws, SCRATCH_BYTES)
-        scratch = self._scratch(window) if window else 0
+        if window:
+            window = min(window, self._scratch_for(window)) // ws * ws
+        scratch = self._scratch if window else 0
         stream = self.stream
         try:
             # Offsets from the lowest address any move touches, so that a move may cross segments.
@@ -133,8 +143,6 @@ class CudaMover:
                     self._kernel.launch(ws, lo, (hi - lo) // ws, staging + 8 * a, packed.size - a, b, c, stream)
         finally:
             self._rt.streamSynchronize(stream)
-            if scratch:
-                self._rt.free(scratch)
 
     def _copy(self, pieces: np.ndarray, stream: int) -> None:
         """One step of the copy path: pieces that do not conflict with each other (rows src, dst, bytes)."""
@@ -150,13 +158,21 @@ class CudaMover:
         for s, d, n in zip(*pieces.tolist()):
             self._rt.memcpyAsync(d, s, n, _D2D, stream)
 
-    def _scratch(self, nbytes: int) -> int:
-        """``cudaMalloc(nbytes)``, or 0 when the device is full: the moves are then chunked instead."""
-        try:
-            ptr: int = self._rt.malloc(nbytes)
-        except self._rt.CUDARuntimeError:
-            return 0
-        return ptr
+    def _scratch_for(self, nbytes: int) -> int:
+        """The bytes of the kept scratch buffer, grown to ``nbytes`` where the device has them.
+
+        A device too full keeps the buffer it had (0 bytes if none): the moves then go
+        through it window by window, or in chunks without it.
+        """
+        if self._scratch_size < nbytes:
+            try:
+                ptr = int(self._rt.malloc(nbytes))
+            except self._rt.CUDARuntimeError:
+                return self._scratch_size
+            if self._scratch:
+                self._rt.free(self._scratch)  # idle: every call ends with its stream synchronized
+            self._scratch, self._scratch_size = ptr, nbytes
+        return self._scratch_size
 
     def _staging_for(self, nbytes: int) -> int:
         """A device buffer of at least ``nbytes`` for move plans, kept and grown by doubling."""

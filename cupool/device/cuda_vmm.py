@@ -4,13 +4,15 @@ The bindings are an optional dependency (the ``vmm`` extra), imported when a
 ``CudaVirtualMemory`` is built, so ``import cupool`` never needs them.  Every call
 returns ``(CUresult, value...)``; ``_call`` turns a failure into a Python error.
 Calls run in the device's primary context, the one CuPy and Numba use, pushed
-around each call so the caller's current context is left alone.
+around each call, or once around a ``batch()`` of calls, so the caller's current
+context is left alone.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import DeviceOutOfMemory, DriverError
@@ -37,6 +39,7 @@ class CudaVirtualMemory(VirtualMemory):
             driver = cuda_driver
         self._drv = drv = driver
         self.index = index
+        self._pushed = False  # inside batch(): the context is current on the thread holding the lock
         self._call(drv.cuInit, 0)
         self._dev = self._call(drv.cuDeviceGet, index)
         supported = self._call(
@@ -82,12 +85,26 @@ class CudaVirtualMemory(VirtualMemory):
             raise DriverError(msg)
         return out[0] if len(out) == 1 else (tuple(out) or None)
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The primary context pushed once for every call inside (the lock held: the context is per thread)."""
+        with super().batch():
+            if self._pushed:
+                yield
+                return
+            self._call(self._drv.cuCtxPushCurrent, self._ctx)
+            self._pushed = True
+            try:
+                yield
+            finally:
+                self._pushed = False
+                self._call(self._drv.cuCtxPopCurrent)
+
     def _in_ctx(self, fn: Callable[..., tuple[Any, ...]], *args: Any) -> Any:
-        self._call(self._drv.cuCtxPushCurrent, self._ctx)
-        try:
+        if self._pushed:
             return self._call(fn, *args)
-        finally:
-            self._call(self._drv.cuCtxPopCurrent)
+        with self.batch():
+            return self._call(fn, *args)
 
     # -- hooks ------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> int:

@@ -80,6 +80,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,19 +365,27 @@ class VirtualMemory(ABC):
             return m
 
     def set_access(self, addr: int, nbytes: int) -> None:
-        """Make whole mappings covering ``[addr, addr + nbytes)`` readable and writable by the device."""
+        """Make whole mappings covering ``[addr, addr + nbytes)`` readable and writable by the device:
+        one backend call for the whole range, as ``cuMemSetAccess`` takes it (PyTorch makes one too)."""
         with self._lock:
-            for m in self._span(addr, nbytes, "set_access"):
-                self._set_access(m.addr, m.nbytes)
+            spanned = self._span(addr, nbytes, "set_access")
+            self._set_access(addr, nbytes)
+            for m in spanned:
                 self._maps[m.addr] = Mapping(m.addr, m.nbytes, m.chunk, accessible=True)
 
     def unmap(self, addr: int, nbytes: int) -> None:
-        """Unmap whole mappings covering ``[addr, addr + nbytes)``; their chunks stay alive."""
+        """Unmap whole mappings covering ``[addr, addr + nbytes)``, in one backend call; their chunks stay alive."""
         with self._lock:
-            for m in self._span(addr, nbytes, "unmap"):
-                self._unmap(m.addr, m.nbytes)
+            spanned = self._span(addr, nbytes, "unmap")
+            self._unmap(addr, nbytes)
+            for m in spanned:
                 del self._maps[m.addr]
                 self._mapped_of[m.chunk.id] -= 1
+
+    def batch(self) -> AbstractContextManager[Any]:
+        """Several calls in a row under one hold of the lock; a backend whose every call needs setting
+        up (CUDA's context push and pop) sets up once for the lot (``CudaVirtualMemory.batch``)."""
+        return self._lock
 
     def close(self) -> None:
         """Unmap, release and free everything, then give up the backend; idempotent."""

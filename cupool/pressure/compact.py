@@ -80,10 +80,12 @@ def compact(arena: Arena, movables: Movables, max_bytes: int | None, max_moves: 
         if max_moves is not None:
             max_moves -= len(mv)
     t_move = time.perf_counter()
-    movables.apply_moves(moves)
+    movables.apply_moves(moves, synced=True)  # settle_streams waited for the device, the lock held since
     t_move = time.perf_counter() - t_move
     del live
-    released = arena.release_free_segments()
+    # The device was synchronized above and every move since ran on the mover's stream, which it
+    # waits for: the lock held throughout, giving segments back needs no second synchronization.
+    released = arena.release_free_segments(synced=True)
     arena.books.compactions += 1
     nbytes = sum(x.nbytes for x in moves)
     arena.compaction_stale = False
