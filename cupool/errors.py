@@ -249,3 +249,12 @@ class TorchAllocatorError(Error, RuntimeError):
     is in use from then on), so ``cupool.install(torch=True)`` must come first
     in the program.  A ``RuntimeError``, as torch's own refusal is.
     """
+
+
+class StandInRuntimeError(Error, RuntimeError):
+    """What ``cupool.testing.cuda_double`` raises where ``cupy.cuda.runtime`` raises its ``CUDARuntimeError``:
+    ``status`` is the runtime's error code (2: out of memory), as CuPy's carries it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

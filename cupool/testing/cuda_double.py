@@ -44,7 +44,7 @@ from ..device.costs import H200, CallCost
 from ..device.cuda import CudaDevice
 from ..device.sim_vmm import SimVirtualMemory
 from ..device.vmm import GRANULE, Chunk
-from ..errors import DeviceOutOfMemory, VirtualMemoryError
+from ..errors import DeviceOutOfMemory, StandInRuntimeError, VirtualMemoryError
 
 #: The calls that wait for the device.
 SYNCS = ("deviceSynchronize", "streamSynchronize", "cuCtxSynchronize")
@@ -105,18 +105,10 @@ def _at(addr: int, nbytes: int) -> np.ndarray:
 _KINDS = {1: "HtoD", 2: "DtoH", 3: "DtoD"}
 
 
-class CudaRuntimeError(RuntimeError):
-    """``cupy.cuda.runtime.CUDARuntimeError``: ``status`` is the runtime's error code (2: out of memory)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class Runtime:
     """The ``cupy.cuda.runtime`` calls cupool makes; device memory is host memory, charged to ``capacity``."""
 
-    CUDARuntimeError = CudaRuntimeError
+    CUDARuntimeError = StandInRuntimeError
     memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
 
     def __init__(self, log: CallLog, capacity: int, held: Any) -> None:
@@ -134,7 +126,7 @@ class Runtime:
     def malloc(self, nbytes: int) -> int:
         self.log.record("malloc", nbytes)
         if self.used + self._held() + nbytes > self.capacity:
-            raise CudaRuntimeError(2, "cudaErrorMemoryAllocation: out of memory")
+            raise StandInRuntimeError(2, "cudaErrorMemoryAllocation: out of memory")
         nbytes = max(int(nbytes), 1)
         align = GRANULE if nbytes >= GRANULE else 512  # as cudaMalloc aligns (256 B promised, 2 MiB for large)
         raw = np.zeros(nbytes + align, np.uint8)
@@ -147,7 +139,7 @@ class Runtime:
     def free(self, ptr: int) -> None:
         self.log.record("free")
         if self.buffers.pop(int(ptr), None) is None:
-            raise CudaRuntimeError(1, f"cudaErrorInvalidValue: {ptr:#x} is no allocation")
+            raise StandInRuntimeError(1, f"cudaErrorInvalidValue: {ptr:#x} is no allocation")
         self.used -= self.sizes.pop(int(ptr))
 
     def memGetInfo(self) -> tuple[int, int]:
