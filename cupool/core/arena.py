@@ -171,15 +171,20 @@ class Arena(FastPath):
         """The chain past the heap: a free block of at least ``size`` from new memory, or the error."""
         books = self.books
         books.misses += 1
+        heap = self.heaps[kind]
         self.refusal = ""
         if round_page(size) > self.limit:  # 5. above the limit on its own: nothing could help; fail, changing nothing
             raise self.out_of_memory(size, stream, "the request alone is larger than the pool's limit of "
                                      f"{format_bytes(self.limit)}", fragmentation=None)
-        block = self.grow(kind, size, stream, exact)  # 6. grow within the limit
+        block = None
+        segments = self.segments
+        if kind == LARGE and segments.stitching and segments.stitch_first(kind, size, stream, self.room()):
+            block = heap.find(size, stream)  # 6. stitch holes where that maps less (Note [Stitch before grow]),
+        if block is None:
+            block = self.grow(kind, size, stream, exact)  # or grow within the limit
         if block is not None:
             return block
         books.retries += 1
-        heap = self.heaps[kind]
         steps = self.policy.reclaim(kind, size, stream)  # 7. the ladder: look again after each step that helped
         for _ in steps:
             block = heap.find(size, stream)

@@ -63,6 +63,21 @@ copy; what they lack is created fresh when the limit allows. A stitched segment
 goes back to the device as soon as it is wholly free. When a region's addresses
 run out (holes left behind), it retires and the stream starts a new one.
 
+Note [Stitch before grow]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A large request that no free block fits, on a pool that stitches, first tries a
+stitch whose fresh granules are fewer than the grow in place would map
+(``rules.stitch_first_room``, asked by ``Expander.stitch_first`` before the arena's
+grow, and by the replay engine's ``_last_rung``): the whole free granules of holes
+are memory already reserved and otherwise wasted, so using them before mapping new
+ones keeps the peak reserved down.  Before this rule the miss path grew first and
+stitched only under pressure, so whether the holes were used depended on the room
+left, and so on the capacity: a larger device could run out of memory where a smaller
+one did not (the 15-call program in ``docs/benchmarks.md``).  Only when the grow
+fits: without room the ladder runs as before, releasing, then stitching.  The price
+is driver calls: a stitch unmaps its holes' granules and maps them again, and its
+segment goes back to the device as soon as it is wholly free.
+
 The invariants, checked by ``pool.check()`` and ``tests/test_expandable.py``: every
 mapped granule lies in exactly one heap segment and every segment is mapped
 whole, so reserved bytes are mapped granules; no chunk is mapped twice, so live
@@ -96,7 +111,7 @@ from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_pick, usable
+from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_first_room, stitch_pick, usable
 from .segments import execute
 from .sizes import round_up
 
@@ -349,6 +364,15 @@ class Expander:
         return released
 
     # ---------------------------------------------------------------- stitching
+    def stitch_first(self, kind: int, size: int, stream: Any, room: int) -> bool:
+        """Stitch before growing, where that maps fewer fresh granules (Note [Stitch before grow]).
+
+        Returns whether a stitched segment now holds a free block of ``size`` for
+        ``stream``; False changes nothing, and the grow follows.
+        """
+        fresh = stitch_first_room(self.need(kind, size, stream), room, self.granule)
+        return fresh >= 0 and self.stitch(kind, size, stream, fresh)
+
     def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool:
         """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
 

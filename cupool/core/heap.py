@@ -201,7 +201,7 @@ class Heap:
                 after = piece
             assert after is not None
             after.prev = None
-            right_seg.head, right_seg.tail = after, seg.tail
+            right_seg.head, right_seg.tail = after, seg.tail if seg.tail is not b else after  # b was last: its piece is
             x: Block | None = after
             while x is not None:
                 x.segment = right_seg

@@ -30,6 +30,7 @@ free block's stream is the one whose frees it holds.
 | ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
+| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first`` | ``engine._last_rung`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
@@ -140,6 +141,20 @@ def stitch_pick(lengths: np.ndarray, lows: np.ndarray, want: int) -> tuple[np.nd
         got += lengths[i]
         count += 1
     return order, count, got
+
+
+def stitch_first_room(need: int, room: int, granule: int) -> int:
+    """The fresh bytes a stitch tried *before* a grow may create (Note [Stitch before grow]); -1: no such stitch.
+
+    The grow would map ``need`` bytes; a stitch goes first only when it maps fewer
+    fresh granules than that (at least one of ``granule`` bytes fewer), so it is
+    tried only where it serves the request with less new memory.  When the grow
+    does not fit ``room`` the ladder runs as before (its own stitch step comes
+    after release): -1.
+    """
+    if need > room:
+        return -1
+    return need - granule
 
 
 # ------------------------------------------------------------------------------- giving back

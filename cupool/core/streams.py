@@ -46,11 +46,16 @@ class StreamEpochs:
         if wait:
             self._device.synchronize()
         moved = 0
+        # Each stream's done epoch is read once for all heaps: reading it consumes the stream's
+        # completed events, so a second heap would find none and keep the stream's blocks.
+        done_of: dict[Any, int | None] = {}
         for heap in heaps:
             for stream in heap.streams():
                 if stream is None:
                     continue
-                done = self._done_epoch(stream, wait)
+                if stream not in done_of:
+                    done_of[stream] = self._done_epoch(stream, wait)
+                done = done_of[stream]
                 if done is None:
                     continue
                 for b in heap.free_blocks(stream):

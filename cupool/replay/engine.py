@@ -30,8 +30,9 @@ Mirrored rules (see the pool's docstring for why they are what they are):
   twice its capacity, and refuses past its capacity (on managed memory, past
   that span: ``engine_layout.config_array``'s ``holds``);
 * expandable segments and stitching (``expandable_segments``, ``stitch``): as
-  ``cupool.core.expandable`` does, see ``engine_memory``; the ladder stitches
-  after releasing, for large requests;
+  ``cupool.core.expandable`` does, see ``engine_memory``; a large request stitches
+  before it grows where that maps less (Note [Stitch before grow]), and the ladder
+  stitches after releasing;
 * release before split (``release_before_split``, Note [Release before split]
   in ``cupool.pressure.growth``): a large raw request whose best fit is a wholly
   free plain segment, not preallocated, larger than the request's pages, gives
@@ -58,6 +59,7 @@ from numba.core.registry import CPUDispatcher
 
 from ..core import rules
 from ..core.sizes import LARGE, PAGE, pool_of, round_page, round_size
+from ..device.vmm import GRANULE
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
 from . import engine_live as live
@@ -149,8 +151,9 @@ def _hit(E, n, stream, exact):
 
 #: What ``_malloc`` returns when the ladder's last rung is left to ``_last_rung``, which allocates
 #: scratch arrays: stitching, or releasing with holes cut (``release_cuts_holes``); the two never
-#: both apply.  Each with ``exact`` False or True; any of them is ``<= LAST_RUNG``.
-STITCH, STITCH_EXACT, HOLES, HOLES_EXACT = -2, -3, -4, -5
+#: both apply; or a stitch tried before the grow (``FIRST``, Note [Stitch before grow]).  Each with
+#: ``exact`` False or True; any of them is ``<= LAST_RUNG``.
+STITCH, STITCH_EXACT, HOLES, HOLES_EXACT, FIRST, FIRST_EXACT = -2, -3, -4, -5, -6, -7
 LAST_RUNG = STITCH
 
 
@@ -175,8 +178,25 @@ def _malloc(E, n, stream, exact):
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
         return -1
-    if b < 0:
-        b = _grow(E, h, size, stream, exact)
+    if b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0:
+        return FIRST_EXACT if exact else FIRST  # a stitch before the grow: ``_last_rung`` tries it
+    if b >= 0:
+        return _serve(E, h, b, size, stream)
+    return _grown(E, h, size, stream, exact)
+
+
+@njit(cache=True, _nrt=False)
+def _stitch_first_room(E, h, size, stream):
+    """``Expander.stitch_first``'s question: the fresh bytes a stitch before the grow may create, or -1."""
+    room = max(0, E.cfg[C_LIMIT] - E.st[RES])
+    return rules.stitch_first_room(need(E, h, size, stream), room, GRANULE)
+
+
+@njit(cache=True, _nrt=False)
+def _grown(E, h, size, stream, exact):
+    """``_malloc`` from the grow on (``Arena.miss`` from step 6): grow, the ladder, serve; as ``_malloc`` returns."""
+    st, cfg = E.st, E.cfg
+    b = _grow(E, h, size, stream, exact)
     # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
     if b < 0 and settle(E, True) > 0:
         b = _find_or_grow(E, h, size, stream, exact)
@@ -200,6 +220,15 @@ def _last_rung(E, n, stream, pending):
     st, cfg = E.st, E.cfg
     size = round_size(n)
     h = pool_of(size)
+    if pending <= FIRST:  # Note [Stitch before grow]; if it cannot, the grow and the ladder as before
+        exact = pending == FIRST_EXACT
+        if stitch(E, LARGE, size, stream, _stitch_first_room(E, h, size, stream)):
+            b = find(E.IX, E.PS, h, size, stream)
+            if b >= 0:
+                return _serve(E, h, b, size, stream)
+        pending = _grown(E, h, size, stream, exact)
+        if pending > LAST_RUNG:
+            return pending
     exact = pending == STITCH_EXACT or pending == HOLES_EXACT
     b = -1
     if pending <= HOLES:

@@ -395,7 +395,7 @@ def settle(E, wait):
                 continue
             if not wait and DT[t] == 0:
                 continue
-            DT[t] = 0
+            DT[t] = 2  # settled: its flag goes down once both heaps are done
             m = of_stream_into(E, h, t, W[0], W[1])  # the order the heap visits them in
             for j in range(m):
                 b = W[0, j]
@@ -404,4 +404,9 @@ def settle(E, wait):
                     ix_remove(E.B, E.IX, E.st, E.PS, h, b)
                     B[b, STREAM] = -1
                     coalesce(E.B, E.FB, E.S, E.IX, E.st, E.PS, h, b)
+    # A stream's frees are settled in both heaps before its flag goes down (the pool reads a
+    # stream's done epoch once for all heaps).
+    for t in range(DT.shape[0]):
+        if DT[t] == 2:
+            DT[t] = 0
     return moved

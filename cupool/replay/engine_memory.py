@@ -401,7 +401,7 @@ def _cut(E, h, b, lo, hi):
             after = piece
         B[after, PREV] = -1
         S[S_HEAD, right] = after
-        S[S_TAIL, right] = S[S_TAIL, s]
+        S[S_TAIL, right] = S[S_TAIL, s] if S[S_TAIL, s] != b else after  # b was last: its piece is
         x = after
         while x >= 0:
             B[x, SEG] = right
