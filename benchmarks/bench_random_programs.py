@@ -19,8 +19,11 @@ peak reserved over the live peak (``allocated_bytes.all.peak``), and the driver
 calls per 1,000 operations: virtual-memory ``map`` / ``unmap`` / ``set_access``
 calls counted on the pool's ``VirtualMemory``, and cudaMalloc / cudaFree (device
 allocations and frees of plain segments), with the H200's per-call costs
-(``COSTS``: 20 us a map, 40 us an unmap, 50 us a set_access, 50 / 40 us a
-cudaMalloc / cudaFree) turned into microseconds per 1,000 operations.
+(``COSTS``, from ``cupool.device.costs``: 18.9 us a map, 38.8 us an unmap, 51.6 us a
+set_access, 51.5 / 40.8 us a cudaMalloc / cudaFree) turned into microseconds per
+1,000 operations.  The sim device maps one chunk per granule, so its map counts are
+what a GPU would make with 2 MiB handles; on a GPU cupool maps one handle per grow
+(Note [Virtual memory]), so fewer.
 
 ``--monotone N`` scans N random 400-operation programs (40% of requests under 1 MiB,
 40% 1-10 MiB, 20% 10-80 MiB, at most 60 live, as ``docs/benchmarks.md``'s earlier
@@ -46,6 +49,8 @@ from typing import Any
 import numpy as np
 
 import cupool
+from cupool.device.costs import H200
+from cupool.testing.programs import Call, run_calls
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CAPACITY = 16 * GiB
@@ -55,10 +60,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "plain caching": {"expandable_segments": False},
 }
 MIXES = {"small": (512, 1 * MiB), "large": (1 * MiB, 64 * MiB), "mixed": (4 * KiB, 64 * MiB)}
-#: H200 per-call costs in microseconds (/work/shared/gpu-runs/2026-11-28-h200/costs.md).
-COSTS = {"map": 20.0, "unmap": 40.0, "set_access": 50.0, "malloc": 50.0, "free": 40.0}
+#: Per-call costs in microseconds: the H200's (Note [Per-call costs], ``cupool.device.costs``).
+COSTS = {call: H200[name].seconds * 1e6 for call, name in (
+    ("map", "cuMemMap"), ("unmap", "cuMemUnmap"), ("set_access", "cuMemSetAccess"), ("malloc", "malloc"),
+    ("free", "free"))}
 
-Op = tuple[int, int, int]  # (0, size, stream): malloc; (1, index, 0): free live[index % len(live)]
+Op = Call  # (0, size, stream): malloc; (1, index, 0): free live[index % len(live)] (run_calls)
 
 
 def program(seed: int, n_ops: int, lo: int, hi: int, max_live: int, streams: int) -> list[Op]:
@@ -109,19 +116,10 @@ def run(config: dict[str, Any], ops: list[Op], capacity: int = CAPACITY) -> dict
     """Run ``ops`` on a fresh sim pool with ``config``: peaks, OOMs and driver calls."""
     pool = cupool.Pool("sim", capacity=capacity, **config)
     counts = {"map": 0, "unmap": 0, "set_access": 0}
-    vm = getattr(pool._arena.segments, "vm", None)  # noqa: SLF001 - a benchmark counts the driver's calls
+    vm = pool.device.virtual_memory() if config.get("expandable_segments", True) else None  # the pool's, shared
     if vm is not None:
         _counting(vm, counts)
-    live: list[Any] = []
-    ooms = 0
-    for op, x, stream in ops:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except cupool.OutOfMemoryError:
-                ooms += 1
-        elif live:
-            live.pop(x % len(live)).free()
+    ooms, live = run_calls(pool, ops)
     s = pool.stats()
     for a in live:
         a.free()
@@ -161,16 +159,7 @@ def _live_ooms(ops: list[Op], capacity: int) -> tuple[int, Any]:
     pool = cupool.Pool("sim", capacity=capacity)
     rec = pool.record()
     rec.start()
-    live: list[Any] = []
-    ooms = 0
-    for op, x, stream in ops:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except cupool.OutOfMemoryError:
-                ooms += 1
-        elif live:
-            live.pop(x % len(live)).free()
+    ooms, _ = run_calls(pool, ops)
     rec.stop()
     return ooms, (rec.trace(), pool.stats()["allocated_bytes.all.peak"])
 

@@ -19,6 +19,7 @@ import cupool
 from cupool.core import rules
 from cupool.core.heap import Heap
 from cupool.replay import replay
+from cupool.testing.programs import run_calls
 
 MiB = 1 << 20
 
@@ -37,16 +38,7 @@ def _run(capacity: int, ops: list[tuple[int, int, int]], record: bool = False):
     rec = pool.record() if record else None
     if rec is not None:
         rec.start()
-    live: list = []
-    ooms = 0
-    for op, x, stream in ops:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except cupool.OutOfMemoryError:
-                ooms += 1
-        elif live:
-            live.pop(x % len(live)).free()
+    ooms, _ = run_calls(pool, ops)
     pool.check()
     if rec is None:
         return ooms, None

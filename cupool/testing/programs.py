@@ -19,7 +19,10 @@ from ..errors import OutOfMemoryError
 from ..pool import Pool
 from .ledger import Ledger
 
-__all__ = ["Compact", "Free", "Malloc", "MallocMovable", "Op", "ProgramRun", "Spill", "SwitchStream", "run_program"]
+__all__ = [
+    "Call", "Compact", "Free", "Malloc", "MallocMovable", "Op", "ProgramRun", "Spill", "SwitchStream", "run_calls",
+    "run_program",
+]
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class SwitchStream:
 
 
 Op = Malloc | MallocMovable | Free | Compact | Spill | SwitchStream
+
+
+#: A program of ``run_calls``, as plain tuples: ``(0, nbytes, stream)`` allocates, ``(1, index, _)`` frees.
+Call = tuple[int, int, int]
 
 
 @dataclass
@@ -142,3 +149,25 @@ def run_program(pool: Pool, program: Any, streams: Any = (0, 1, 2), check: bool 
             ledger.check_bytes()
             ledger.check_books()
     return run
+
+
+def run_calls(pool: Pool, calls: Any) -> tuple[int, list[Allocation]]:
+    """Replay ``calls`` (``Call`` tuples) on ``pool`` as fast as it goes: no fills, no checks.
+
+    For programs too large for ``run_program``'s checks (the benchmarks' thousands of
+    requests of up to 64 MiB): ``(0, nbytes, stream)`` is ``pool.malloc(nbytes, stream)``,
+    an ``OutOfMemoryError`` counted; ``(1, index, _)`` frees the live allocation at
+    ``index`` modulo their number (nothing when none is live).  Returns the refusals
+    and the allocations still alive, in the order they were made.
+    """
+    live: list[Allocation] = []
+    ooms = 0
+    for op, x, stream in calls:
+        if op == 0:
+            try:
+                live.append(pool.malloc(x, stream=stream))
+            except OutOfMemoryError:
+                ooms += 1
+        elif live:
+            live.pop(x % len(live)).free()
+    return ooms, live
