@@ -256,3 +256,17 @@ def test_the_expandable_machine_holds_on_the_double():
     OnDouble.TestCase.settings = machine_settings(max_examples=15, stateful_step_count=30, deadline=None)
     OnDouble.TestCase().runTest()
     assert doubles and all(d.driver.vm.mappings() == [] for d in doubles)
+
+
+@pytest.mark.parametrize("seq", [(4096, 3 * MiB), (MiB, 5 * MiB, MiB, 9 * MiB)], ids=["4KiB,3MiB", "mixed"])
+def test_a_loop_of_small_and_large_requests_is_warm_after_its_first_pass(double, seq):
+    """A stitch before the grow (Note [Stitch before grow]) took the small heap's empty segment for the large
+    request, and the next small request mapped one back: 23 driver calls on every pass of this loop."""
+    pool = expandable(double)
+    for n in seq:
+        pool.free(pool.malloc(n))
+    mark = double.log.mark()
+    for _ in range(3):
+        for n in seq:
+            pool.free(pool.malloc(n))
+    assert double.log.since(mark) == []

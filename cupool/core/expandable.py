@@ -76,7 +76,12 @@ left, and so on the capacity: a larger device could run out of memory where a sm
 one did not (the 15-call program in ``docs/benchmarks.md``).  Only when the grow
 fits: without room the ladder runs as before, releasing, then stitching.  The price
 is driver calls: a stitch unmaps its holes' granules and maps them again, and its
-segment goes back to the device as soon as it is wholly free.
+segment goes back to the device as soon as it is wholly free.  So this stitch leaves
+the small heap's empty segments alone (``rules.stitch_takes``): they are that heap's
+cache, not holes, and taking one only moved a granule between the classes; a loop
+of one small and one large request remapped it both ways on every pass (23 driver
+calls and two device synchronizations an iteration on the CUDA double, where the
+grow it replaced costs none once warm: ``tests/test_cuda_double.py``).
 
 The invariants, checked by ``pool.check()`` and ``tests/test_expandable.py``: every
 mapped granule lies in exactly one heap segment and every segment is mapped
@@ -111,9 +116,9 @@ from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_first_room, stitch_pick, usable
+from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_first_room, stitch_pick, stitch_takes, usable
 from .segments import execute
-from .sizes import round_up
+from .sizes import SMALL, round_up
 
 
 def virtual_memory_of(device: Device, expandable: bool | None, stitch: bool | None) -> VirtualMemory | None:
@@ -371,15 +376,15 @@ class Expander:
         ``stream``; False changes nothing, and the grow follows.
         """
         fresh = stitch_first_room(self.need(kind, size, stream), room, self.granule)
-        return fresh >= 0 and self.stitch(kind, size, stream, fresh)
+        return fresh >= 0 and self.stitch(kind, size, stream, fresh, first=True)
 
-    def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool:
+    def stitch(self, kind: int, size: int, stream: Any, room: int, first: bool = False) -> bool:
         """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
 
-        Granules from the largest holes first; what they lack is created fresh
-        when ``room`` (bytes the limit still allows) covers it.  Returns whether a
-        stitched segment now holds a free block of ``size`` for ``stream``; False
-        changes nothing.
+        Granules from the largest holes first (those ``rules.stitch_takes`` allows: ``first``
+        is a stitch before the grow); what they lack is created fresh when ``room`` (bytes
+        the limit still allows) covers it.  Returns whether a stitched segment now holds a
+        free block of ``size`` for ``stream``; False changes nothing.
         """
         g = self.granule
         room = room // g * g
@@ -391,7 +396,8 @@ class Expander:
                     continue
                 for b in heap.free_blocks(s):
                     lo, hi = self._whole(*hole(b.addr, b.size, g))
-                    if hi > lo and b.segment.region is not None and not b.segment.keep:
+                    seg = b.segment
+                    if hi > lo and seg.region is not None and not seg.keep and stitch_takes(first, k == SMALL, seg.used):
                         holes.append((hi - lo, lo, k, b))
         lengths = np.array([h[0] for h in holes], np.int64)
         order, count, got = stitch_pick(lengths, np.array([h[1] for h in holes], np.int64), want)

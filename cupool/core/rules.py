@@ -30,6 +30,7 @@ free block's stream is the one whose frees it holds.
 | ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
+| ``stitch_takes`` | which free blocks' granules a stitch may take (a stitch before the grow leaves the small heap's empty segments) | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first`` | ``engine._last_rung`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
@@ -141,6 +142,20 @@ def stitch_pick(lengths: np.ndarray, lows: np.ndarray, want: int) -> tuple[np.nd
         got += lengths[i]
         count += 1
     return order, count, got
+
+
+def stitch_takes(first: bool, small: bool, segment_used: int) -> bool:
+    """Whether a stitch may take the whole granules under a free block of a segment with ``segment_used``
+    bytes in use, in the ``small`` heap or the large (Note [Stitch before grow]).
+
+    The ladder's stitch (``first`` False: the pool is out of room) takes any.  A
+    stitch before the grow leaves a small segment with nothing in use alone: it is
+    the small heap's cache, not a hole, and taking it only moves a granule from one
+    class to the other: the next small request maps a fresh one back, and a loop of
+    one small and one large request would remap both, behind a device synchronization,
+    on every pass.
+    """
+    return not (first and small and segment_used == 0)
 
 
 def stitch_first_room(need: int, room: int, granule: int) -> int:

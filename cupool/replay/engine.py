@@ -222,7 +222,7 @@ def _last_rung(E, n, stream, pending):
     h = pool_of(size)
     if pending <= FIRST:  # Note [Stitch before grow]; if it cannot, the grow and the ladder as before
         exact = pending == FIRST_EXACT
-        if stitch(E, LARGE, size, stream, _stitch_first_room(E, h, size, stream)):
+        if stitch(E, LARGE, size, stream, _stitch_first_room(E, h, size, stream), True):
             b = find(E.IX, E.PS, h, size, stream)
             if b >= 0:
                 return _serve(E, h, b, size, stream)
@@ -234,7 +234,7 @@ def _last_rung(E, n, stream, pending):
     if pending <= HOLES:
         if release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
             b = _find_or_grow(E, h, size, stream, exact)
-    elif stitch(E, LARGE, size, stream, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE):
+    elif stitch(E, LARGE, size, stream, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE, False):
         b = _find_or_grow(E, LARGE, size, stream, exact)
     if b < 0:
         st[OOMS] += 1

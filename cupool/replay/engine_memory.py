@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import rules
-from ..core.sizes import round_page, round_up
+from ..core.sizes import SMALL, round_page, round_up
 from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
@@ -448,8 +448,9 @@ def _cut(E, h, b, lo, hi):
 
 
 @njit(cache=True)
-def stitch(E, h, size, stream, room):
-    """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side."""
+def stitch(E, h, size, stream, room, first):
+    """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side
+    (``first``: a stitch before the grow, ``rules.stitch_takes``)."""
     B, S, st = E.B, E.S, E.st
     want = round_up(size, GRANULE)
     n_holes = 0
@@ -467,7 +468,8 @@ def stitch(E, h, size, stream, room):
                 b = ids[j]
                 lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
                 s = B[b, SEG]
-                if hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0:
+                if (hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0
+                        and rules.stitch_takes(first, k == SMALL, S[S_USED, s])):
                     ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
                     m += 1
     lengths = ln[:m]  # clipped in place by the rule to what is taken from each hole
