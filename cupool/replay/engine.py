@@ -269,7 +269,7 @@ class _CompileNotice(event.Listener):
 
     Numba raises ``numba:compile`` only when it really compiles, after its
     cache had no entry, so a load from the cache (well under a second) stays
-    quiet and a compile (about 40 s of CPU) is announced before the wait, not after it.
+    quiet and a compile (30-60 s of CPU: README) is announced before the wait, not after it.
     Only the engine's functions count (this module's and its ``engine_*``
     parts'): Numba's own helpers that some process compiles (typed
     containers, never cached) are no news to the user.  On a
