@@ -85,7 +85,7 @@ def compaction(rows: list[dict[str, Any]]) -> None:
     for a, b in marks:
         moves.calls += d.log.calls[a:b]
     base = copy_seconds(H200, report.bytes_moved) * 1e6
-    rows.append(row(f"pool.compact(), moves only ({report.moves} moves, 128 MiB)", moves, 0,
+    rows.append(row(f"pool.compact(), moves only ({report.moves} moves, {report.bytes_moved >> 20} MiB)", moves, 0,
                     ">= 0.8x one device copy", None, base, 0.8))
     rows.append(row("pool.compact(), end to end", d.log, mark, "", None))
 

@@ -92,7 +92,7 @@ def test_evacuation_empties_sparse_segments_and_respects_pins():
 
 
 def test_budget_bounds_each_pass_and_later_passes_continue():
-    h, _ = build([".m.m.m.m"], 8)
+    h, _ = build([".m" * 8], 16)  # filling takes 4 moves: the last block into the first hole, and so on
     moves, _ = plan(h, lambda b: True, max_moves=2)
     assert len(moves) == 2
     moves2, _ = plan(h, lambda b: True, max_bytes=A)
@@ -101,6 +101,22 @@ def test_budget_bounds_each_pass_and_later_passes_continue():
     assert len(moves3) == 1
     assert plan(h, lambda b: True)[0] == []
     h.check()
+
+
+def test_filling_moves_half_the_buffers_in_one_batch_where_sliding_moved_all_in_a_chain():
+    """Every other buffer of 64 freed (issue 34's compaction check): the last buffers fill the first holes,
+    32 units in 32 moves of which none reads what another writes, and the buffers that did not move stay."""
+    h, owners = build([".m" * 64], 128)
+    moves, _ = plan(h, lambda b: True)
+    h.check()
+    assert len(moves) == 32 and sum(m.nbytes for m in moves) == 32 * A  # sliding: 64 moves, each waiting on one
+    written = set()
+    for m in moves:
+        assert m.dst + m.nbytes <= m.src  # each to a hole below it
+        assert not any(m.src <= w < m.src + m.nbytes for w in written)  # reads nothing an earlier move wrote
+        written.update(range(m.dst, m.dst + m.nbytes))
+    seg = next(iter(h.segments.values()))
+    assert [b.free for b in seg.blocks()] == [False] * 64 + [True]  # tight: one free run at the end
 
 
 # ---------------------------------------------------------------- the pool

@@ -5,10 +5,18 @@ the device agree with it.  The moves must then be carried out *in list order*
 with memmove semantics (``kernels.move``): each destination was free when the move
 was planned and no later move reads it, so order is all the executor needs.
 
-Two phases, both bounded by an optional budget of bytes and moves (the Vulkan
+Three phases, all bounded by an optional budget of bytes and moves (the Vulkan
 Memory Allocator's defragmentation passes have the same shape), so compaction can
 be done incrementally:
 
+0. **Fill.** Within each segment, the movable blocks nearest its end move, last
+   first, into the lowest free block before them that holds them, for as long as
+   there is one: a movable buffer keeps no order, so a hole is filled by one move
+   from the end instead of by sliding everything after it.  With every other buffer
+   of a segment freed, sliding moves every buffer left, in a chain of dependent
+   moves as long as the log of their number (each slot waits for the one it is
+   written over to move out); filling moves half of them, none over another, in
+   one batch (issue 34: 64 MiB instead of 128 MiB, in one phase instead of six).
 1. **Slide.** Within each segment, movable blocks slide toward the segment's
    start around pinned blocks, so free space gathers in one run per gap between
    pinned blocks (and at the end).  A block may slide over itself.
@@ -66,6 +74,7 @@ def plan(
     """Compact ``heap`` in place; return the moves to carry out and the segments emptied."""
     budget = _Budget(max_bytes, max_moves)
     moves: list[Move] = []
+    _fill(heap, can_move, budget, moves)
     _slide(heap, can_move, budget, moves)
     emptied = _evacuate(heap, can_move, budget, moves)
     return moves, emptied
@@ -86,6 +95,23 @@ def _relocate(heap: Heap, block: Block, dst_free: Block, moves: list[Move], budg
     moves.append(Move(src, new.addr, size, new, payload))
     budget.spend(size)
     return new
+
+
+def _fill(heap: Heap, can_move: Callable[[Block], bool], budget: _Budget, moves: list[Move]) -> None:
+    for seg in sorted(heap.segments.values(), key=lambda s: s.addr):
+        movable = [b for b in seg.blocks() if not b.free and can_move(b)]
+        lowest = seg.head  # no free block before it
+        for b in reversed(movable):  # the last first; moving one never changes another of them
+            while lowest is not None and not lowest.free:
+                lowest = lowest.next
+            hole = lowest
+            while hole is not None and hole.addr < b.addr and not (hole.free and hole.size >= b.size):
+                hole = hole.next
+            if hole is None or hole.addr >= b.addr:  # nothing before it holds it: the slide does the rest
+                break
+            if not budget.allows(b.size):
+                return
+            _relocate(heap, b, hole, moves, budget)
 
 
 def _slide(heap: Heap, can_move: Callable[[Block], bool], budget: _Budget, moves: list[Move]) -> None:
