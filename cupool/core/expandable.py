@@ -239,8 +239,9 @@ class Expander:
                 self._forget(region)
             region = None
         if region is None:
-            try:
-                region = self.regions[(kind, stream)] = self._reserve(self.span, growable=True, stitched=False)
+            try:  # a limit raised since the pool was made (set_limit) may let one grow pass the span
+                region = self.regions[(kind, stream)] = self._reserve(max(self.span, n), growable=True,
+                                                                      stitched=False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)
