@@ -29,7 +29,9 @@ device's virtual memory (``Device.virtual_memory()``, which a device without any
 refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
 block's bytes really live in the mapping, and touching an unmapped granule is
 refused, or faults, as on a GPU). As in PyTorch, each stream and size class
-has one *region*, a reserved range of addresses as long as the pool's limit, from
+has one *region*, a reserved range of addresses as long as the pool's limit (the
+limit it was made with; one that ``set_limit`` raised since makes a region as long as
+the grow that starts it, where that is longer), from
 the pool's own address space (Note [Address arena]); its
 mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
 maps just the granules the region's last free block lacks at the region's end
