@@ -37,6 +37,7 @@ from .core import build_info
 from .hooks.cupy import memory_path
 from .hooks.torch import shim_status, torch_status
 from .device import KINDS, CudaDevice, cuda_available, kinds, parse_device
+from .errors import AddressSpaceExhausted
 from .observe.snapshot import export_trace
 from .pool import Pool
 from .replay.commands import add_commands as add_replay_commands
@@ -300,8 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return _interrupted()
-    except (ValueError, TypeError, OSError) as e:
-        # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read.
+    except (ValueError, TypeError, OSError, AddressSpaceExhausted) as e:
+        # TraceError is a ValueError; OSError: a report or trace path that cannot be written or read;
+        # AddressSpaceExhausted: a sim device this process has no addresses for (ulimit -v).
         print(f"cupool: error: {e}", file=sys.stderr)
         return 2
 

@@ -257,13 +257,9 @@ def fits(capacity: int, shapes: list[tuple[int, int]]) -> bool:
     """
     if capacity < max(workloads.peak_live_bytes(shapes), workloads.peak_live_bytes(workloads.source_shapes())):
         return False
-    for _, pool_kw, kw in SETTINGS:
-        for workload in (workloads.source_shapes(), shapes):
-            try:
-                workloads.weight_streaming(_sim(pool_kw)(capacity), workload, **kw)
-            except OutOfMemoryError:
-                return False
-    return _table_fits(capacity)
+    return all(workloads.completes(_sim(pool_kw), workload, capacity, **kw)
+               for _, pool_kw, kw in SETTINGS for workload in (workloads.source_shapes(), shapes)
+               ) and _table_fits(capacity)
 
 
 def _table_fits(capacity: int) -> bool:

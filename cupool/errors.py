@@ -20,6 +20,7 @@ Charter: this module knows only units; every other module imports its errors fro
 | ``DriverError`` | ``RuntimeError`` | the CUDA driver refused a call, other than for memory |
 | ``WorkerError`` | ``RuntimeError`` | work cupool asked of Dask workers failed on some of them |
 | ``TorchAllocatorError`` | ``RuntimeError`` | PyTorch cannot be served: its allocator was already in use, the shim is not built, or torch is missing or has no CUDA |
+| ``StandInRuntimeError`` | ``RuntimeError`` | ``cupool.testing.cuda_double``'s stand-in for CuPy's ``CUDARuntimeError`` refused a call (``status``: the runtime's code) |
 
 The second bases keep code written for plain Python (``except MemoryError``,
 ``except ValueError``) working.  ``OutOfMemoryError`` subclasses ``MemoryError`` so that code written for plain
@@ -258,3 +259,7 @@ class StandInRuntimeError(Error, RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[StandInRuntimeError], tuple[int, str]]:
+        return (type(self), (self.status, self.message))

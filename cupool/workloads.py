@@ -123,25 +123,27 @@ def weight_streaming(
     return steps
 
 
+def completes(make_pool: Any, shapes: Sequence[tuple[int, ...]], capacity: int, **kw: Any) -> bool:
+    """Whether the stream of ``shapes`` runs to its end on ``make_pool(capacity)``, a fresh pool (no OOM)."""
+    try:
+        weight_streaming(make_pool(capacity), shapes, **kw)
+        return True
+    except OutOfMemoryError:
+        return False
+
+
 def smallest_capacity(make_pool: Any, shapes: Sequence[tuple[int, ...]], lo: int, hi: int, step: int, **kw: Any) -> int | None:
     """The smallest device size in [lo, hi] (multiples of ``step``) on which the stream completes.
 
     ``make_pool(capacity)`` builds a fresh pool.  Success is assumed monotone in the
     capacity, which holds for a deterministic pool and workload.
     """
-    def ok(cap: int) -> bool:
-        try:
-            weight_streaming(make_pool(cap), shapes, **kw)
-            return True
-        except OutOfMemoryError:
-            return False
-
     lo_i, hi_i = -(-lo // step), hi // step
-    if not ok(hi_i * step):
+    if not completes(make_pool, shapes, hi_i * step, **kw):
         return None
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
-        if ok(mid * step):
+        if completes(make_pool, shapes, mid * step, **kw):
             hi_i = mid
         else:
             lo_i = mid + 1

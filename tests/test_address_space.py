@@ -333,3 +333,22 @@ def test_a_pool_that_outgrows_its_arena_numbers_the_next_after_it_and_replays_to
     for engine in ("numba", "pool"):
         r = replay(rec.trace(), engine=engine)
         assert (r.peak_reserved, r.peak_segments, r.device_allocs, r.ooms) == want, engine
+
+
+def test_a_pool_whose_limit_is_raised_grows_past_the_limit_it_was_made_with():
+    """Before: a region was one limit long, the limit the pool was made with, so after ``set_limit()``
+    lifted a 64 MiB cap a 512 MiB request mapped past its new region's end: ``VirtualMemoryError``
+    ("lies in no reserved range") out of ``malloc``, its chunks left created.  (A region was twice the
+    device before issue 34, which any limit fits.)"""
+    pool = cupool.Pool("sim", capacity="1GiB", max_size="64MiB", expandable_segments=True)
+    small = pool.malloc(32 * MiB)  # a region of the first limit, grown
+    pool.set_limit()  # CuPy's: no cap, the device's total
+    big = pool.malloc(512 * MiB)  # past that region's end: a new one
+    fresh = pool.malloc(300 * MiB, stream=1)  # a stream without a region yet
+    pool.check()
+    assert pool.stats()["reserved_bytes.all.current"] >= 844 * MiB
+    for a in (small, big, fresh):
+        a.free()
+    pool.empty_cache()
+    pool.check()
+    assert pool.stats()["reserved_bytes.all.current"] == 0

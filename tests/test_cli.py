@@ -288,6 +288,22 @@ def test_info_refuses_the_cupool_conf_default_pool_refuses_in_its_words(conf, ca
     assert out == "" and err == f"cupool: error: {refused.value}\n"
 
 
+def test_a_sim_device_the_process_has_no_addresses_for_is_one_line(monkeypatch, capsys):
+    """Before: since issue 34 a sim device whose address space the process is refused (``ulimit -v``) raises
+    ``AddressSpaceExhausted``, a ``MemoryError``, where it raised a ``ValueError``, and the command ended
+    in a traceback instead of its one line."""
+    from cupool.device import sim
+
+    def refused(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(sim.mmap, "mmap", refused)
+    assert main(["info", "--device", "sim", "--capacity", "16GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("cupool: error: capacity: a sim device of 16 GiB needs 32 GiB of address ")
+    assert err.count("\n") == 1 and "ulimit -v" in err
+
+
 def test_counts_are_singular_when_one(tmp_path, capsys):
     log = tmp_path / "one.csv"
     log.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1000,512,0x0\n")

@@ -106,6 +106,16 @@ def test_with_cupy_made_by_hand_it_keeps_its_own_message():
     )
 
 
+def test_the_cuda_doubles_runtime_error_pickles_with_its_status():
+    """Before: ``StandInRuntimeError(status, message)`` had no ``__reduce__``, so pickle and ``copy`` called it
+    with the message alone and failed (TypeError), though every cupool error crosses process pools."""
+    from cupool.errors import StandInRuntimeError
+
+    e = StandInRuntimeError(2, "cudaErrorMemoryAllocation: out of memory")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is StandInRuntimeError and back.status == 2 and str(back) == str(e)
+
+
 def test_every_exception_cupool_defines_lives_in_errors_under_one_root():
     """One root, one module: ``except cupool.Error`` catches whatever cupool raises (issue 18)."""
     import ast

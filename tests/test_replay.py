@@ -337,6 +337,22 @@ def test_a_recorded_capacity_no_machine_maps_names_the_trace_and_the_setting():
             replay(trace, engine=engine)
 
 
+def test_a_capacity_whose_addresses_the_process_is_refused_names_the_trace(monkeypatch):
+    """Before: since issue 34 a sim device the process has no address space for (``ulimit -v``) raises
+    ``AddressSpaceExhausted``, which ``sim_pool`` let through without the trace and the settings, and
+    which is no ``ValueError`` as the refusal was before."""
+    from cupool.device import sim
+
+    def refused(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    trace = Trace.from_events([(0, "alloc", 1, 4096, 0)], config={"capacity": 16 << 30}, source="big.h5")
+    monkeypatch.setattr(sim.mmap, "mmap", refused)
+    for engine in ("numba", "pool"):
+        with pytest.raises(ValueError, match=r"big\.h5: cannot make a sim pool .* 16 GiB needs 32 GiB of address"):
+            replay(trace, engine=engine)
+
+
 @pytest.mark.parametrize("engine", ["numba", "pool"])
 def test_a_malformed_seed_names_the_trace_and_the_field(engine):
     events = [(0, "segment_alloc", 1 << 21, 2 << 20, 0), (0, "alloc", 1 << 21, 4096, 0), (1, "free", 1 << 21, 4096, 0)]

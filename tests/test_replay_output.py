@@ -111,11 +111,17 @@ def test_the_rate_counts_only_replayed_events_and_a_still_picture_has_none(tmp_p
     assert "a still picture: no events replayed" in out and "events/s" not in out
 
 
-def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
+def _vmm_snapshot(folder: Path) -> Path:
+    """A PyTorch snapshot recorded on expandable segments: one mapped range, a block made and freed in it."""
     events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
               _event("free_completed", A, 12 * MiB, 3)]
-    path = tmp_path / "vmm.pickle"
+    path = folder / "vmm.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    return path
+
+
+def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
+    path = _vmm_snapshot(tmp_path)
     assert main(["replay", str(path), "--config", "upstream=managed"]) == 0
     assert "warning: the recording ran on expandable segments; this replay uses plain segments from the managed" \
         in capsys.readouterr().out
@@ -125,10 +131,7 @@ def test_a_recording_on_expandable_segments_says_so(tmp_path, capsys):
 def test_plain_segments_asked_for_are_not_warned_of(tmp_path, capsys):
     """Before: ``--compare recorded expandable_segments=false`` warned, on its second row, that the replay
     used plain segments, which is what that row asked for (issue 36, item 18)."""
-    events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
-              _event("free_completed", A, 12 * MiB, 3)]
-    path = tmp_path / "vmm.pickle"
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    path = _vmm_snapshot(tmp_path)
     for engine in ("numba", "pool"):
         r = replay(load_trace(path), {"expandable_segments": False}, engine=engine)
         assert r.config["expandable_segments"] is False and not r.warnings
@@ -141,10 +144,7 @@ def test_plain_segments_asked_for_are_not_warned_of(tmp_path, capsys):
 def test_the_plain_segments_warning_reads_the_settings_the_pool_resolved(tmp_path, capsys):
     """Before: expandable_segments=None (the default: on wherever the device has virtual memory) was read
     as plain, and the replay warned that it used plain segments while it ran on expandable ones."""
-    events = [_event("segment_map", A, 20 * MiB, 1), _event("alloc", A, 12 * MiB, 2),
-              _event("free_completed", A, 12 * MiB, 3)]
-    path = tmp_path / "vmm.pickle"
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    path = _vmm_snapshot(tmp_path)
     for engine in ("numba", "pool"):
         r = replay(load_trace(path), {"expandable_segments": None}, engine=engine)
         assert r.config["expandable_segments"] is True and not r.warnings

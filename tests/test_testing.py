@@ -525,6 +525,19 @@ def test_a_shrunk_limit_is_honoured_and_restored():
     pool.check()
 
 
+def test_a_shrunk_limit_of_nothing_is_refused_rather_than_lifting_the_cap():
+    """Before: ``shrunk_limit(pool, 0)`` passed 0 to ``Pool.set_limit``, which reads it as CuPy's does (no cap
+    since issue 36 #12), so the block meant to leave the pool no room gave it the whole device."""
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="32MiB")
+    for nothing in (0, "0MiB", "0%"):
+        with pytest.raises(ValueError, match="0 bytes"):
+            with shrunk_limit(pool, nothing):
+                pass
+        assert pool.limit == 32 * MiB
+    with shrunk_limit(pool, "2MiB") as limit:
+        assert limit == 2 * MiB
+
+
 def test_without_hypothesis_the_import_says_what_to_install(monkeypatch):
     for name in [m for m in sys.modules if m == "cupool.testing" or m.startswith("cupool.testing.")]:
         monkeypatch.delitem(sys.modules, name)

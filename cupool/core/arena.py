@@ -133,9 +133,10 @@ class Arena(FastPath):
         The miss path reads as one chain, one rung a line (Note [Out of memory]);
         ``closed_ok``: a closed pool still brings a spilled buffer back (Note [Lifetimes]).
         """
-        self.refuse_if_forked()
-        if self.closed and not closed_ok:
-            raise ClosedError("cupool: this pool is closed; it hands out no more memory")
+        if self.closed:  # a fork's child's arena is closed too (Note [Fork]): an open one pays nothing here
+            self.refuse_if_forked()
+            if not closed_ok:
+                raise ClosedError("cupool: this pool is closed; it hands out no more memory")
         size = round_size(n)
         kind = pool_of(size)
         heap = self.heaps[kind]

@@ -29,7 +29,9 @@ device's virtual memory (``Device.virtual_memory()``, which a device without any
 refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
 block's bytes really live in the mapping, and touching an unmapped granule is
 refused, or faults, as on a GPU). As in PyTorch, each stream and size class
-has one *region*, a reserved range of addresses as long as the pool's limit, from
+has one *region*, a reserved range of addresses as long as the pool's limit (the
+limit it was made with; one that ``set_limit`` raised since makes a region as long as
+the grow that starts it, where that is longer), from
 the pool's own address space (Note [Address arena]); its
 mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
 maps just the granules the region's last free block lacks at the region's end
@@ -239,8 +241,9 @@ class Expander:
                 self._forget(region)
             region = None
         if region is None:
-            try:
-                region = self.regions[(kind, stream)] = self._reserve(self.span, growable=True, stitched=False)
+            try:  # a limit raised since the pool was made (set_limit) may let one grow pass the span
+                region = self.regions[(kind, stream)] = self._reserve(max(self.span, n), growable=True,
+                                                                      stitched=False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)

@@ -228,10 +228,14 @@ def _import_torch() -> ModuleType:
     try:
         import torch
     except (ImportError, OSError) as e:  # OSError: a torch whose own libraries fail to load
-        missing = isinstance(e, ModuleNotFoundError) and e.name == "torch"
-        said = "PyTorch is not installed" if missing else f"PyTorch cannot be imported ({e})"
+        said = "PyTorch is not installed" if _not_installed(e) else f"PyTorch cannot be imported ({e})"
         raise TorchAllocatorError(f"{said}; {TORCH_EXTRA} installs a supported one") from e
     return torch
+
+
+def _not_installed(error: BaseException | None) -> bool:
+    """Whether ``error`` (``import torch``'s) says torch is not installed, rather than that it failed to load."""
+    return isinstance(error, ModuleNotFoundError) and error.name == "torch"
 
 
 def _has_cuda(torch: ModuleType) -> bool:
@@ -252,10 +256,9 @@ def torch_status() -> tuple[str, str]:
     try:
         torch = _import_torch()
     except TorchAllocatorError as e:
-        cause = e.__cause__
-        if isinstance(cause, ModuleNotFoundError) and cause.name == "torch":
+        if _not_installed(e.__cause__):
             return "not installed", TORCH_EXTRA
-        return "cannot be imported", str(cause)
+        return "cannot be imported", str(e.__cause__)
     if not _has_cuda(torch):
         return str(torch.__version__), "no CUDA: cupool cannot serve its tensors"
     version = torch.version

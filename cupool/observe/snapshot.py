@@ -80,8 +80,7 @@ def to_torch_snapshot(pool: SnapshotSource) -> dict[str, Any]:
     expandable = bool(getattr(pool, "config", {}).get("expandable_segments"))
     segments = [_segment(seg, device, [{**b, "frames": []} for b in seg["blocks"]], expandable)
                 for seg in snap["segments"]]
-    traces = snap.get("device_traces") or _traces([], device)  # Pool.snapshot() has them while recorded
-    return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
+    return _snapshot(segments, snap.get("device_traces") or _traces([], device))  # Pool.snapshot(): while recorded
 
 
 def with_traces(pool: SnapshotSource, snap: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +115,7 @@ def trace_to_torch_snapshot(trace: Trace, device: int = 0) -> dict[str, Any]:
     cols = (trace.t_ns.tolist(), [trace.kinds[k] for k in trace.kind.tolist()], trace.addr.tolist(),
             trace.size.tolist(), trace.stream.tolist())
     events = list(zip(*cols, trace.stacks)) if trace.stacks is not None else list(zip(*cols))
-    return _snapshot(_final_segments(events, device), _entries(events), device)
+    return _snapshot(_final_segments(events, device), _traces(_entries(events), device))
 
 
 def export_trace(trace: Trace, path: str | Path, device: int = 0) -> int:
@@ -130,8 +129,8 @@ def _write(data: dict[str, Any], path: str | Path) -> int:
     return sum(len(t) for t in data["device_traces"])
 
 
-def _snapshot(segments: list[dict[str, Any]], entries: list[dict[str, Any]], device: int) -> dict[str, Any]:
-    return {"segments": segments, "device_traces": _traces(entries, device), "allocator_settings": {}}
+def _snapshot(segments: list[dict[str, Any]], traces: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
 
 def _traces(entries: list[dict[str, Any]], device: int) -> list[list[dict[str, Any]]]:

@@ -18,7 +18,7 @@ from .. import settings
 from .._units import parse_size
 from ..core.sizes import round_page
 from ..device.sim import SimDevice
-from ..errors import OutOfMemoryError
+from ..errors import AddressSpaceExhausted, OutOfMemoryError
 from ..pool import Pool
 from ..trace import Trace
 from ..trace.importers import recorded_peak_reserved, sized_capacity
@@ -337,7 +337,7 @@ def sim_pool(config: dict[str, Any], trace: Trace, given: dict[str, Any] | None 
     try:
         settings = {k: v for k, v in config.items() if k != "capacity"}
         pool = Pool(SimDevice(config.get("capacity", "4GiB")), **settings)
-    except (OutOfMemoryError, ValueError, TypeError) as e:
+    except (OutOfMemoryError, AddressSpaceExhausted, ValueError, TypeError) as e:  # a setting's refusal
         where = f"{trace.source}: " if trace.source else ""
         mine = f" (given: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
         raise ValueError(f"{where}cannot make a sim pool for the replay: {e}{mine}") from None

@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+from .._units import format_bytes, parse_size
 from ..core.sizes import PAGE
 from ..errors import OutOfMemoryError, StateError
 from ..pool import Pool
@@ -122,7 +123,14 @@ def fail_allocations(pool: Pool, data: Any, what: tuple[str, ...] = ("malloc", "
 
 @contextlib.contextmanager
 def shrunk_limit(pool: Pool, max_size: int | str) -> Iterator[int]:
-    """Lower ``pool``'s limit to ``max_size`` inside the block (yields the new limit); the old one comes back after."""
+    """Lower ``pool``'s limit to ``max_size`` inside the block (yields the new limit); the old one comes back after.
+
+    A ``max_size`` of 0 bytes is refused (``ValueError``, the limit unchanged): ``Pool.set_limit`` reads 0
+    as CuPy's does, as no cap at all, which would lift the limit this block is asked to lower.
+    """
+    if parse_size(max_size, pool.mem_info()[1], "max_size") == 0:
+        raise ValueError(f"shrunk_limit: max_size {max_size!r} is 0 bytes, which Pool.set_limit reads as CuPy's "
+                         f"set_limit does, as no cap; give at least {format_bytes(PAGE)}")
     old = pool.limit
     pool.set_limit(max_size)
     try:
