@@ -351,12 +351,12 @@ class Pool(CupyPoolMethods):
     @property
     def limit(self) -> int:
         """The cap on reserved bytes (``max_size`` / ``memory_fraction``, else the device).  Setting it
-        is ``set_limit``."""
+        takes a size as ``max_size`` does, capped at the device, and 0 means 0 (not CuPy's "no cap")."""
         return self._arena.limit
 
     @limit.setter
     def limit(self, size: int | str) -> None:
-        self.set_limit(size)
+        self._apply_limit(min(self._total, parse_size(size, self._total, "limit")))
 
     @property
     def defrag_threshold(self) -> float | None:
@@ -416,7 +416,9 @@ class Pool(CupyPoolMethods):
         takes it ("2GiB", "50%", bytes), or a ``fraction`` in [0, 1] of the device.  Neither, or 0, lifts the
         cap as in CuPy, to the device's (upstream's) total.  Below what is reserved, cached segments go
         back; live memory stays, and the pool does not grow until enough is freed."""
-        limit = cupy_limit(self._total, size, fraction)
+        self._apply_limit(cupy_limit(self._total, size, fraction))
+
+    def _apply_limit(self, limit: int) -> None:
         with self.hold() as view:
             self._arena.limit = limit
             over = view.books.reserved > limit

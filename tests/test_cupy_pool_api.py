@@ -57,6 +57,20 @@ def test_set_limit_takes_cupys_size_and_fraction():
         assert pool.get_limit() == 64 * MiB, lifted
 
 
+def test_the_limit_property_means_what_it_says_and_only_set_limit_speaks_cupy():
+    """``pool.limit = 0`` went through ``set_limit``, whose CuPy rule made 0 lift the cap to the device."""
+    pool = cupool.Pool("sim", capacity="64MiB")
+    pool.limit = 0
+    assert pool.limit == 0
+    with pytest.raises(cupool.OutOfMemoryError):
+        pool.malloc(1)
+    pool.limit = "128MiB"  # more than the device: capped at it, as before
+    assert pool.limit == 64 * MiB
+    with pytest.raises(ValueError, match="limit"):
+        pool.limit = -1
+    assert pool.limit == 64 * MiB
+
+
 @pytest.mark.parametrize("args,error,match", [
     ({"size": MiB, "fraction": 0.5}, ValueError, "not both"),
     ({"fraction": 1.5}, ValueError, r"fraction must be in \[0, 1\], got 1.5"),
