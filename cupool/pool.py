@@ -60,7 +60,7 @@ from .core.sites import Leak, SiteTracker, SiteUsage
 from .core.sizes import LARGE, round_size
 from .core.view import ArenaView
 from .cupy_pool import CupyPoolMethods
-from .device import Device, make_device, pinned_device, pinned_device_beside
+from .device import Device, make_device, note_made, pinned_device, pinned_device_beside
 from .display import Picture, pool_html, write_pretty
 from .errors import ClosedError, DeadlockError, StateError
 from .pressure.compact import BackgroundCompactor, CompactionReport, compact
@@ -144,7 +144,7 @@ class Pool(CupyPoolMethods):
             raise ValueError(f"spill_policy must be one of {', '.join(POLICIES)}, got {spill_policy!r}")
         check_defrag_threshold(defrag_threshold)
         check_fraction(memory_fraction)
-        dev = make_device(device, capacity)
+        dev = make_device(device, capacity)  # "auto" falling back is said once the pool is whole (note_made)
         src = sourcing(dev, expandable_segments, stitch, upstream)
         self._total = src.total  # what percentages and the default limit are taken of
         self._upstream = src.upstream_object  # told the release threshold (the async one passes it to the driver)
@@ -176,6 +176,7 @@ class Pool(CupyPoolMethods):
         if init:
             with arena.lock:
                 arena.new_segment(LARGE, init, None, keep=True)
+        note_made(device, dev)  # the no-GPU notice, after every error this constructor can raise
 
     # ------------------------------------------------------------------ public
     def malloc(self, nbytes: int, stream: Any = None) -> Allocation:

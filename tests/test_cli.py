@@ -425,6 +425,8 @@ def test_info_shows_the_fallback_in_its_table_and_not_again_as_a_notice(no_gpu, 
 def test_the_notice_never_comes_before_an_error_and_comes_once(no_gpu, capsys):
     with pytest.raises(ValueError, match="capacity: cannot parse"):
         cupool.Pool(capacity="-1GiB")
+    with pytest.raises(ValueError, match="max_size"):  # refused after the device is made: still no notice
+        cupool.Pool(capacity="8MiB", max_size="16MiB")
     assert main(["demo", "--capacity", "-1GiB"]) == 2
     assert capsys.readouterr().err == "cupool: error: capacity: cannot parse '-1GiB' as a size (try 2GB, 512MiB or " \
                                       "50%)\n"

@@ -42,6 +42,7 @@ __all__ = [
     "KINDS",
     "make_device",
     "note_auto_fallback",
+    "note_made",
     "Mapping",
     "PAGE",
     "parse_device",
@@ -142,16 +143,22 @@ def parse_device(device: str, capacity: int | str | None, note_fallback: bool = 
 
 
 def make_device(device: str | Device = AUTO, capacity: int | str | None = None) -> Device:
-    """Resolve the ``device=`` argument of ``Pool``: a ``Device`` as it is, a name as its kind makes it."""
+    """Resolve the ``device=`` argument of ``Pool``: a ``Device`` as it is, a name as its kind makes it.
+
+    Silent: the caller says that "auto" fell back (``note_made``) once nothing of its own can still
+    fail, so the notice never comes before an error of the same call (``Pool`` does, last)."""
     if isinstance(device, Device):
         if capacity is not None:
             raise ValueError("capacity: pass it to the SimDevice you built, not to the pool")
         return device
     kind, index = resolve_device(device, capacity, note_fallback=False)
-    made = kind.make(index, capacity if capacity is not None else kind.capacity)
-    if split_device(device)[0] == AUTO:  # made: the notice cannot come before an error of this call
-        note_auto_fallback(kind)
-    return made
+    return kind.make(index, capacity if capacity is not None else kind.capacity)
+
+
+def note_made(device: str | Device, made: Device) -> None:
+    """``note_auto_fallback`` for a device ``make_device(device)`` made, when ``device`` said "auto"."""
+    if isinstance(device, str) and split_device(device)[0] == AUTO:
+        note_auto_fallback(KINDS[split_device(made.name)[0]])
 
 
 def pinned_device(device: str | Device, capacity: int | str | None) -> Device:
