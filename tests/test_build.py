@@ -47,8 +47,9 @@ print(json.dumps({
     "memory": cupool.hooks.cupy.memory_path(),
     "memory_object": memory,
     "files": {d.rpartition(".")[2]: sys.modules[d].__file__ for d in cupool.core.COMPILED_MODULES
-              if d.startswith("cupool.core.")},
+              if d.startswith("cupool.core.") and d in sys.modules},  # a .pyx uncompiled is absent
     "allocated": stats["allocated_bytes.all.current"],
+    "free_index": cupool.core.heap.FreeIndex.__module__,  # Note [One compiled core]
     "cupool": cupool.__file__,
 }))
 """
@@ -121,6 +122,7 @@ def test_with_a_compiler_the_install_builds_each_module_and_runs_it(compiled_sit
     out, err = _run(compiled_site, tmp_path)
     assert out["info"]["fast_path"] == "compiled", out["info"]
     assert all(f.endswith(EXT) for f in out["files"].values()), out["files"]
+    assert out["free_index"] == "cupool.core.free_index", out  # the C++ index, not the SortedList fallback
     assert out["memory"][0] == out["memory_object"] == "PoolMemory", out
     assert "uncompiled" not in err and "Warning" not in err, err
 
@@ -129,6 +131,7 @@ def test_the_environment_variable_forces_the_uncompiled_path(compiled_site, tmp_
     out, err = _run(compiled_site, tmp_path, **{PURE_ENV: "1"})
     assert out["info"] == {"fast_path": "pure", "reason": "; ".join(f"{n}: {PURE_ENV}=1" for n in NAMES)}
     assert all(f.endswith(".py") for f in out["files"].values()), out["files"]
+    assert out["free_index"] == "cupool.core.heap", out
     assert out["memory"] == ["UnownedMemory", f"{PURE_ENV}=1"] and out["memory_object"] == "UnownedMemory"
     assert "uncompiled" not in err, err
     out, _ = _run(compiled_site, tmp_path, **{PURE_ENV: "0"})
@@ -200,9 +203,13 @@ def test_a_stale_memory_object_is_never_used_and_the_fast_path_still_runs(compil
 
 
 def test_the_memory_objects_record_covers_the_fast_paths_declarations_it_cimports(compiled_site):
-    """An edited fast.pxd makes the memory object stale too: its C code depends on that layout."""
+    """An edited fast.pxd (or any core .pxd listed before it) makes the memory object stale too: its C
+    code depends on that layout."""
     record = _path(compiled_site, MEMORY, f"{EXT}{SOURCE_HASH_SUFFIX}").read_text().strip()
-    sources = [_path(compiled_site, MEMORY, ".pyx"), compiled_site / "cupool" / "core" / "fast.pxd"]
+    earlier = COMPILED_MODULES[:COMPILED_MODULES.index(MEMORY)]
+    pxds = [p for p in (_path(compiled_site, d, ".pxd") for d in earlier) if p.exists()]
+    assert compiled_site / "cupool" / "core" / "fast.pxd" in pxds
+    sources = [_path(compiled_site, MEMORY, ".pyx"), *pxds]
     assert record == hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
 
 

@@ -35,6 +35,25 @@ Cython's pure-Python mode"):
   here, under the module's own name, into ``sys.modules``.  A module elsewhere
   (it may need a library cupool does not require, as the CuPy memory object
   needs CuPy) is chosen by ``compiled_module()`` at its first use.
+
+Note [One compiled core]
+~~~~~~~~~~~~~~~~~~~~~~~~
+What every allocation and free runs is compiled, from the source that also runs
+uncompiled: the hit (``fast``), and on a miss or a large block best fit, split
+and coalesce (``heap``), the figures (``books``) and the miss chain and the free
+(``arena``).  Each is plain Python typed by an augmenting ``.pxd``: blocks,
+segments, heaps, books and the arena are C structs there, and the arena's slow
+path is a C call from the fast path.  One piece has two implementations, as the
+log's fold has: the heap's free index is an ordered C++ set compiled
+(``free_index.pyx``) and a ``SortedList`` uncompiled (``heap.SortedFreeIndex``),
+with the same methods and best fit's order; the placement conformance suite and
+the state machines run on both (tests/test_both_paths.py).
+
+What stays Python, and why: the rule book and the size classes (``rules``,
+``sizes``), which the Numba replay engine compiles from their Python functions
+(``register_jitable`` needs a function's bytecode, not an extension's); the
+segment sources, which call the device; and the policy above.  A miss pays a
+few Python calls into them; a hit pays none.
 """
 
 from __future__ import annotations
@@ -50,7 +69,7 @@ from pathlib import Path
 from types import ModuleType
 
 #: Every module setup.py compiles, by dotted name, in build order: one may cimport those before it.
-COMPILED_MODULES = ("cupool.core.fast", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
+COMPILED_MODULES = ("cupool.core.fast", "cupool.core.free_index", "cupool.core.heap", "cupool.core.books", "cupool.core.arena", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
 #: The source suffixes of a listed module, in the order they are looked for; Cython compiles the first two.
 SOURCE_SUFFIXES = (".py", ".pyx", ".cpp")
 #: Beside a built extension: the sha256 of the source it was compiled from.

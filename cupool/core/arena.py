@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """The arena: heaps, books, events, streams and one segment source kept consistent under one lock.
 
 Charter: this is mechanism, in the sense of RMM's stream-ordered resource.  It

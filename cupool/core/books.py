@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """The books: PyTorch's ``Stat {current, peak, allocated, freed}`` for each figure and pool.
 
 Kept apart from placement, as RMM keeps its statistics adaptor apart from its
@@ -166,7 +167,7 @@ class Books:
         if COMPILED or len(log) < _FOLD_NUMPY_MIN:  # a C loop compiled; plain Python for a short log
             hits, *sums = fold_log(log)
             for k, row in enumerate((ALLOCATIONS, ALLOCATED, REQUESTED)):
-                net, top, gained = sums[3 * k : 3 * k + 3]
+                net, top, gained = sums[3 * k], sums[3 * k + 1], sums[3 * k + 2]
                 self._fold_row(row, net, top, gained, gained - net)
         else:
             hits = self._fold_numpy(log)

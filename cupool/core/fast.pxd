@@ -47,6 +47,9 @@ cdef class FastPath:
     @cython.locals(stack=list, a=Allocation, log=list)
     cpdef malloc(self, n, stream)
     cpdef request(self, nbytes, stream)
+    # The slow path the arena provides (cupool.core.arena): a C call when it is compiled too.
+    cpdef malloc_slow(self, n, stream)
+    cpdef free_block(self, a)
 
 
 @cython.no_gc

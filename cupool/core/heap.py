@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """Placement: segments, blocks, best fit, split and coalesce over integer addresses.
 
 Pure bookkeeping, no CUDA, so it can be tested exhaustively.  A segment is one
@@ -26,6 +27,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from . import compiled_module
 from .rules import fits_before, merged_stream, mergeable, split_rest
 
 #: A stream's key, as the pool names streams; None: any stream.
@@ -50,6 +52,47 @@ class Block:
     def __repr__(self) -> str:
         state = f"free stream={self.stream!r}" if self.free else "used"
         return f"Block({self.addr:#x}, {self.size}, {state})"
+
+
+class SortedFreeIndex:
+    """(size, address) of the free blocks of one stream, in best fit's order (``rules.fits_before``).
+
+    The uncompiled index, over ``sortedcontainers.SortedList``; compiled, the heap uses
+    ``cupool.core.free_index.FreeIndex`` (an ordered C++ set) with the same methods.
+    """
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys = SortedList()
+
+    def add(self, size: int, addr: int) -> None:
+        self.keys.add((size, addr))
+
+    def remove(self, size: int, addr: int) -> None:
+        self.keys.remove((size, addr))
+
+    def first_at_least(self, size: int) -> tuple[int, int] | None:
+        """The first (size, address) with at least ``size`` bytes: best fit for ``size``; None if there is none."""
+        i = self.keys.bisect_left((size, 0))
+        return self.keys[i] if i < len(self.keys) else None
+
+    def largest(self) -> int:
+        """The size of the largest free block, 0 if none."""
+        return self.keys[-1][0] if self.keys else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self.keys
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.keys)
+
+
+#: The free index the heap uses: compiled where it was built (Note [One compiled core]).
+FreeIndex: type[SortedFreeIndex] = getattr(compiled_module("cupool.core.free_index")[0], "FreeIndex", SortedFreeIndex)
 
 
 class PlannedMove(Protocol):
@@ -114,7 +157,7 @@ class Heap:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.alignment = alignment
         self.segments: dict[int, Segment] = {}
-        self._index: dict[Stream, SortedList] = {}
+        self._index: dict[Stream, SortedFreeIndex] = {}  # or the compiled FreeIndex: the same methods
         self._free: dict[int, Block] = {}
         self.reserved = 0
         self.allocated = 0
@@ -231,13 +274,11 @@ class Heap:
         best = None
         for t in (stream, None) if stream is not None else (None,):
             idx = self._index.get(t)
-            if not idx:
+            if idx is None:
                 continue
-            i = idx.bisect_left((size, 0))
-            if i < len(idx):
-                key = idx[i]  # the index's (size, address) order is best fit's (rules.fits_before)
-                if best is None or fits_before(key[0], key[1], best[0], best[1]):
-                    best = key
+            key = idx.first_at_least(size)  # the index's (size, address) order is best fit's (rules.fits_before)
+            if key is not None and (best is None or fits_before(key[0], key[1], best[0], best[1])):
+                best = key
         return None if best is None else self._free[best[1]]
 
     def take(self, block: Block, size: int) -> Block:
@@ -306,7 +347,7 @@ class Heap:
         return self.reserved - self.allocated
 
     def largest_free(self) -> int:
-        return max((idx[-1][0] for idx in self._index.values() if idx), default=0)
+        return max((idx.largest() for idx in self._index.values()), default=0)
 
     def __len__(self) -> int:
         return len(self._free)
@@ -315,12 +356,12 @@ class Heap:
     def _insert(self, b: Block) -> None:
         idx = self._index.get(b.stream)
         if idx is None:
-            idx = self._index[b.stream] = SortedList()
-        idx.add((b.size, b.addr))
+            idx = self._index[b.stream] = FreeIndex()
+        idx.add(b.size, b.addr)
         self._free[b.addr] = b
 
     def _remove(self, b: Block) -> None:
-        self._index[b.stream].remove((b.size, b.addr))
+        self._index[b.stream].remove(b.size, b.addr)
         del self._free[b.addr]
 
     def _coalesce(self, b: Block) -> Block:
