@@ -11,26 +11,22 @@ address, so ``first_at_least(n)`` is the best fit for ``n`` bytes.
 """
 
 from libcpp.set cimport set as cset
-from libcpp.utility cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc
 from cpython.pyport cimport PY_SSIZE_T_MAX
 
-ctypedef pair[Py_ssize_t, Py_ssize_t] Key
 
 
 cdef class FreeIndex:
     """(size, address) of the free blocks of one stream, in best fit's order (an ordered C++ set)."""
 
-    cdef cset[Key] keys
-
-    def add(self, Py_ssize_t size, Py_ssize_t addr) -> None:
+    cpdef add(self, Py_ssize_t size, Py_ssize_t addr):
         self.keys.insert(Key(size, addr))
 
-    def remove(self, Py_ssize_t size, Py_ssize_t addr) -> None:
+    cpdef remove(self, Py_ssize_t size, Py_ssize_t addr):
         if self.keys.erase(Key(size, addr)) == 0:
             raise ValueError(f"({size}, {addr:#x}) is not in the free index")
 
-    def first_at_least(self, size):
+    cpdef first_at_least(self, size):
         """The first (size, address) with at least ``size`` bytes, None if there is none (nor past
         the largest size an index holds)."""
         if size > PY_SSIZE_T_MAX:
@@ -40,7 +36,7 @@ cdef class FreeIndex:
             return None
         return deref(it).first, deref(it).second
 
-    def largest(self) -> int:
+    cpdef Py_ssize_t largest(self):
         """The size of the largest free block, 0 if none."""
         if self.keys.empty():
             return 0

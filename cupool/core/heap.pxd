@@ -3,6 +3,7 @@
 # read them without a dictionary lookup; their attributes stay public, as the arena, the
 # expander, the view and the planner read and write them as before.
 cimport cython
+from cupool.core.free_index cimport FreeIndex as CompiledFreeIndex  # the name FreeIndex is the .py's
 
 cdef class Segment
 cdef class Block
@@ -40,7 +41,7 @@ cdef class Heap:
     cdef public Py_ssize_t allocated
     cdef public Py_ssize_t n_allocated
 
-    @cython.locals(best=tuple, key=tuple)
+    @cython.locals(best=tuple, key=tuple, idx=CompiledFreeIndex)
     cpdef Block find(self, object size, object stream)
     @cython.locals(rest=Py_ssize_t, tail=Block)
     cpdef Block take(self, Block block, Py_ssize_t size)
@@ -49,7 +50,9 @@ cdef class Heap:
     cpdef Block reassign(self, Block block, object stream)
     cpdef bint is_indexed(self, Block block)
     cpdef Py_ssize_t stream_count(self)
+    @cython.locals(idx=CompiledFreeIndex)
     cpdef _insert(self, Block b)
+    @cython.locals(idx=CompiledFreeIndex)
     cpdef _remove(self, Block b)
     @cython.locals(nxt=Block, prv=Block)
     cpdef Block _coalesce(self, Block b)

@@ -361,7 +361,8 @@ class Heap:
         self._free[b.addr] = b
 
     def _remove(self, b: Block) -> None:
-        self._index[b.stream].remove(b.size, b.addr)
+        idx = self._index[b.stream]
+        idx.remove(b.size, b.addr)
         del self._free[b.addr]
 
     def _coalesce(self, b: Block) -> Block:
