@@ -1,23 +1,22 @@
-"""PyTorch's path into cupool on sim: the shim's alloc + free (called through ctypes) against ``malloc_key`` + free.
+"""PyTorch's path into cupool on sim: the shim's alloc + free, from Python and from a C loop, at several sizes.
 
-Four variants, each an allocation of ``--size`` bytes freed at once:
+Variants, each an allocation freed at once:
 
-- ``pool``: ``a = pool.malloc_key(size, 0); a.free()`` from Python, the pool's own cost;
+- ``pool``: ``pool.malloc(4096).free()`` from Python, the yardstick issue 33 names;
 - ``shim``: ``cupool_torch_alloc(size, 0, NULL)`` then ``cupool_torch_free(...)``, each
-  a ctypes call from Python;
+  a ctypes call from Python (at the first size only);
 - ``ctypes``: two calls of ``cupool_torch_free(NULL, ...)``, which returns at once: what
-  ctypes alone costs for the two calls;
-- ``compiled``: the same two ctypes functions called from a loop that Numba compiled with
-  ``nogil=True``: a C caller that has released the GIL, as torch's C++ calls them
-  (torch's Python bindings release the GIL before they allocate).
+  ctypes alone costs for the two calls (at the first size only);
+- ``compiled <size>``: the shim's two functions called from a loop that Numba compiled
+  with ``nogil=True``: a C caller that has released the GIL, as torch's C++ calls them
+  (torch's Python bindings release the GIL before they allocate), once per size.
 
-The target (issue 27) is the shim's alloc + free at most 1.5x ``pool``: ``shim / pool``
-includes ctypes' own cost per call (about as much as the pool's whole work), so
-``compiled / pool`` and ``(shim - ctypes) / pool`` say what the shim costs a C
-caller.  CPU time of this thread (``time.thread_time``), rounds interleaving the
-variants in a rotating order, medians of per-round ratios.
+Targets (issue 33): ``compiled <size> / pool`` at most 0.35 at every size, and no size
+costing more than 1.3x another (``spread``).  CPU time of this thread
+(``time.thread_time``), rounds interleaving the variants in a rotating order,
+medians of per-round ratios.
 
-    python benchmarks/bench_torch_shim.py [--number 20000] [--rounds 15] [--size 4096]
+    python benchmarks/bench_torch_shim.py [--number 20000] [--rounds 15] [--sizes 4KiB,1MiB,16MiB,256MiB]
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import cupool
+from cupool import format_bytes, parse_size
 from rounds import interleaved, paired  # benchmarks/rounds.py, beside this script
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def cpu_per_round(body: Callable[[int], None], number: int) -> float:
     return (time.thread_time() - t0) / number * 1e6
 
 
-def variants(pool: cupool.Pool, size: int) -> dict[str, Callable[[int], None]]:
+def variants(pool: cupool.Pool, sizes: list[int]) -> dict[str, Callable[[int], None]]:
     import cupool.torch
 
     s = cupool.torch.shim()
@@ -56,12 +57,12 @@ def variants(pool: cupool.Pool, size: int) -> dict[str, Callable[[int], None]]:
     free = getattr(lib, s.free)
     free.restype = None
     free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    malloc_key = pool.malloc_key
+    malloc = pool.malloc
+    size = sizes[0]
 
     def through_pool(n: int) -> None:
         for _ in range(n):
-            a = malloc_key(size, 0)
-            a.free()
+            malloc(4096).free()
 
     def through_shim(n: int) -> None:
         for _ in range(n):
@@ -73,10 +74,14 @@ def variants(pool: cupool.Pool, size: int) -> dict[str, Callable[[int], None]]:
             free(None, size, 0, None)
             free(None, size, 0, None)
 
-    return {"pool": through_pool, "shim": through_shim, "ctypes": ctypes_alone, "compiled": compiled(s, size)}
+    runs: dict[str, Callable[[int], None]] = {"pool": through_pool, "shim": through_shim, "ctypes": ctypes_alone}
+    loop = compiled(s)
+    for nbytes in sizes:
+        runs[f"compiled {format_bytes(nbytes)}"] = functools.partial(loop, size=nbytes)
+    return runs
 
 
-def compiled(s: Shim, size: int) -> Callable[[int], None]:
+def compiled(s: Shim) -> Callable[..., None]:
     """The shim's two functions called from machine code with the GIL released (Numba, through ctypes)."""
     import numba
 
@@ -97,7 +102,7 @@ def compiled(s: Shim, size: int) -> Callable[[int], None]:
             free(ptr, size, 0, 0)
         return refused
 
-    def body(n: int) -> None:
+    def body(n: int, size: int) -> None:
         assert loop(n, size) == 0
 
     return body
@@ -107,14 +112,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--sizes", default="4KiB,1MiB,16MiB,256MiB", help="comma-separated sizes (default: %(default)s)")
     args = ap.parse_args(argv)
     import cupool.torch  # after --help, which needs nothing
 
-    pool = cupool.Pool("sim", capacity="256MiB")
+    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    pool = cupool.Pool("sim", capacity="1GiB")
     cupool.torch.use(pool)
-    runs = variants(pool, args.size)
-    names = list(runs)
+    runs = variants(pool, sizes)
     times = interleaved({k: functools.partial(cpu_per_round, b) for k, b in runs.items()}, args.rounds, args.number)
     pool.check()
     assert pool.stats()["allocated_bytes.all.current"] == 0 and cupool.torch.live_blocks() == 0
@@ -122,12 +127,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "shim / pool": paired(times, "shim", "pool"),
         "(shim - ctypes) / pool": statistics.median(
             (s - c) / p for s, c, p in zip(times["shim"], times["ctypes"], times["pool"])),
-        "compiled / pool": paired(times, "compiled", "pool"),
     }
-    for name in names:
-        print(f"{name:10s} {statistics.median(times[name]):7.3f} us per alloc + free (median of {args.rounds})")
+    by_size = [k for k in runs if k.startswith("compiled ")]
+    for name in by_size:
+        ratios[f"{name} / pool"] = paired(times, name, "pool")
+    medians = [statistics.median(times[k]) for k in by_size]
+    ratios["spread (largest / smallest compiled)"] = max(medians) / min(medians)
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    for name in runs:
+        print(f"{name:16s} {statistics.median(times[name]):7.3f} us per alloc + free (median of {args.rounds})")
     for name, ratio in ratios.items():
-        print(f"{name:24s} {ratio:5.2f}x")
+        print(f"{name:38s} {ratio:5.2f}x")
     cupool.torch.use(None)
     return ratios
 
