@@ -1,6 +1,6 @@
 # distutils: language = c++
 # cython: language_level=3
-"""The heap's free-block index compiled: an ordered C++ set of (size, address) per stream.
+"""The heap's free-block index compiled: an ordered C++ set of (size, address), one per stream.
 
 Charter: this module knows two integers per free block and their order, nothing
 else.  It is compiled only (a ``.pyx``); uncompiled, the heap indexes free blocks
@@ -13,7 +13,6 @@ address, so ``first_at_least(n)`` is the best fit for ``n`` bytes.
 from libcpp.set cimport set as cset
 from cython.operator cimport dereference as deref, preincrement as inc
 from cpython.pyport cimport PY_SSIZE_T_MAX
-
 
 
 cdef class FreeIndex:
