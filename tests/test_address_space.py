@@ -352,3 +352,29 @@ def test_a_pool_whose_limit_is_raised_grows_past_the_limit_it_was_made_with():
     pool.empty_cache()
     pool.check()
     assert pool.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_after_a_raised_limit_large_requests_grow_one_segment_in_arenas_of_the_new_size():
+    """Before: regions and arenas stayed sized by the limit the pool was made with, so after
+    ``set_limit()`` lifted a 64 MiB cap each 200 MiB request retired its region and reserved one of
+    its own: three requests, three more segments, in three more 256 MiB arenas.  Now the segment
+    source is told (``may_hold``): the next region is one raised limit long, so the three requests
+    grow one segment, in an arena of 4 x the new limit that starts a lane of its own (numbered, so
+    that arenas reserved after it still follow it)."""
+    device = SimDevice("1GiB")
+    pool = cupool.Pool(device, max_size="64MiB", expandable_segments=True)
+    small = pool.malloc(32 * MiB)  # a region one 64 MiB limit long
+    pool.set_limit()  # CuPy's: no cap, the device's total
+    big = [pool.malloc(200 * MiB) for _ in range(3)]
+    assert pool.stats()["segment.all.current"] == 2  # the first region's, and one grown for all three
+    space = space_of(pool)
+    assert space.arena == address_arena(GiB) and space.lane in space.arenas
+    assert sorted(space.arenas.values()) == [address_arena(64 * MiB), address_arena(GiB)]
+    pool.limit = "64MiB"  # a lower limit after a raise sizes nothing smaller
+    assert space.arena == address_arena(GiB)
+    pool.limit = "512MiB"
+    pool.check()
+    for a in (small, *big):
+        a.free()
+    pool.close()
+    assert space.arenas == {} and space.lanes == {} and device.virtual_memory().address_bytes == 0
