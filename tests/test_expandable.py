@@ -19,7 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import cupool
 from cupool.config import parse_conf
 from cupool.core.books import ALL, RESERVED
-from cupool.device import GRANULE, SimDevice, SimPinnedDevice
+from cupool.device import GRANULE, CudaDevice, SimDevice, SimPinnedDevice
+from cupool.device.costs import H200
+from cupool.device.sim import SimWholeHandles
 from cupool.device.vmm import VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 from cupool.errors import OutOfMemoryError
 from cupool.trace import load_trace
@@ -154,6 +156,32 @@ def test_a_region_out_of_addresses_retires_and_a_new_one_takes_over():
     assert len(vm.ranges()) == 1 and reserved(pool) == 4 * MiB
     pool.check()
     del b
+
+
+class _PricedSim(SimDevice):
+    """A sim device that prices its calls as an H200's (for compaction's choice), and maps as the sim does."""
+
+    costs = H200
+
+
+@pytest.mark.parametrize("make, whole", [(SimDevice, False), (_PricedSim, False), (SimWholeHandles, True)])
+def test_whole_handles_are_a_capability_of_the_device_not_its_cost_table(make, whole):
+    """Before: ``whole_handles = device.costs is not None`` took "has a cost table" to mean "is a GPU",
+    so a device priced like an H200 mapped one handle per grow, and the sim device could not opt in
+    to measure what that costs.  Now ``Capabilities.whole_handles`` says it, once: CUDA devices (and the
+    CUDA double) set it, and ``SimWholeHandles`` is the sim device opting in."""
+    pool = cupool.Pool(make("64MiB"), expandable_segments=True, defrag_threshold=None)
+    a = pool.malloc(6 * MiB)
+    b = pool.malloc(9 * MiB)  # the same region grown by 5 granules
+    assert mapped_in(pool) == ([(a.ptr, 6 * MiB), (a.ptr + 6 * MiB, 10 * MiB)] if whole
+                               else [(a.ptr + i * GRANULE, GRANULE) for i in range(8)])
+    pool.check()
+    a.free()
+    pool.empty_cache()  # a handle goes back only whole: the first, wholly free, does
+    assert mapped_in(pool) == ([(a.ptr + 6 * MiB, 10 * MiB)] if whole
+                               else [(a.ptr + i * GRANULE, GRANULE) for i in range(3, 8)])
+    del b
+    assert CudaDevice.capabilities.whole_handles and not SimDevice.capabilities.whole_handles
 
 
 def test_the_initial_segment_is_mapped_and_kept():

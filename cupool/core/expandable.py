@@ -44,8 +44,8 @@ segments do, which splits their segments (``Heap.cut``); the ladder's release
 step leaves those holes to stitching, which remaps them side by side exactly
 where a request needs them. On the sim device each granule is its own chunk
 because the driver maps only whole chunks from their start (H100, driver 580):
-that is what lets granules move independently.  On a GPU (a device with a cost
-table, Note [Per-call costs]) a driver call costs 20-50 µs, so each grow, new
+that is what lets granules move independently.  On a GPU (``Capabilities.whole_handles``,
+Note [Per-call costs]) a driver call costs 20-50 µs, so each grow, new
 segment or stitch's fresh part is *one* handle (``whole_handles``), mapped with one
 ``cuMemMap`` and one ``cuMemSetAccess`` per contiguous range (growing by 64 granules:
 3 calls where it was 129, about 0.1 ms instead of 3.6 ms on an H200; PyTorch maps
@@ -195,7 +195,7 @@ class Expander:
         self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there (over one or more granules)
         self.base_of: dict[int, int] = {}  # chunk id -> the address it is mapped at
         # Note [Virtual memory]: one handle per grow where each driver call costs more than a copy.
-        self.whole_handles = device.costs is not None
+        self.whole_handles = device.capabilities.whole_handles
         self.closed = False  # the arena's finalizer gave everything back: no more device calls
         self.closing = False  # the pool is closed: ranges left empty go back too
         self.maps = 0  # granules mapped

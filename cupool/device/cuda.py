@@ -32,7 +32,8 @@ class CudaDevice(Device):
     """
 
     kind = "cuda"
-    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True)
+    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True,
+                                whole_handles=True)
     #: What its calls cost (Note [Per-call costs]): the one GPU measured so far stands for all.
     costs: ClassVar[dict[str, CallCost] | None] = H200
 
