@@ -94,14 +94,14 @@ def traces(folder: Path) -> dict[str, Any]:
         trace = load_trace(path)
         sized = trace_capacity(trace)
         base = {} if sized is None else {"capacity": sized[0]}
-        for label, cfg in (("defaults", {"expandable_segments": True}),
+        for label, cfg in (("stitch", {"expandable_segments": True, "stitch": True}),
                            ("no stitch", {"expandable_segments": True, "stitch": False})):
             for dev, make in DEVICES.items():
                 with mock.patch.object(replay_config, "SimDevice", make):
                     r = replay(trace, {**base, **cfg}, engine="pool", progress=False)
                 out[f"{path.name}: {label} / {dev}"] = {
                     "ratio": r.peak_reserved / max(r.peak_allocated, 1), "peak_reserved": r.peak_reserved,
-                    "peak_allocated": r.peak_allocated, "ooms": r.ooms}
+                    "peak_allocated": r.peak_allocated, "ooms": r.ooms, "device_calls": r.device_allocs}
     return out
 
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                        else ""))
     for k, v in res.get("traces", {}).items():
         print(f"  {k:60s} {v['ratio']:.3f}  ({v['peak_reserved'] >> 20} MiB / {v['peak_allocated'] >> 20} MiB, "
-              f"{v['ooms']} OOMs)")
+              f"{v['ooms']} OOMs, {v['device_calls']} device calls)")
     print("replay of the big program's recording: (peak reserved, peak segments, device calls, OOMs)")
     for dev, row in res["exactness"].items():
         print(f"  recorded on {dev}: {row['recorded']}")
