@@ -197,10 +197,15 @@ class Driver:
     CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
     CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=1)
 
-    def __init__(self, log: CallLog, capacity: int, outside: Any, batch: bool) -> None:
+    def __init__(self, log: CallLog, capacity: int, outside: Any, batch: bool, address_space: int | None = None) -> None:
         self.log = log
         self.capacity = capacity
         self.vm = SimVirtualMemory(capacity, outside=outside)
+        #: The GPU's addresses (None: as many as the process has): ``cuMemAddressReserve`` past what the
+        #: ranges in ``reserved`` (base -> bytes) hold fails with CUDA_ERROR_OUT_OF_MEMORY, as the driver did
+        #: on the H200 once a few pools' arenas held its 128 TiB.
+        self.address_space = address_space
+        self.reserved: dict[int, int] = {}
         self.handles: dict[int, Chunk] = {}
         self.contexts: list[Any] = []  # the current context stack
         self.retained = 0
@@ -280,10 +285,21 @@ class Driver:
         return (SUCCESS,) if out is None else (SUCCESS, out)
 
     def cuMemAddressReserve(self, nbytes: int, align: int, addr: int, flags: int) -> tuple[Any, ...]:
-        return self._vmm("cuMemAddressReserve", nbytes, self.vm.reserve, nbytes)
+        def reserve() -> int:
+            if self.address_space is not None and sum(self.reserved.values()) + nbytes > self.address_space:
+                raise DeviceOutOfMemory(f"{nbytes} bytes of addresses: the GPU's address space is held")
+            base = self.vm.reserve(nbytes)
+            self.reserved[base] = nbytes
+            return base
+
+        return self._vmm("cuMemAddressReserve", nbytes, reserve)
 
     def cuMemAddressFree(self, addr: int, nbytes: int) -> tuple[Any, ...]:
-        return self._vmm("cuMemAddressFree", nbytes, self.vm.free_range, int(addr))
+        def free() -> None:
+            self.vm.free_range(int(addr))
+            del self.reserved[int(addr)]
+
+        return self._vmm("cuMemAddressFree", nbytes, free)
 
     def cuMemCreate(self, nbytes: int, prop: Any, flags: int) -> tuple[Any, ...]:
         def create() -> int:
@@ -356,14 +372,16 @@ def _ndarray(shape: tuple[int, ...], dtype: Any, memptr: Any) -> np.ndarray:
 class CudaDouble:
     """One GPU of ``capacity`` bytes, on the CPU: ``device()`` is a ``CudaDevice`` whose calls all land in ``log``.
 
-    ``batch`` offers the driver's batched copy (``cuMemcpyBatchAsync``, CUDA 12.8 and later).
+    ``batch`` offers the driver's batched copy (``cuMemcpyBatchAsync``, CUDA 12.8 and later);
+    ``address_space`` limits the addresses its reservations may hold (``Driver.address_space``).
     """
 
-    def __init__(self, capacity: int | str = "4GiB", batch: bool = True) -> None:
+    def __init__(self, capacity: int | str = "4GiB", batch: bool = True, address_space: int | str | None = None) -> None:
         self.capacity = parse_size(capacity, name="capacity")
         self.log = CallLog()
         self.runtime: Runtime = Runtime(self.log, self.capacity, lambda: self.driver.vm.in_use)
-        self.driver: Driver = Driver(self.log, self.capacity, lambda: self.runtime.used, batch)
+        space = None if address_space is None else parse_size(address_space, name="address_space")
+        self.driver: Driver = Driver(self.log, self.capacity, lambda: self.runtime.used, batch, space)
         self.kernel = Kernel(self.log)
         current = SimpleNamespace(ptr=0)
         log = self.log
