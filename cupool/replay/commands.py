@@ -70,7 +70,7 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                         "most events")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
-                        "and spilling); default: pool for traces with movable buffers or a --config key only it "
+                        "and spilling); default: pool for traces with movable buffers or settings only it "
                         "takes, else numba")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: on for long traces on a terminal)")
