@@ -640,17 +640,17 @@ TestExpandableMachine.settings = settings(
 
 
 def test_on_the_cuda_backend_every_map_is_one_whole_granule_chunk_from_offset_0():
-    """The H100's rule (driver 580): cuMemMap of a prefix or at an offset is NOT_SUPPORTED (a fake driver here)."""
-    from test_vmm import fake_driver
-
+    """The H100's rule (driver 580): cuMemMap of a prefix or at an offset is NOT_SUPPORTED (the CUDA
+    double's driver refuses it so, and the pool would raise)."""
     from cupool.device.cuda_vmm import CudaVirtualMemory
+    from cupool.testing.cuda_double import CudaDouble
 
-    drv, calls, _ = fake_driver(free=64 * GRANULE)
+    double = CudaDouble("128MiB")
 
     class OnDriver(SimDevice):
         def virtual_memory(self):
             if not hasattr(self, "_cuda_vm"):
-                self._cuda_vm = CudaVirtualMemory(0, driver=drv)
+                self._cuda_vm = CudaVirtualMemory(0, driver=double.driver)
             return self._cuda_vm
 
     pool = cupool.Pool(OnDriver("128MiB"), expandable_segments=True, stitch=True, max_size="24MiB")
@@ -662,11 +662,10 @@ def test_on_the_cuda_backend_every_map_is_one_whole_granule_chunk_from_offset_0(
     big.free()
     pool.empty_cache()
     pool.check()
-    sizes = {a[1]: a[0] for n, a in calls if n == "cuMemCreate"}
-    handles = [a[3] for n, a in calls if n == "cuMemMap"]
-    assert set(sizes.values()) == {GRANULE}
-    assert all(a[1] == GRANULE and a[2] == 0 and a[4] == 0 for n, a in calls if n == "cuMemMap")
-    assert len(handles) > len(set(handles))  # some chunks were remapped elsewhere (stitching)
+    creates = [c.nbytes for c in double.log.calls if c.name == "cuMemCreate"]
+    maps = [c.nbytes for c in double.log.calls if c.name == "cuMemMap"]
+    assert set(creates) == set(maps) == {GRANULE}
+    assert len(maps) > len(creates)  # some chunks were remapped elsewhere (stitching)
     del blocks
 
 
