@@ -422,6 +422,7 @@ class Pool(CupyPoolMethods):
     def _apply_limit(self, limit: int) -> None:
         with self.hold() as view:
             self._arena.limit = limit
+            self._arena.segments.may_hold(limit)  # a raised limit sizes the segment source's new reservations
             over = view.books.reserved > limit
         if over:
             self.empty_cache()

@@ -13,7 +13,6 @@ import gc
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 
@@ -24,6 +23,7 @@ from cupool.device.cuda import CudaDevice
 from cupool.device.cuda_vmm import CudaVirtualMemory
 from cupool.device.vmm import ARENA_SPANS, GRANULE, address_arena
 from cupool.errors import AddressSpaceExhausted, DeviceOutOfMemory
+from cupool.testing.cuda_double import CudaDouble
 
 MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
 
@@ -190,7 +190,7 @@ def test_running_out_of_address_space_is_an_out_of_memory_error_and_the_pools_ma
 
 
 def test_a_backend_without_addresses_is_address_space_exhausted():
-    vm = CudaVirtualMemory(0, driver=FakeGpu(address_space=8 * GRANULE).driver)
+    vm = CudaVirtualMemory(0, driver=CudaDouble("64MiB", address_space=8 * GRANULE).driver)
     r = vm.reserve(2 * GRANULE)  # the arena is refused, the range alone fits
     assert vm.arena_fallback is not None
     with pytest.raises(AddressSpaceExhausted, match="out of address space") as e:
@@ -200,76 +200,6 @@ def test_a_backend_without_addresses_is_address_space_exhausted():
 
 
 # ---------------------------------------------------------------- one virtual memory per GPU
-class FakeGpu:
-    """Enough of ``cuda.bindings.driver`` for ``CudaVirtualMemory``, with an H200's address space and memory:
-    it refuses a reservation past ``address_space`` bytes held, as the driver did on the H200."""
-
-    def __init__(self, address_space: int = 128 * TiB, total: int = 141 * GiB) -> None:
-        self.address_space = address_space
-        self.reserved: dict[int, int] = {}
-        self.retained = 0
-        self.handles = 0
-        self.next = 1 << 47
-        ok = (0,)
-        res = types.SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_OUT_OF_MEMORY=2)
-        obj = lambda: types.SimpleNamespace(type=0, flags=0, location=types.SimpleNamespace(type=0, id=0))
-        enum = types.SimpleNamespace
-
-        def reserve(size, align, addr, flags):
-            if sum(self.reserved.values()) + size > self.address_space:
-                return (res.CUDA_ERROR_OUT_OF_MEMORY, None)
-            self.next -= size
-            self.reserved[self.next] = size
-            return (0, self.next)
-
-        def free(addr, size):
-            assert self.reserved.pop(addr) == size
-            return ok
-
-        def retain(dev):
-            self.retained += 1
-            return (0, "ctx")
-
-        def release(dev):
-            self.retained -= 1
-            return ok
-
-        def create(size, prop, flags):
-            self.handles += 1
-            return (0, self.handles)
-
-        def named(name, fn):
-            fn.__name__ = name
-            return fn
-
-        self.driver = types.SimpleNamespace(
-            CUresult=res,
-            CUdevice_attribute=enum(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102),
-            CUmemAllocationType=enum(CU_MEM_ALLOCATION_TYPE_PINNED=1),
-            CUmemLocationType=enum(CU_MEM_LOCATION_TYPE_DEVICE=1),
-            CUmemAccess_flags=enum(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3),
-            CUmemAllocationGranularity_flags=enum(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0),
-            CUmemAllocationProp=obj, CUmemAccessDesc=obj,
-            cuGetErrorName=lambda err: (0, b"CUDA_ERROR_OUT_OF_MEMORY"),
-            cuInit=lambda flags: ok,
-            cuDeviceGet=lambda i: (0, i),
-            cuDeviceGetAttribute=lambda attr, dev: (0, 1),
-            cuDevicePrimaryCtxRetain=retain,
-            cuDevicePrimaryCtxRelease=release,
-            cuDeviceTotalMem=lambda dev: (0, total),
-            cuCtxPushCurrent=lambda ctx: ok,
-            cuCtxPopCurrent=lambda: (0, "ctx"),
-            cuMemGetAllocationGranularity=lambda prop, flags: (0, GRANULE),
-            cuMemAddressReserve=named("cuMemAddressReserve", reserve),
-            cuMemAddressFree=named("cuMemAddressFree", free),
-            cuMemCreate=named("cuMemCreate", create),
-            cuMemRelease=named("cuMemRelease", lambda handle: ok),
-            cuMemMap=named("cuMemMap", lambda *a: ok),
-            cuMemSetAccess=named("cuMemSetAccess", lambda *a: ok),
-            cuMemUnmap=named("cuMemUnmap", lambda *a: ok),
-        )
-
-
 class GpuLike(SimDevice):
     """A sim device whose virtual memory is ``CudaDevice``'s, over a fake driver: what a pool on ``cuda:0``
     asks of the address space, without a GPU (its bytes are never touched here)."""
@@ -284,8 +214,10 @@ class GpuLike(SimDevice):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    gpu = FakeGpu()
-    monkeypatch.setattr(cuda_module, "CudaVirtualMemory", lambda index, driver=None: CudaVirtualMemory(index, driver=gpu.driver))
+    """The CUDA double's driver with an H200's 128 TiB of addresses: it refuses a reservation past them,
+    as the driver did on the H200."""
+    gpu = CudaDouble("4GiB", address_space=128 * TiB).driver
+    monkeypatch.setattr(cuda_module, "CudaVirtualMemory", lambda index, driver=None: CudaVirtualMemory(index, driver=gpu))
     gc.collect()  # no virtual memory of cuda:0 left from elsewhere
     return gpu
 
@@ -352,3 +284,29 @@ def test_a_pool_whose_limit_is_raised_grows_past_the_limit_it_was_made_with():
     pool.empty_cache()
     pool.check()
     assert pool.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_after_a_raised_limit_large_requests_grow_one_segment_in_arenas_of_the_new_size():
+    """Before: regions and arenas stayed sized by the limit the pool was made with, so after
+    ``set_limit()`` lifted a 64 MiB cap each 200 MiB request retired its region and reserved one of
+    its own: three requests, three more segments, in three more 256 MiB arenas.  Now the segment
+    source is told (``may_hold``): the next region is one raised limit long, so the three requests
+    grow one segment, in an arena of 4 x the new limit that starts a lane of its own (numbered, so
+    that arenas reserved after it still follow it)."""
+    device = SimDevice("1GiB")
+    pool = cupool.Pool(device, max_size="64MiB", expandable_segments=True)
+    small = pool.malloc(32 * MiB)  # a region one 64 MiB limit long
+    pool.set_limit()  # CuPy's: no cap, the device's total
+    big = [pool.malloc(200 * MiB) for _ in range(3)]
+    assert pool.stats()["segment.all.current"] == 2  # the first region's, and one grown for all three
+    space = space_of(pool)
+    assert space.arena == address_arena(GiB) and space.lane in space.arenas
+    assert sorted(space.arenas.values()) == [address_arena(64 * MiB), address_arena(GiB)]
+    pool.limit = "64MiB"  # a lower limit after a raise sizes nothing smaller
+    assert space.arena == address_arena(GiB)
+    pool.limit = "512MiB"
+    pool.check()
+    for a in (small, *big):
+        a.free()
+    pool.close()
+    assert space.arenas == {} and space.lanes == {} and device.virtual_memory().address_bytes == 0

@@ -270,3 +270,22 @@ def test_a_loop_of_small_and_large_requests_is_warm_after_its_first_pass(double,
         for n in seq:
             pool.free(pool.malloc(n))
     assert double.log.since(mark) == []
+
+
+def test_a_cuda_device_index_the_machine_lacks_is_no_device_error_from_one_check(double, monkeypatch):
+    """Before: ``CudaDevice(3)`` raised ``ValueError`` where the errors table says ``NoDeviceError``, and
+    ``cupool.torch`` counted CUDA's devices again, in its own words.  Now both ask ``check_index``."""
+    import sys
+
+    from cupool.device.cuda import CudaDevice
+    from cupool.errors import NoDeviceError
+    from cupool.hooks import torch as torch_hook
+
+    for index in (1, 3, -1):  # the double is one GPU
+        with pytest.raises(NoDeviceError, match=rf"device {index} does not exist: cuda:{index} \(1 CUDA device"):
+            CudaDevice(index, cupy=double.cupy, driver=double.driver, kernel=double.kernel)
+    monkeypatch.setitem(sys.modules, "cupy", double.cupy)  # cupool.torch's callers, on the double's one GPU
+    monkeypatch.setattr(torch_hook, "gpu_available", lambda: True)
+    with pytest.raises(NoDeviceError, match=r"device 3 does not exist: cuda:3 \(1 CUDA device"):
+        torch_hook.serving_pool(3)
+    assert CudaDevice(0, cupy=double.cupy, driver=double.driver, kernel=double.kernel).index == 0

@@ -19,7 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import cupool
 from cupool.config import parse_conf
 from cupool.core.books import ALL, RESERVED
-from cupool.device import GRANULE, SimDevice, SimPinnedDevice
+from cupool.device import GRANULE, CudaDevice, SimDevice, SimPinnedDevice
+from cupool.device.costs import H200
+from cupool.device.sim import SimWholeHandles
 from cupool.device.vmm import VirtualMemory, VirtualMemoryError, VirtualMemoryUnsupported
 from cupool.errors import OutOfMemoryError
 from cupool.trace import load_trace
@@ -143,7 +145,7 @@ def test_the_ladder_unmaps_another_stream_s_free_tail_to_grow():
 
 def test_a_region_out_of_addresses_retires_and_a_new_one_takes_over():
     pool = expandable()
-    pool._arena.segments.span = 4 * MiB  # as if holes had used up the stream's addresses
+    pool._arena.segments.space.span = 4 * MiB  # as if holes had used up the stream's addresses
     vm = pool.device.virtual_memory()
     a = pool.malloc(2 * MiB)
     b = pool.malloc(4 * MiB)  # 2 MiB of addresses left: a new range
@@ -154,6 +156,32 @@ def test_a_region_out_of_addresses_retires_and_a_new_one_takes_over():
     assert len(vm.ranges()) == 1 and reserved(pool) == 4 * MiB
     pool.check()
     del b
+
+
+class _PricedSim(SimDevice):
+    """A sim device that prices its calls as an H200's (for compaction's choice), and maps as the sim does."""
+
+    costs = H200
+
+
+@pytest.mark.parametrize("make, whole", [(SimDevice, False), (_PricedSim, False), (SimWholeHandles, True)])
+def test_whole_handles_are_a_capability_of_the_device_not_its_cost_table(make, whole):
+    """Before: ``whole_handles = device.costs is not None`` took "has a cost table" to mean "is a GPU",
+    so a device priced like an H200 mapped one handle per grow, and the sim device could not opt in
+    to measure what that costs.  Now ``Capabilities.whole_handles`` says it, once: CUDA devices (and the
+    CUDA double) set it, and ``SimWholeHandles`` is the sim device opting in."""
+    pool = cupool.Pool(make("64MiB"), expandable_segments=True, defrag_threshold=None)
+    a = pool.malloc(6 * MiB)
+    b = pool.malloc(9 * MiB)  # the same region grown by 5 granules
+    assert mapped_in(pool) == ([(a.ptr, 6 * MiB), (a.ptr + 6 * MiB, 10 * MiB)] if whole
+                               else [(a.ptr + i * GRANULE, GRANULE) for i in range(8)])
+    pool.check()
+    a.free()
+    pool.empty_cache()  # a handle goes back only whole: the first, wholly free, does
+    assert mapped_in(pool) == ([(a.ptr + 6 * MiB, 10 * MiB)] if whole
+                               else [(a.ptr + i * GRANULE, GRANULE) for i in range(3, 8)])
+    del b
+    assert CudaDevice.capabilities.whole_handles and not SimDevice.capabilities.whole_handles
 
 
 def test_the_initial_segment_is_mapped_and_kept():
@@ -612,17 +640,17 @@ TestExpandableMachine.settings = settings(
 
 
 def test_on_the_cuda_backend_every_map_is_one_whole_granule_chunk_from_offset_0():
-    """The H100's rule (driver 580): cuMemMap of a prefix or at an offset is NOT_SUPPORTED (a fake driver here)."""
-    from test_vmm import fake_driver
-
+    """The H100's rule (driver 580): cuMemMap of a prefix or at an offset is NOT_SUPPORTED (the CUDA
+    double's driver refuses it so, and the pool would raise)."""
     from cupool.device.cuda_vmm import CudaVirtualMemory
+    from cupool.testing.cuda_double import CudaDouble
 
-    drv, calls, _ = fake_driver(free=64 * GRANULE)
+    double = CudaDouble("128MiB")
 
     class OnDriver(SimDevice):
         def virtual_memory(self):
             if not hasattr(self, "_cuda_vm"):
-                self._cuda_vm = CudaVirtualMemory(0, driver=drv)
+                self._cuda_vm = CudaVirtualMemory(0, driver=double.driver)
             return self._cuda_vm
 
     pool = cupool.Pool(OnDriver("128MiB"), expandable_segments=True, stitch=True, max_size="24MiB")
@@ -634,11 +662,10 @@ def test_on_the_cuda_backend_every_map_is_one_whole_granule_chunk_from_offset_0(
     big.free()
     pool.empty_cache()
     pool.check()
-    sizes = {a[1]: a[0] for n, a in calls if n == "cuMemCreate"}
-    handles = [a[3] for n, a in calls if n == "cuMemMap"]
-    assert set(sizes.values()) == {GRANULE}
-    assert all(a[1] == GRANULE and a[2] == 0 and a[4] == 0 for n, a in calls if n == "cuMemMap")
-    assert len(handles) > len(set(handles))  # some chunks were remapped elsewhere (stitching)
+    creates = [c.nbytes for c in double.log.calls if c.name == "cuMemCreate"]
+    maps = [c.nbytes for c in double.log.calls if c.name == "cuMemMap"]
+    assert set(creates) == set(maps) == {GRANULE}
+    assert len(maps) > len(creates)  # some chunks were remapped elsewhere (stitching)
     del blocks
 
 

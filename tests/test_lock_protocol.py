@@ -132,3 +132,33 @@ def test_the_first_compactions_time_is_its_moving_not_loading_the_kernel():
     assert int(moves) > 0 and float(prepare) > 0
     # Loading is reported apart: what is left is moving 4 MiB, far less than loading took.
     assert float(move) < float(prepare) and float(whole) < float(prepare) + float(move) + 1.0
+
+
+def test_an_interrupt_owed_to_a_failing_operation_is_raised_at_its_end_chained_to_the_failure():
+    """Before: the fast path's malloc and free delivered an owed interrupt only when they returned, so
+    a Ctrl-C deferred inside one that then failed (a subscriber's KeyboardInterrupt on the "oom" event,
+    say: ``defer`` starts no timer) stayed owed while requests kept failing, and surfaced at some
+    later, successful call.  Now it is raised where the failing operation ends, the failure its context."""
+    pool = cupool.Pool("sim", capacity="64MiB", max_size="8MiB")
+    a = pool.malloc(MiB)
+    a.free()
+    me = threading.get_ident()
+
+    def ctrl_c(event):
+        raise KeyboardInterrupt  # deferred by the dispatcher to the operation's end (Note [Interrupts])
+
+    for _ in range(2):  # failing requests in a row: each ends with the interrupt owed to it
+        pool.subscribe(ctrl_c, kinds=["oom"])  # again: a subscriber that raises is detached
+        with pytest.raises(KeyboardInterrupt) as caught:
+            pool.malloc(16 * MiB)
+        assert isinstance(caught.value.__context__, cupool.OutOfMemoryError)
+        assert me not in interrupts.OWED
+        del caught
+    interrupts.defer(KeyboardInterrupt())  # as a Ctrl-C deferred inside the failing free below
+    with pytest.raises(KeyboardInterrupt) as caught:
+        a.free()
+    assert isinstance(caught.value.__context__, cupool.errors.DoubleFreeError)
+    assert me not in interrupts.OWED
+    del caught
+    pool.malloc(MiB).free()  # nothing is owed to the next call that succeeds
+    pool.check()

@@ -157,7 +157,8 @@ def test_config_parsing_and_bad_keys():
     with pytest.raises(ValueError, match="unknown configuration key 'max_sise'"):
         replay(trace, {"max_sise": "1GiB"})
     with pytest.raises(ValueError, match="--engine pool"):
-        replay(trace, {"track_sites": True})
+        replay(trace, {"track_sites": True}, engine="numba")
+    assert replay(trace, {"track_sites": True}).engine == "pool"  # no engine named: the one that models it
     assert replay(trace, {"track_sites": True, "capacity": "64MiB"}, engine="pool").peak_allocated == 512
     with pytest.raises(ValueError, match="max_size"):
         replay(trace, {"max_size": "lots"})

@@ -8,6 +8,7 @@ import cupool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from cupool.replay import replay
+from cupool.testing.programs import run_calls
 from cupool.trace import Trace
 
 
@@ -75,8 +76,9 @@ def test_a_programs_own_empty_cache_is_replayed():
 
 # One stream: an empty_cache() that releases nothing leaves no event, yet it settles the streams, which
 # changes what another stream may reuse; that needs the pool to record the call (see cupool.replay.calls).
-_OPS = st.lists(st.tuples(st.sampled_from(["malloc", "malloc", "free", "empty_cache"]),
-                          st.integers(0, 40 << 20), st.just(0), st.integers(0, 99)), max_size=40)
+_MALLOC = st.tuples(st.just(0), st.integers(0, 40 << 20), st.just(0))  # run_calls's calls, mallocs half of them
+_OPS = st.lists(st.one_of(_MALLOC, _MALLOC, st.tuples(st.just(1), st.integers(0, 99), st.just(0)), st.just((2, 0, 0))),
+                max_size=40)
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,17 +86,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(["malloc", "malloc", "free", "empty_ca
                               {"initial_size": "8MiB"}, {"expandable_segments": False}]))  # {} is expandable
 def test_empty_cache_calls_replay_exactly_under_any_settings(ops, settings_):
     def program(pool):
-        live = []
-        for op, size, stream, which in ops:
-            if op == "malloc":
-                try:
-                    live.append(pool.malloc(size, stream=stream))
-                except cupool.OutOfMemoryError:
-                    pass
-            elif op == "free" and live:
-                live.pop(which % len(live)).free()
-            elif op == "empty_cache":
-                pool.empty_cache()
+        run_calls(pool, ops)  # what is still live is freed as it returns, recorded
 
     trace, stats = _recorded_run({"capacity": "128MiB", **settings_}, program)
     engines = ("pool",) if settings_.get("expandable_segments") else ("numba", "pool")

@@ -182,3 +182,19 @@ def test_the_engine_slots_keep_their_numbers():
     Numba cache (docs/design.md, "Settings").  Then update this list."""
     assert CFG_SLOTS == ("span", "vspan", "arena", "holds", "capacity", "initial_size", "limit",
                          "release_threshold", "release_before_split", "expandable_segments", "stitch", "upstream")
+
+
+def test_the_default_engine_honours_the_settings_to_be_replayed():
+    """Before: ``default_engine(trace, *configs)`` ignored ``configs``, so ``replay(trace, {"spill": "host"})``
+    picked the numba engine and then refused the key it had been given ("only modelled by the pool
+    engine: use --engine pool").  A setting only the pool engine models now picks it."""
+    from cupool.replay import default_engine
+
+    trace = Trace.from_events([(0, "alloc", 1 << 32, MiB, 0), (1, "free", 1 << 32, MiB, 0)], {"capacity": 64 * MiB})
+    assert default_engine(trace) == default_engine(trace, None, {"release_threshold": 0, "upstream": "managed"}) == "numba"
+    for key, value in (("spill", "host"), ("defrag_threshold", None), ("track_sites", True)):
+        assert default_engine(trace, {"capacity": 64 * MiB}, {key: value}) == "pool", key
+    assert replay(trace, {"spill": "host"}).engine == "pool"
+    assert default_engine(trace, {"frobnicate": 1}) == "numba"  # a key neither takes: check_config refuses it
+    with pytest.raises(ValueError, match="unknown configuration key 'frobnicate'"):
+        replay(trace, {"frobnicate": 1})

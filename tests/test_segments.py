@@ -16,30 +16,21 @@ from hypothesis import strategies as st
 
 import cupool
 from cupool.replay import layout, recorded_segments, replay
+from cupool.testing.programs import Call, run_calls
 from cupool.trace import Trace, load_trace
 
 MiB = 1 << 20
 SIZES = (512, 4096, 300_000, 1 * MiB, 3 * MiB, 7 * MiB, 21 * MiB, 40 * MiB)
 
 
-def _run(ops: list[tuple[str, int, int, int]], **config) -> tuple[Trace, dict]:
-    """Record ``ops`` on a 128 MiB sim pool: ("malloc", size, stream, _), ("free", _, _, which live block),
-    ("empty_cache", ...); the trace and the pool's stats."""
+def _run(ops: list[Call], **config) -> tuple[Trace, dict]:
+    """Record ``ops`` (``run_calls``'s: malloc, free, empty_cache) on a 128 MiB sim pool; the trace and the
+    pool's stats."""
     pool = cupool.Pool("sim", capacity="128MiB", **config)
-    live: list = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.h5"
         with pool.record(path):
-            for op, size, stream, which in ops:
-                if op == "malloc":
-                    try:
-                        live.append(pool.malloc(size, stream=stream))
-                    except cupool.OutOfMemoryError:
-                        pass
-                elif op == "free" and live:
-                    live.pop(which % len(live)).free()
-                elif op == "empty_cache":
-                    pool.empty_cache()
+            _, live = run_calls(pool, ops)
         trace = load_trace(path)
     return trace, pool.stats()
 
@@ -65,8 +56,10 @@ def _counts_agree(trace: Trace, stats: dict) -> None:
         assert len(layout(trace, engine=engine)) == stats["segment.all.current"], engine
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["malloc", "malloc", "free", "empty_cache"]), st.sampled_from(SIZES),
-                         st.sampled_from([0, 0, 1]), st.integers(0, 1 << 16)), max_size=60)
+# run_calls's calls: (0, size, stream) mallocs (half of them), (1, which, _) frees, (2, _, _) empties the cache.
+_MALLOC = st.tuples(st.just(0), st.sampled_from(SIZES), st.sampled_from([0, 0, 1]))
+OPS = st.lists(st.one_of(_MALLOC, _MALLOC, st.tuples(st.just(1), st.integers(0, 1 << 16), st.just(0)),
+                         st.just((2, 0, 0))), max_size=60)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -82,9 +75,7 @@ def test_a_growing_segment_is_one_segment_of_several_maps():
     """Three requests that each grow the stream's one segment: one segment, three map calls; empty_cache
     unmaps the hole between two live blocks and splits it in two (one more segment), then the last frees
     give both back."""
-    ops = [("malloc", 7 * MiB, 0, 0), ("malloc", 21 * MiB, 0, 0), ("malloc", 7 * MiB, 0, 0),
-           ("free", 0, 0, 1), ("empty_cache", 0, 0, 0), ("free", 0, 0, 0), ("free", 0, 0, 0),
-           ("empty_cache", 0, 0, 0)]
+    ops = [(0, 7 * MiB, 0), (0, 21 * MiB, 0), (0, 7 * MiB, 0), (1, 1, 0), (2, 0, 0), (1, 0, 0), (1, 0, 0), (2, 0, 0)]
     trace, stats = _run(ops, expandable_segments=True, stitch=False)
     assert stats["num_device_alloc"] == 3 and stats["segment.all.allocated"] == 2
     assert stats["segment.all.peak"] == 2 and stats["segment.all.freed"] == 2

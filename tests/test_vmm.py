@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 
 import numpy as np
 import pytest
@@ -24,7 +23,8 @@ from hypothesis.stateful import (
 from cupool.device.cuda_vmm import CudaVirtualMemory
 from cupool.device.sim_vmm import SimVirtualMemory
 from cupool.device.vmm import GRANULE, VirtualMemoryError, VirtualMemoryUnsupported, RANGE_GAP, address_arena
-from cupool.errors import DeviceOutOfMemory
+from cupool.errors import DeviceOutOfMemory, DriverError
+from cupool.testing.cuda_double import CudaDouble
 
 MiB = 1 << 20
 
@@ -221,83 +221,13 @@ def test_no_memfd_means_no_virtual_memory(monkeypatch):
 # -- the CUDA backend, against a fake driver module ------------------------------
 
 
-class _Obj:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def fake_driver(vmm_supported=1, free=8 * GRANULE):
-    """Enough of ``cuda.bindings.driver`` to check the calls and their arguments."""
-    calls = []
-    enum = lambda **kw: types.SimpleNamespace(**kw)
-    res = enum(CUDA_SUCCESS=0, CUDA_ERROR_OUT_OF_MEMORY=2, CUDA_ERROR_INVALID_VALUE=1)
-    state = {"next": 1 << 40, "free": free, "handles": 0, "ctx": []}
-
-    def call(name, fn):
-        def wrapped(*args):
-            calls.append((name, args))
-            return fn(*args)
-
-        wrapped.__name__ = name
-        return wrapped
-
-    def create(size, prop, flags):
-        if size > state["free"]:
-            return (res.CUDA_ERROR_OUT_OF_MEMORY, None)
-        state["free"] -= size
-        state["handles"] += 1
-        return (res.CUDA_SUCCESS, ("handle", state["handles"]))
-
-    def reserve(size, align, addr, flags):
-        a = state["next"]
-        state["next"] += size
-        return (res.CUDA_SUCCESS, a)
-
-    def push(ctx):
-        state["ctx"].append(ctx)
-        return (res.CUDA_SUCCESS,)
-
-    def pop():
-        return (res.CUDA_SUCCESS, state["ctx"].pop())
-
-    ok = lambda *a: (res.CUDA_SUCCESS,)
-    drv = types.SimpleNamespace(
-        CUresult=res,
-        CUdevice_attribute=enum(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102),
-        CUmemAllocationType=enum(CU_MEM_ALLOCATION_TYPE_PINNED=1),
-        CUmemLocationType=enum(CU_MEM_LOCATION_TYPE_DEVICE=1),
-        CUmemAccess_flags=enum(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3),
-        CUmemAllocationGranularity_flags=enum(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0),
-        CUmemAllocationProp=lambda: _Obj(type=0, location=_Obj(type=0, id=-1)),
-        CUmemAccessDesc=lambda: _Obj(flags=0, location=_Obj(type=0, id=-1)),
-        cuGetErrorName=lambda err: (res.CUDA_SUCCESS, b"CUDA_ERROR_%d" % err),
-        cuInit=call("cuInit", ok),
-        cuDeviceGet=call("cuDeviceGet", lambda i: (res.CUDA_SUCCESS, f"dev{i}")),
-        cuDeviceGetAttribute=call("cuDeviceGetAttribute", lambda a, d: (res.CUDA_SUCCESS, vmm_supported)),
-        cuDevicePrimaryCtxRetain=call("cuDevicePrimaryCtxRetain", lambda d: (res.CUDA_SUCCESS, f"ctx:{d}")),
-        cuDevicePrimaryCtxRelease=call("cuDevicePrimaryCtxRelease", ok),
-        cuDeviceTotalMem=call("cuDeviceTotalMem", lambda d: (res.CUDA_SUCCESS, 64 * GRANULE)),
-        cuCtxPushCurrent=call("cuCtxPushCurrent", push),
-        cuCtxPopCurrent=call("cuCtxPopCurrent", pop),
-        cuMemGetAllocationGranularity=call("cuMemGetAllocationGranularity", lambda p, f: (res.CUDA_SUCCESS, GRANULE)),
-        cuMemAddressReserve=call("cuMemAddressReserve", reserve),
-        cuMemAddressFree=call("cuMemAddressFree", ok),
-        cuMemCreate=call("cuMemCreate", create),
-        cuMemRelease=call("cuMemRelease", ok),
-        cuMemMap=call("cuMemMap", ok),
-        cuMemSetAccess=call("cuMemSetAccess", ok),
-        cuMemUnmap=call("cuMemUnmap", ok),
-    )
-    return drv, calls, state
-
-
 def test_cuda_backend_calls_the_driver_as_documented():
-    drv, calls, st_ = fake_driver()
-    vm = CudaVirtualMemory(1, driver=drv)
+    """On the CUDA double, which refuses what the driver refuses (an allocation that is not pinned memory
+    on its GPU, an access other than read-write, a reservation not of whole granules, a map at an offset)."""
+    double = CudaDouble(f"{64 * GRANULE}")
+    vm = CudaVirtualMemory(0, driver=double.driver)
     assert (vm.granularity, vm.capacity) == (GRANULE, 64 * GRANULE)
-    prop = next(a[0] for n, a in calls if n == "cuMemGetAllocationGranularity")
-    assert (prop.type, prop.location.type, prop.location.id) == (1, 1, 1)
-    calls.clear()
+    mark = double.log.mark()
     r = vm.reserve(4 * GRANULE)
     c = vm.create(2 * GRANULE)
     vm.map(r + GRANULE, c)
@@ -306,31 +236,26 @@ def test_cuda_backend_calls_the_driver_as_documented():
     vm.release(c)
     vm.free_range(r)
     vm.close()
-    driver_calls = [(n, a) for n, a in calls if not n.startswith("cuCtx")]
-    assert [n for n, _ in driver_calls] == [
-        "cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
-        "cuMemAddressFree", "cuDevicePrimaryCtxRelease",
-    ]
-    args = dict(driver_calls)
+    calls = [(c.name, c.nbytes) for c in double.log.since(mark) if not c.name.startswith("cuCtx")]
     # One arena of addresses is reserved for every range, and freed at close (Note [Address arena])
     arena = address_arena(vm.capacity)
-    assert args["cuMemAddressReserve"] == (arena, GRANULE, 0, 0)
-    assert args["cuMemCreate"][0] == 2 * GRANULE and args["cuMemCreate"][2] == 0
-    assert args["cuMemMap"] == (r + GRANULE, 2 * GRANULE, 0, ("handle", 1), 0)  # whole chunk, offset 0
-    (desc,), count = args["cuMemSetAccess"][2:]
-    assert count == 1 and (desc.flags, desc.location.type, desc.location.id) == (3, 1, 1)
-    assert args["cuMemUnmap"] == (r + GRANULE, 2 * GRANULE)
-    assert args["cuMemRelease"] == (("handle", 1),)
-    assert args["cuMemAddressFree"] == (r, arena)
+    assert calls == [
+        ("cuMemAddressReserve", arena), ("cuMemCreate", 2 * GRANULE), ("cuMemMap", 2 * GRANULE),
+        ("cuMemSetAccess", 2 * GRANULE), ("cuMemUnmap", 2 * GRANULE), ("cuMemRelease", 2 * GRANULE),
+        ("cuMemAddressFree", arena), ("cuDevicePrimaryCtxRelease", 0),
+    ]
     # every memory call ran inside the primary context, and the caller's was restored
-    assert sum(n == "cuCtxPushCurrent" for n, _ in calls) == 7 and st_["ctx"] == []
+    assert double.log.count("cuCtxPushCurrent", since=mark) == 7 and double.driver.contexts == []
+    assert double.driver.reserved == {} and double.driver.retained == 0
+    with pytest.raises(DriverError, match="cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE"):
+        CudaVirtualMemory(1, driver=double.driver)  # the double is one GPU
 
 
 def test_cuda_backend_maps_driver_out_of_memory_and_keeps_its_books():
-    drv, _, _ = fake_driver(free=2 * GRANULE)
-    vm = CudaVirtualMemory(0, capacity=16 * GRANULE, driver=drv)
+    double = CudaDouble(f"{2 * GRANULE}")
+    vm = CudaVirtualMemory(0, capacity=16 * GRANULE, driver=double.driver)
     vm.create(GRANULE)
-    with pytest.raises(DeviceOutOfMemory, match="cuMemCreate failed: CUDA_ERROR_2"):
+    with pytest.raises(DeviceOutOfMemory, match="cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"):
         vm.create(2 * GRANULE)  # within capacity, but the driver has no more
     assert vm.in_use == GRANULE and len(vm.chunks()) == 1
     with pytest.raises(DeviceOutOfMemory):
@@ -338,9 +263,10 @@ def test_cuda_backend_maps_driver_out_of_memory_and_keeps_its_books():
 
 
 def test_a_gpu_without_virtual_memory_is_refused():
-    drv, _, _ = fake_driver(vmm_supported=0)
+    double = CudaDouble()
+    double.driver.vmm_supported = 0
     with pytest.raises(VirtualMemoryUnsupported, match="cuda:0 does not support"):
-        CudaVirtualMemory(0, driver=drv)
+        CudaVirtualMemory(0, driver=double.driver)
 
 
 def test_missing_driver_bindings_say_which_extra_to_install(monkeypatch):
@@ -573,16 +499,8 @@ def test_ranges_come_first_fit_in_address_order_wherever_the_os_maps():
 
 
 def test_a_backend_that_refuses_an_arena_reserves_range_by_range():
-    drv, calls, _ = fake_driver()
-    real = drv.cuMemAddressReserve
-
-    def reserve(nbytes, *rest):
-        if nbytes > 64 * GRANULE:  # less address space than an arena: the driver's out-of-memory
-            return (drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
-        return real(nbytes, *rest)
-
-    drv.cuMemAddressReserve = reserve
-    vm = CudaVirtualMemory(1, driver=drv)
+    # less address space than an arena: the driver's out-of-memory
+    vm = CudaVirtualMemory(0, driver=CudaDouble(f"{64 * GRANULE}", address_space=64 * GRANULE).driver)
     r = vm.reserve(4 * GRANULE)
     assert vm.arena_fallback is not None and "refused an arena" in vm.arena_fallback
     vm.free_range(r)

@@ -30,9 +30,8 @@ refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
 block's bytes really live in the mapping, and touching an unmapped granule is
 refused, or faults, as on a GPU). As in PyTorch, each stream and size class
 has one *region*, a reserved range of addresses as long as the pool's limit (the
-limit it was made with; one that ``set_limit`` raised since makes a region as long as
-the grow that starts it, where that is longer), from
-the pool's own address space (Note [Address arena]); its
+highest it has had: a raised limit sizes the regions reserved after it, ``may_hold``),
+from the pool's own address space (Note [Address arena]); its
 mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
 maps just the granules the region's last free block lacks at the region's end
 and extends that block (``Heap.extend``), within the limit, before the ladder; a
@@ -45,8 +44,8 @@ segments do, which splits their segments (``Heap.cut``); the ladder's release
 step leaves those holes to stitching, which remaps them side by side exactly
 where a request needs them. On the sim device each granule is its own chunk
 because the driver maps only whole chunks from their start (H100, driver 580):
-that is what lets granules move independently.  On a GPU (a device with a cost
-table, Note [Per-call costs]) a driver call costs 20-50 µs, so each grow, new
+that is what lets granules move independently.  On a GPU (``Capabilities.whole_handles``,
+Note [Per-call costs]) a driver call costs 20-50 µs, so each grow, new
 segment or stitch's fresh part is *one* handle (``whole_handles``), mapped with one
 ``cuMemMap`` and one ``cuMemSetAccess`` per contiguous range (growing by 64 granules:
 3 calls where it was 129, about 0.1 ms instead of 3.6 ms on an H200; PyTorch maps
@@ -113,7 +112,7 @@ import numpy as np
 
 from ..device.base import Device
 from ..device.costs import remap_pays
-from ..device.vmm import Chunk, VirtualMemory, region_span
+from ..device.vmm import Chunk, VirtualMemory
 from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
@@ -189,7 +188,6 @@ class Expander:
         self.heaps = heaps
         self.books = books
         self.observers = observers
-        self.span = region_span(holds, g)  # a stream's region: all the pool may map
         self.stitching = stitch
         self.whole = False  # free granules go back one by one, wherever they lie
         self.regions: dict[tuple[int, Any], Region] = {}  # (kind, stream) -> growable region
@@ -197,7 +195,7 @@ class Expander:
         self.chunks: dict[int, Chunk] = {}  # granule address -> the chunk mapped there (over one or more granules)
         self.base_of: dict[int, int] = {}  # chunk id -> the address it is mapped at
         # Note [Virtual memory]: one handle per grow where each driver call costs more than a copy.
-        self.whole_handles = device.costs is not None
+        self.whole_handles = device.capabilities.whole_handles
         self.closed = False  # the arena's finalizer gave everything back: no more device calls
         self.closing = False  # the pool is closed: ranges left empty go back too
         self.maps = 0  # granules mapped
@@ -241,9 +239,8 @@ class Expander:
                 self._forget(region)
             region = None
         if region is None:
-            try:  # a limit raised since the pool was made (set_limit) may let one grow pass the span
-                region = self.regions[(kind, stream)] = self._reserve(max(self.span, n), growable=True,
-                                                                      stitched=False)
+            try:  # a stream's region: all the pool may map, its limit (told by may_hold when raised)
+                region = self.regions[(kind, stream)] = self._reserve(self.space.span, growable=True, stitched=False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)
@@ -597,6 +594,9 @@ class Expander:
         self.books.device_frees += 1
         if self.observers.active:
             self.observers.emit("segment_unmap", addr, n, 0 if stream is None else stream)
+
+    def may_hold(self, holds: int) -> None:
+        self.space.may_hold(holds)  # regions reserved from now on are one raised limit long
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -428,6 +428,10 @@ class FastPath:
                 a = self.malloc_slow(n, stream)
                 if self.pending:
                     self.drain()
+        except BaseException:
+            if OWED:  # a failure ends the operation too: the interrupt owed goes now, chained to it
+                deliver()
+            raise
         finally:
             lock.release()
         if self.moved:
@@ -460,6 +464,10 @@ class FastPath:
             self.free_locked(al)
             if self.pending:
                 self.drain()
+        except BaseException:
+            if OWED:  # as in malloc (Note [Interrupts])
+                deliver()
+            raise
         finally:
             self.lock.release()
         if OWED:  # Note [Interrupts]

@@ -17,9 +17,12 @@ at the end of the operation, once the books are consistent and the lock is
 free.  Elsewhere it raises at once, as Python's would.
 
 Three guards keep Ctrl-C working:
-- an operation that ends by raising leaves the interrupt recorded; a timer
-  re-delivers it (``_thread.interrupt_main``) ``REDELIVER_S`` later if nothing
-  has raised it by then;
+- an operation that ends by raising raises the interrupt owed to it instead,
+  its failure the interrupt's ``__context__`` (``unlock``, and the fast path's
+  ``malloc`` and ``free``), so requests that keep failing never leave one owed;
+  one deferred where no operation's end follows (a device call outside the
+  lock, a pool's constructor) is re-delivered by a timer
+  (``_thread.interrupt_main``) ``REDELIVER_S`` later if nothing has raised it;
 - an interrupt deferred for more than ``PATIENCE_S`` (a subscriber that loops
   for ever) is raised wherever it lands: a broken pool beats a process that
   cannot be stopped;

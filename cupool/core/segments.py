@@ -31,6 +31,9 @@ implements these hooks, each called with the arena's lock held:
    the same tried before a grow, where it maps less (Note [Stitch before grow]).
 8. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
    everything back when the arena dies (its finalizer).
+9. ``may_hold(nbytes)``: the pool's limit was set to ``nbytes``; what the source
+   reserves from now on is sized by the highest limit it has been told (virtual
+   memory's regions and address arenas; plain segments are sized per request).
 
 ``DeviceSegments`` (this module) takes each segment from an upstream
 (``cupool.device.upstream``: the device's malloc, managed or stream-ordered memory);
@@ -76,6 +79,7 @@ class SegmentSource(Protocol):
     def stats(self) -> dict[str, int]: ...
     def check(self) -> None: ...
     def close(self) -> None: ...
+    def may_hold(self, nbytes: int) -> None: ...
 
 
 def execute(device: Any, moves: Sequence[PlannedMove]) -> None:
@@ -173,6 +177,9 @@ class DeviceSegments:
 
     def check(self) -> None:
         return None
+
+    def may_hold(self, nbytes: int) -> None:
+        return None  # each segment is sized by its request and the room the limit leaves then
 
     def close(self) -> None:
         """Give every segment back (the arena's finalizer: the heaps are forgotten with it)."""

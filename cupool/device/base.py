@@ -41,6 +41,11 @@ class Capabilities:
     #: grow in place and granules can be remapped, so ``Pool(expandable_segments=True)``
     #: works on it.  The sim device on Linux and CUDA devices (with the ``vmm`` extra).
     grow_in_place: bool
+    #: Virtual memory maps one handle per grow, new segment or stitch, not one per granule, because each
+    #: driver call costs more than copying a granule (Note [Virtual memory]; a handle then goes back only
+    #: whole).  CUDA devices, so the CUDA double too; ``SimWholeHandles`` is the sim device opting in, to
+    #: measure what it costs in memory without a GPU.
+    whole_handles: bool = False
 
 
 class Device(ABC):

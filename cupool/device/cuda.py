@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import DeviceOutOfMemory, StateError
+from ..errors import DeviceOutOfMemory, NoDeviceError, StateError
 from .base import Capabilities, Device, HostView
 from .costs import H200, CallCost
 from .cuda_moves import CudaMover, MoveKernel, NumbaMoveKernel, batch_copy_over, driver_batch_copy
@@ -21,6 +21,14 @@ from .vmm import VirtualMemory, VirtualMemoryUnsupported, shared
 
 # cudaHostAllocPortable | cudaHostAllocMapped: usable from every context, addressable from kernels.
 _HOST_ALLOC_FLAGS = 0x1 | 0x2
+
+
+def check_index(runtime: Any, index: int) -> None:
+    """Refuse (``NoDeviceError``) a CUDA device index this machine does not have, as ``runtime``
+    (``cupy.cuda.runtime``) counts them: the one check, for ``CudaDevice`` and for ``cupool.torch``'s callers."""
+    count = runtime.getDeviceCount()
+    if not 0 <= index < count:
+        raise NoDeviceError(f"device {index} does not exist: cuda:{index} ({count} CUDA device(s) visible)")
 
 
 class CudaDevice(Device):
@@ -32,7 +40,8 @@ class CudaDevice(Device):
     """
 
     kind = "cuda"
-    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True)
+    capabilities = Capabilities(streams=True, host_accessible=False, device_memory=True, grow_in_place=True,
+                                whole_handles=True)
     #: What its calls cost (Note [Per-call costs]): the one GPU measured so far stands for all.
     costs: ClassVar[dict[str, CallCost] | None] = H200
 
@@ -45,9 +54,7 @@ class CudaDevice(Device):
         self._driver = driver  # None: cuda.bindings.driver, imported when first needed
         self._kernel = kernel
         self._rt = cupy.cuda.runtime
-        count = self._rt.getDeviceCount()
-        if not 0 <= index < count:
-            raise ValueError(f"device: cuda:{index} does not exist ({count} CUDA device(s) visible)")
+        check_index(self._rt, index)
         self.index = index
         self._dev = cupy.cuda.Device(index)
         self._mover: CudaMover | None = None  # made on the first move

@@ -11,6 +11,7 @@ import mmap
 import sys
 import threading
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -377,6 +378,13 @@ class SimDevice(Device):
 def _used(ref: weakref.ref[SimDevice]) -> int:
     device = ref()
     return 0 if device is None else device.used
+
+
+class SimWholeHandles(SimDevice):
+    """The sim device with virtual memory mapped as on a GPU, one handle per grow (``Capabilities.whole_handles``):
+    for tests, and to measure what whole handles cost in memory (``benchmarks/bench_whole_handles.py``)."""
+
+    capabilities = replace(SimDevice.capabilities, whole_handles=True)
 
 
 class SimPinnedDevice(SimDevice):

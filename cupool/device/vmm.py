@@ -40,7 +40,11 @@ sim device), and each pool reserves from an ``AddressSpace`` of its own: ranges
 first fit, lowest address first, from an *arena* that the space reserves from
 the backend on first use, sized by what the pool may hold (``address_arena``:
 ``ARENA_SPANS`` times its limit, the device's capacity without one, and a
-growing region is one limit long: ``region_span``).  ``free_range`` only returns
+growing region is one limit long: ``region_span``).  A limit raised later
+(``Pool.set_limit``) is told to the space (``may_hold``): regions and arenas
+reserved after it are sized by the highest limit the pool has had, and its next
+arena starts a new lane (below), so the rule stays one of the pool's own calls;
+what was reserved before stays where it is.  ``free_range`` only returns
 a range to its space's arena; the backend's ``_free_range`` runs for a whole
 arena, when the space is given back (its pool closed and emptied, or collected)
 or at ``close``.  So a pool holds a few times what it may map in addresses, never
@@ -288,14 +292,17 @@ class VirtualMemory(ABC):
     def _numbered_arena(self, space: AddressSpace) -> int | None:
         """The next arena of ``space``'s lane, reserved at its number's address, or None where the backend
         chooses addresses itself, the lane is full, or its addresses are taken (lock held)."""
-        if space.lane is None and not space.arenas:
+        if space.lane is None and not space.numbered:  # its first arena, or the first since its limit rose
             space.lane = self._take_lane(LANE_ARENAS * space.arena)
+            if space.lane is not None:
+                space.lanes[space.lane] = LANE_ARENAS * space.arena
         if space.lane is None or space.numbered >= LANE_ARENAS:
+            space.numbered = LANE_ARENAS  # no lane: this backend (or this lane) numbers no more arenas
             return None
         at = space.lane + space.numbered * space.arena
         if not self._reserve_at(at, space.arena):  # something holds its addresses: no more numbered arenas
             if not space.numbered:
-                self._give_lane(space.lane, LANE_ARENAS * space.arena)
+                self._give_lane(space.lane, space.lanes.pop(space.lane))
                 space.lane = None
             space.numbered = LANE_ARENAS
             return None
@@ -313,9 +320,10 @@ class VirtualMemory(ABC):
                 self._free_range(base, size)
         space.arenas.clear()
         space.free = FreeRanges()
-        if space.lane is not None:
-            self._give_lane(space.lane, LANE_ARENAS * space.arena)
-            space.lane, space.numbered = None, 0
+        for lane, size in space.lanes.items():
+            self._give_lane(lane, size)
+        space.lanes.clear()
+        space.lane, space.numbered = None, 0
 
     def create(self, nbytes: int) -> Chunk:
         """A physical chunk of ``nbytes`` (whole granules), charged against capacity."""
@@ -532,14 +540,19 @@ class AddressSpace:
         if isinstance(holds, bool) or not isinstance(holds, int) or holds < 0:
             raise ValueError(f"holds: the bytes a pool may hold, an int >= 0, got {holds!r}")
         self._vm = weakref.ref(vm)  # not the object: its own space would make a cycle, delaying its finalizer
-        #: The bytes of each arena the space reserves: ``address_arena`` of what the pool may hold.
+        #: What the pool may hold, a growing region's bytes (``region_span``) and those of each arena the
+        #: space reserves (``address_arena``): all sized by the pool's limit, the highest it has had.
+        self.holds = holds
+        self.span = region_span(holds, vm.granularity)
         self.arena = address_arena(holds, vm.granularity)
         #: Its arenas (base -> bytes), in the order they were reserved, and their addresses not lent.
         self.arenas: dict[int, int] = {}
         self.free = FreeRanges()
-        #: Where its numbered arenas go, and how many it has (None: the backend chooses, or not yet asked).
+        #: Where its numbered arenas go now, and how many it has there (None: the backend chooses, not yet
+        #: asked, or its limit rose since); every lane it has taken (base -> bytes), given back with it.
         self.lane: int | None = None
         self.numbered = 0
+        self.lanes: dict[int, int] = {}
 
     @property
     def vm(self) -> VirtualMemory:
@@ -550,6 +563,18 @@ class AddressSpace:
 
     def reserve(self, nbytes: int) -> int:
         return self.vm.reserve(nbytes, self)
+
+    def may_hold(self, holds: int) -> None:
+        """The pool may now hold ``holds`` bytes (its limit was raised): the regions and arenas it reserves
+        from now on are sized by that, and its next arena starts a lane of its own, numbered from 0, so
+        that arenas still follow each other where the backend lets them (Note [Address arena]).  What is
+        reserved stays as it is; a lower figure changes nothing (a raise afterwards needs no new lane)."""
+        vm = self.vm
+        with vm._lock:
+            if holds > self.holds:
+                self.holds, self.span = holds, region_span(holds, vm.granularity)
+                self.arena = address_arena(holds, vm.granularity)
+                self.lane, self.numbered = None, 0
 
     def free_range(self, addr: int) -> None:
         self.vm.free_range(addr)

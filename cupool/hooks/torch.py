@@ -53,6 +53,7 @@ from types import ModuleType
 from typing import Any
 
 from ..core import compiled_module
+from ..device.cuda import check_index
 from ..core.fast import Allocation
 from ..errors import NoDeviceError, TorchAllocatorError
 from ..pool import Pool
@@ -145,10 +146,7 @@ def _check_exists(device: int) -> None:
     if gpu_available():
         import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
-        if 0 <= device < count:
-            return
-        raise NoDeviceError(f"cupool.torch: device {device} does not exist ({count} CUDA device(s) visible)")
+        return check_index(cupy.cuda.runtime, device)  # CUDA's devices: CudaDevice's own check
     if device == 0 or (device >= 0 and (device == current_device() or existing_pool(device) is not None)):
         return
     raise NoDeviceError(f"cupool.torch: device {device} does not exist: the simulated devices are 0, the current "

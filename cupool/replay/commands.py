@@ -30,7 +30,7 @@ from .driver import (
     replay,
     trace_capacity,
 )
-from .report import plot_report
+from .report import oom_caveat, plot_report
 from .seed import has_history, seed_count, seeded_blocks
 
 
@@ -70,7 +70,8 @@ def add_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                         "most events")
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="numba (fast) or pool (the real Pool, slow, takes any Pool argument, models compaction "
-                        "and spilling); default: pool for traces with movable buffers, else numba")
+                        "and spilling); default: pool for traces with movable buffers or settings only it "
+                        "takes, else numba")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: on for long traces on a terminal)")
     p.add_argument("--json", action="store_true",
@@ -242,8 +243,7 @@ def _upstream_note(r: ReplayResult) -> str:
 def _still_note(blocks: int) -> str:
     return (f"no history to replay: the events above are only the {blocks} blocks alive when this snapshot was "
             "taken, and their segments; what follows is that still picture, allocated on a fresh pool.  It records "
-            "no request either: if it was taken at an out-of-memory error, the request that failed is not in it "
-            "(a request over the largest free block below needed a new segment)")
+            f"no request either: {oom_caveat()}")
 
 
 def _warn(r: ReplayResult) -> None:

@@ -94,8 +94,11 @@ def uses_movables(trace: Trace) -> bool:
 
 def default_engine(trace: Trace, *configs: dict[str, Any] | None) -> str:
     """``"pool"`` for traces with movable buffers (whose compaction and spilling only the pool engine
-    models), else the fast ``"numba"``; ``configs`` are the settings to be replayed (none changes this)."""
-    return "pool" if uses_movables(trace) else "numba"
+    models) or where ``configs``, the settings to be replayed, name one that only it models (``spill``,
+    ``defrag_threshold``); else the fast ``"numba"``.  A key neither takes is left to ``check_config`` to refuse."""
+    numba, pool = accepted_keys("numba"), accepted_keys("pool")
+    only_pool = any(k in pool and k not in numba for c in configs if c for k in c)
+    return "pool" if only_pool or uses_movables(trace) else "numba"
 
 
 def recorded_config(trace: Trace, engine: str = "numba") -> dict[str, Any]:

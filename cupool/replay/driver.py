@@ -111,7 +111,8 @@ def replay(
 
     ``trace`` is a ``Trace`` or a trace file's path (read by ``cupool.trace.load_trace``:
     a cupool HDF5 trace, a PyTorch memory snapshot or an RMM log).  ``engine`` None
-    picks ``default_engine(trace)``.  ``timeline`` keeps reserved/allocated bytes
+    picks ``default_engine(trace, config)``: the pool engine for movable buffers or a
+    setting only it models.  ``timeline`` keeps reserved/allocated bytes
     after every event, and the replay's own OOMs in each ("reserved", "allocated",
     "ooms"); ``progress`` shows a tqdm bar
     (default: on long traces, when stderr is a terminal); ``stop`` replays only

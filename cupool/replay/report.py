@@ -255,13 +255,20 @@ def _still_panel(ax: Any, data: ReportData) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+def oom_caveat(largest: int | None = None) -> str:
+    """What a still picture cannot say of an out-of-memory error it may have been taken at: the one text of
+    the replay's note (``cupool replay``) and the report's title; ``largest``: its largest free block, if known."""
+    over = "the largest free block" if largest is None else f"{format_bytes(largest)} (the largest free block)"
+    return ("if it was taken at an out-of-memory error, the request that failed is not in it; "
+            f"any request over {over} needed a new segment")
+
+
 def still_title(data: ReportData) -> str:
     """The still picture's title: what it holds, and what it cannot say of an OOM it may have been taken at."""
     largest = max((size for seg in data.segments for _, size, alloc in seg["blocks"] if not alloc), default=0)
     return (f"no history: this snapshot records only the {count(data.live_blocks, 'block')} alive when it was taken, "
             f"in {count(len(data.segments), 'segment')}; fragmentation {data.summary['fragmentation_at_peak']:.3f}\n"
-            "and no request: if it was taken at an out-of-memory error, the request that failed is not in it;\n"
-            f"any request over {format_bytes(largest)} (the largest free block) needed a new segment")
+            "and no request: " + oom_caveat(largest).replace("; ", ";\n"))
 
 
 def shown_segments(segs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:

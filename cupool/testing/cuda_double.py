@@ -15,7 +15,10 @@ driver's virtual memory is a ``SimVirtualMemory`` (a memfd mapped into reserved
 addresses), driven through its public, checked calls, so a map, unmap or access
 change the driver would refuse is refused here too, and the copies, the kernel
 and the batched copy move real bytes.  Driver calls made with no context pushed
-fail as the driver fails them (``CUDA_ERROR_INVALID_CONTEXT``).
+fail as the driver fails them (``CUDA_ERROR_INVALID_CONTEXT``), and so do calls
+with arguments it refuses (``CUDA_ERROR_INVALID_VALUE``: an allocation that is
+not pinned memory on the double's one GPU, an access other than read-write for
+it, a reservation or a handle not of whole granules, a map at an offset).
 
 Usage::
 
@@ -49,9 +52,12 @@ from ..errors import DeviceOutOfMemory, StandInRuntimeError, VirtualMemoryError
 #: The calls that wait for the device.
 SYNCS = ("deviceSynchronize", "streamSynchronize", "cuCtxSynchronize")
 #: The driver's result codes the double returns (their values are the driver's).
-SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED, INVALID_CONTEXT = 0, 1, 2, 801, 201
+SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED, INVALID_CONTEXT, INVALID_DEVICE = 0, 1, 2, 801, 201, 101
 _NAMES = {SUCCESS: "CUDA_SUCCESS", INVALID_VALUE: "CUDA_ERROR_INVALID_VALUE", OUT_OF_MEMORY: "CUDA_ERROR_OUT_OF_MEMORY",
-          NOT_SUPPORTED: "CUDA_ERROR_NOT_SUPPORTED", INVALID_CONTEXT: "CUDA_ERROR_INVALID_CONTEXT"}
+          NOT_SUPPORTED: "CUDA_ERROR_NOT_SUPPORTED", INVALID_CONTEXT: "CUDA_ERROR_INVALID_CONTEXT",
+          INVALID_DEVICE: "CUDA_ERROR_INVALID_DEVICE"}
+#: The values of the driver's enums that the calls are checked against (pinned memory, on a device, read-write).
+_PINNED, _ON_DEVICE, _READ_WRITE = 1, 1, 3
 
 
 @dataclass(frozen=True)
@@ -197,11 +203,17 @@ class Driver:
     CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
     CUmemcpySrcAccessOrder = SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=1)
 
-    def __init__(self, log: CallLog, capacity: int, outside: Any, batch: bool) -> None:
+    def __init__(self, log: CallLog, capacity: int, outside: Any, batch: bool, address_space: int | None = None) -> None:
         self.log = log
         self.capacity = capacity
         self.vm = SimVirtualMemory(capacity, outside=outside)
+        #: The GPU's addresses (None: as many as the process has): ``cuMemAddressReserve`` past what the
+        #: ranges in ``reserved`` (base -> bytes) hold fails with CUDA_ERROR_OUT_OF_MEMORY, as the driver did
+        #: on the H200 once a few pools' arenas held its 128 TiB.
+        self.address_space = address_space
+        self.reserved: dict[int, int] = {}
         self.handles: dict[int, Chunk] = {}
+        self.vmm_supported = 1  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (0: a GPU without)
         self.contexts: list[Any] = []  # the current context stack
         self.retained = 0
         if batch:
@@ -232,11 +244,11 @@ class Driver:
         self.log.record("cuInit")
         return (SUCCESS,)
 
-    def cuDeviceGet(self, index: int) -> tuple[int, int]:
-        return SUCCESS, index
+    def cuDeviceGet(self, index: int) -> tuple[int, int | None]:
+        return (SUCCESS, index) if index == 0 else (INVALID_DEVICE, None)  # one GPU
 
     def cuDeviceGetAttribute(self, attr: int, dev: int) -> tuple[int, int]:
-        return SUCCESS, 1
+        return SUCCESS, self.vmm_supported
 
     def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[int, str]:
         self.log.record("cuDevicePrimaryCtxRetain")
@@ -248,8 +260,8 @@ class Driver:
         self.retained -= 1
         return (SUCCESS,)
 
-    def cuMemGetAllocationGranularity(self, prop: Any, flags: int) -> tuple[int, int]:
-        return SUCCESS, self.vm.granularity
+    def cuMemGetAllocationGranularity(self, prop: Any, flags: int) -> tuple[int, int | None]:
+        return (SUCCESS, self.vm.granularity) if _pinned_here(prop) else (INVALID_VALUE, None)
 
     def cuDeviceTotalMem(self, dev: int) -> tuple[int, int]:
         return SUCCESS, self.capacity
@@ -280,13 +292,28 @@ class Driver:
         return (SUCCESS,) if out is None else (SUCCESS, out)
 
     def cuMemAddressReserve(self, nbytes: int, align: int, addr: int, flags: int) -> tuple[Any, ...]:
-        return self._vmm("cuMemAddressReserve", nbytes, self.vm.reserve, nbytes)
+        def reserve() -> int:
+            if addr or flags or nbytes % self.vm.granularity or align % self.vm.granularity:
+                raise VirtualMemoryError("cuMemAddressReserve: whole granules, aligned to one, anywhere")
+            if self.address_space is not None and sum(self.reserved.values()) + nbytes > self.address_space:
+                raise DeviceOutOfMemory(f"{nbytes} bytes of addresses: the GPU's address space is held")
+            base = self.vm.reserve(nbytes)
+            self.reserved[base] = nbytes
+            return base
+
+        return self._vmm("cuMemAddressReserve", nbytes, reserve)
 
     def cuMemAddressFree(self, addr: int, nbytes: int) -> tuple[Any, ...]:
-        return self._vmm("cuMemAddressFree", nbytes, self.vm.free_range, int(addr))
+        def free() -> None:
+            self.vm.free_range(int(addr))
+            del self.reserved[int(addr)]
+
+        return self._vmm("cuMemAddressFree", nbytes, free)
 
     def cuMemCreate(self, nbytes: int, prop: Any, flags: int) -> tuple[Any, ...]:
         def create() -> int:
+            if flags or not _pinned_here(prop):
+                raise VirtualMemoryError("cuMemCreate: pinned memory on this device, no flags")
             chunk = self.vm.create(nbytes)
             self.handles[chunk.id] = chunk
             return chunk.id
@@ -299,13 +326,18 @@ class Driver:
 
     def cuMemMap(self, addr: int, nbytes: int, offset: int, handle: int, flags: int) -> tuple[Any, ...]:
         chunk = self.handles[handle]
-        if offset or nbytes != chunk.nbytes:  # the driver maps whole handles only (Note [Address arena]'s module)
+        if offset or flags or nbytes != chunk.nbytes:  # the driver maps whole handles only (H100, driver 580)
             self.log.record("cuMemMap", nbytes)
             return (NOT_SUPPORTED,)
         return self._vmm("cuMemMap", nbytes, self.vm.map, int(addr), chunk)
 
     def cuMemSetAccess(self, addr: int, nbytes: int, descs: list[Any], count: int) -> tuple[Any, ...]:
-        return self._vmm("cuMemSetAccess", nbytes, self.vm.set_access, int(addr), nbytes)
+        def set_access() -> None:
+            if count != len(descs) or not all(d.flags == _READ_WRITE and _here(d.location) for d in descs):
+                raise VirtualMemoryError("cuMemSetAccess: read-write access for this device")
+            self.vm.set_access(int(addr), nbytes)
+
+        return self._vmm("cuMemSetAccess", nbytes, set_access)
 
     def cuMemUnmap(self, addr: int, nbytes: int) -> tuple[Any, ...]:
         return self._vmm("cuMemUnmap", nbytes, self.vm.unmap, int(addr), nbytes)
@@ -318,6 +350,15 @@ class Driver:
         for d, b in loaded:
             _at(d, b.size)[:] = b
         return SUCCESS, 0
+
+
+def _here(location: Any) -> bool:
+    return bool(location.type == _ON_DEVICE and location.id == 0)
+
+
+def _pinned_here(prop: Any) -> bool:
+    """Whether an allocation's properties are those the driver takes here: pinned memory on the one GPU."""
+    return bool(prop.type == _PINNED and _here(prop.location))
 
 
 class _Device:
@@ -356,14 +397,16 @@ def _ndarray(shape: tuple[int, ...], dtype: Any, memptr: Any) -> np.ndarray:
 class CudaDouble:
     """One GPU of ``capacity`` bytes, on the CPU: ``device()`` is a ``CudaDevice`` whose calls all land in ``log``.
 
-    ``batch`` offers the driver's batched copy (``cuMemcpyBatchAsync``, CUDA 12.8 and later).
+    ``batch`` offers the driver's batched copy (``cuMemcpyBatchAsync``, CUDA 12.8 and later);
+    ``address_space`` limits the addresses its reservations may hold (``Driver.address_space``).
     """
 
-    def __init__(self, capacity: int | str = "4GiB", batch: bool = True) -> None:
+    def __init__(self, capacity: int | str = "4GiB", batch: bool = True, address_space: int | str | None = None) -> None:
         self.capacity = parse_size(capacity, name="capacity")
         self.log = CallLog()
         self.runtime: Runtime = Runtime(self.log, self.capacity, lambda: self.driver.vm.in_use)
-        self.driver: Driver = Driver(self.log, self.capacity, lambda: self.runtime.used, batch)
+        space = None if address_space is None else parse_size(address_space, name="address_space")
+        self.driver: Driver = Driver(self.log, self.capacity, lambda: self.runtime.used, batch, space)
         self.kernel = Kernel(self.log)
         current = SimpleNamespace(ptr=0)
         log = self.log

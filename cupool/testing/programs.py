@@ -70,7 +70,8 @@ class SwitchStream:
 Op = Malloc | MallocMovable | Free | Compact | Spill | SwitchStream
 
 
-#: A program of ``run_calls``, as plain tuples: ``(0, nbytes, stream)`` allocates, ``(1, index, _)`` frees.
+#: A program of ``run_calls``, as plain tuples: ``(0, nbytes, stream)`` allocates, ``(1, index, _)`` frees,
+#: ``(2, _, _)`` is ``pool.empty_cache()``.
 Call = tuple[int, int, int]
 
 
@@ -157,8 +158,9 @@ def run_calls(pool: Pool, calls: Any) -> tuple[int, list[Allocation]]:
     For programs too large for ``run_program``'s checks (the benchmarks' thousands of
     requests of up to 64 MiB): ``(0, nbytes, stream)`` is ``pool.malloc(nbytes, stream)``,
     an ``OutOfMemoryError`` counted; ``(1, index, _)`` frees the live allocation at
-    ``index`` modulo their number (nothing when none is live).  Returns the refusals
-    and the allocations still alive, in the order they were made.
+    ``index`` modulo their number (nothing when none is live); ``(2, _, _)`` calls
+    ``pool.empty_cache()``.  Returns the refusals and the allocations still alive, in
+    the order they were made.
     """
     live: list[Allocation] = []
     ooms = 0
@@ -168,6 +170,8 @@ def run_calls(pool: Pool, calls: Any) -> tuple[int, list[Allocation]]:
                 live.append(pool.malloc(x, stream=stream))
             except OutOfMemoryError:
                 ooms += 1
+        elif op == 2:
+            pool.empty_cache()
         elif live:
             live.pop(x % len(live)).free()
     return ooms, live

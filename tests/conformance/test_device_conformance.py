@@ -35,6 +35,7 @@ from cupool.device import (
     cuda_available,
     pinned_device_beside,
 )
+from cupool.device.sim import SimWholeHandles
 from cupool.device.vmm import VirtualMemoryUnsupported
 from cupool.errors import DeviceOutOfMemory
 
@@ -60,7 +61,10 @@ class _Kind:
 KINDS = [
     _Kind("sim", lambda: SimDevice("64MiB"), Capabilities(True, True, True, sys.platform.startswith("linux")), PAGE),
     _Kind("pinned-sim", lambda: SimPinnedDevice("64MiB"), Capabilities(True, True, False, False), PAGE),
-    _Kind("cuda", lambda: CudaDevice(0), Capabilities(True, False, True, True), 256, marks=(_no_gpu,)),
+    _Kind("sim-whole-handles", lambda: SimWholeHandles("64MiB"),
+          Capabilities(True, True, True, sys.platform.startswith("linux"), whole_handles=True), PAGE),
+    _Kind("cuda", lambda: CudaDevice(0), Capabilities(True, False, True, True, whole_handles=True), 256,
+          marks=(_no_gpu,)),
     _Kind(
         "pinned-cuda",
         lambda: CudaPinnedDevice(0),
