@@ -119,6 +119,7 @@ from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
 from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_first_room, stitch_pick, stitch_takes, usable
+from .rules import region_size, runs_past
 from .segments import execute
 from .sizes import SMALL, round_up
 
@@ -233,7 +234,7 @@ class Expander:
             return None
         chunks = self._create(n)
         region = self.regions.get((kind, stream))
-        if region is not None and region.frontier + n > region.base + region.size:
+        if region is not None and runs_past(region.frontier, n, region.base + region.size):
             # Its addresses ran out (stitching left holes behind): retire it, and start a new range.
             del self.regions[(kind, stream)]
             region.growable = False
@@ -242,8 +243,7 @@ class Expander:
             region = None
         if region is None:
             try:  # a limit raised since the pool was made (set_limit) may let one grow pass the span
-                region = self.regions[(kind, stream)] = self._reserve(max(self.span, n), growable=True,
-                                                                      stitched=False)
+                region = self.regions[(kind, stream)] = self._reserve(region_size(self.span, n), growable=True, stitched=False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)

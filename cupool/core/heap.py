@@ -26,7 +26,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
-from .rules import fits_before, merged_stream, mergeable, split_rest
+from .rules import fits_before, merged_stream, mergeable, split_rest, usable
 
 #: A stream's key, as the pool names streams; None: any stream.
 Stream = Hashable | None
@@ -229,9 +229,8 @@ class Heap:
     def find(self, size: int, stream: Stream) -> Block | None:
         """Best fit for ``size`` among free blocks usable by ``stream`` (its own and any stream's)."""
         best = None
-        for t in (stream, None) if stream is not None else (None,):
-            idx = self._index.get(t)
-            if not idx:
+        for t, idx in self._index.items():
+            if not idx or not usable(t, stream, None):  # its own blocks and anyone's
                 continue
             i = idx.bisect_left((size, 0))
             if i < len(idx):

@@ -109,7 +109,7 @@ def grow_need(size: int, have: int, frontier: int, end: int, granule: int) -> in
     bytes usable by the stream) lacks, in whole granules, at least one; when that would run past
     the region's ``end`` from its ``frontier``, the request's own granules in a new region."""
     n = round_up(max(size - have, 1), granule)
-    if frontier + n > end:
+    if runs_past(frontier, n, end):
         return round_up(size, granule)
     return n
 
@@ -230,3 +230,62 @@ def release_cuts_holes(large: bool, stitching: bool) -> bool:
     own ``empty_cache()``, which cuts them, succeeds (issue 25).
     """
     return not (large and stitching)
+
+
+# ------------------------------------------------ the miss chain's arithmetic (issue 33)
+# The pool and the engine string the decisions above together each over its own structures; what the
+# chain computes on the way, from integers alone, is here, so that it too is written once.
+def room(limit: int, reserved: int) -> int:
+    """The bytes the limit still lets the pool reserve: none (not a negative amount) once a lowered
+    limit (``set_limit``) sits below what is reserved."""
+    return max(0, limit - reserved)
+
+
+def above_limit(size: int, limit: int) -> bool:
+    """Whether a request of ``size`` bytes is larger than the limit on its own: no rung of the ladder
+    could serve it, so the pool refuses it at once, changing nothing (Note [Out of memory])."""
+    return round_page(size) > limit
+
+
+def settles_on_miss(streams: int) -> bool:
+    """Whether a request that found no block settles the streams before it grows: only once the heap
+    has seen more than one stream (``streams``), since with one every free block is already its own."""
+    return streams > 1
+
+
+def retry_pages(target: int, size: int) -> int:
+    """After the device refused a plain segment of ``target`` bytes for a block of ``size``: the bytes
+    to ask for once more, the request's own pages; 0 when those were what it refused (``grow_target``)."""
+    minimum = round_page(size)
+    return 0 if target == minimum else minimum
+
+
+def runs_past(frontier: int, nbytes: int, end: int) -> bool:
+    """Whether mapping ``nbytes`` at a region's ``frontier`` runs past its ``end``: the region is
+    retired (stitching left holes behind it) and the grow starts a new one (``grow_need``)."""
+    return frontier + nbytes > end
+
+
+def region_size(span: int, nbytes: int) -> int:
+    """The addresses a stream's new growing region reserves: the pool's ``span`` (all it may map), or
+    the grow's own ``nbytes`` where a limit raised since the span was sized asks for more."""
+    return max(span, nbytes)
+
+
+def eager_threshold(release_threshold: int | None) -> int:
+    """``release_threshold`` as ``over_threshold`` takes it: None (never release at once) is -1.
+
+    Python only (it takes None): the engine's configuration stores its answer
+    (``engine_layout.config_array``), and the pool's policy asks it at each free."""
+    return -1 if release_threshold is None else release_threshold
+
+
+def releases_before_split(enabled: bool, large: bool, exact: bool, plain: bool, whole: bool, keep: bool,
+                          request_pages: int, segment_size: int, limit: int, reserved: int) -> bool:
+    """Whether best fit's block, for a request of ``request_pages`` pages, is a segment to give back rather
+    than split (Note [Release before split]): the setting is on (``enabled``), the request is a ``large`` one
+    not grown by its exact size (``exact``: a movable buffer, or the room a release made), the block is a
+    ``whole`` ``plain`` segment (a virtual-memory segment gives back its free granules instead) that is not
+    the preallocated one (``keep``), and ``gives_back_before_split`` says the limit calls for it."""
+    return (enabled and large and not exact and plain and whole and not keep
+            and gives_back_before_split(request_pages, segment_size, limit, reserved))

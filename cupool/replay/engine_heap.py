@@ -276,14 +276,16 @@ def _best_fit(IX, PS, h, t, size):
 
 @njit(cache=True, _nrt=False)
 def find(IX, PS, h, size, stream):
-    """Best fit among blocks of ``stream`` or anyone's (``rules.usable``): the first of both columns' answers."""
-    a = _best_fit(IX, PS, h, stream + 1, size) if stream >= 0 else -1
-    u = _best_fit(IX, PS, h, 0, size)
-    if a < 0:
-        return u
-    if u < 0 or _less(IX, a, IX[u, IX_SIZE], IX[u, IX_ADDR]):
-        return a
-    return u
+    """Best fit among the free blocks ``stream`` may take (``rules.usable``: its own and anyone's, as
+    ``Heap.find`` asks): the first of the usable columns' answers."""
+    best = -1
+    for t in range(PS.shape[2]):
+        if PS[h, 0, t] == 0 or not rules.usable(t - 1, stream, -1):
+            continue
+        b = _best_fit(IX, PS, h, t, size)
+        if b >= 0 and (best < 0 or _less(IX, b, IX[best, IX_SIZE], IX[best, IX_ADDR])):
+            best = b
+    return best
 
 
 @njit(cache=True, _nrt=False)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from ..core import rules
 from ..device.vmm import LANE_ARENAS, address_arena, region_span
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
@@ -99,6 +100,7 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
     cfg = np.zeros(N_CFG, np.int64)
     for slot in SETTING_SLOTS:
         cfg[CFG_SLOTS.index(slot)] = _as_int(slot, resolved[slot])
+    cfg[C_THRESHOLD] = rules.eager_threshold(resolved["release_threshold"])  # as the pool's policy reads it
     capacity = int(cfg[C_CAPACITY])
     cfg[C_SPAN] = SPAN_HEADROOM * capacity
     limit = int(cfg[C_LIMIT])

@@ -271,14 +271,14 @@ def grow(E, h, size, stream):
         return -1
     st[DEV_USED] += n
     r = E.GR[h, stream + 1]
-    if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
+    if r >= 0 and rules.runs_past(R[R_FRONTIER, r], n, R[R_BASE, r] + R[R_SIZE, r]):
         E.GR[h, stream + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
         R[R_GROW, r] = 0
         if R[R_NSEG, r] == 0:
             _forget_region(E, r)
         r = -1
     if r < 0:
-        r = _new_region(E, E.cfg[C_VSPAN], 1, 0)
+        r = _new_region(E, rules.region_size(E.cfg[C_VSPAN], n), 1, 0)
         E.GR[h, stream + 1] = r
     at = R[R_FRONTIER, r]
     R[R_FRONTIER, r] += n
@@ -452,18 +452,23 @@ def stitch(E, h, size, stream, room, first):
     """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side
     (``first``: a stitch before the grow, ``rules.stitch_takes``)."""
     B, S, st = E.B, E.S, E.st
+    room = room // GRANULE * GRANULE
     want = round_up(size, GRANULE)
     n_holes = 0
     for k in range(2):
-        n_holes += E.PS[k, 0, stream + 1] + E.PS[k, 0, 0]
+        for t in range(E.PS.shape[2]):
+            if rules.usable(t - 1, stream, -1):  # the streams whose free blocks it may take, as the heap's find
+                n_holes += E.PS[k, 0, t]
     ln = np.empty(n_holes, np.int64)
     llo = np.empty(n_holes, np.int64)
     lk = np.empty(n_holes, np.int64)
     lb = np.empty(n_holes, np.int64)
     m = 0
     for k in range(2):
-        for t in (stream, -1):
-            ids = of_stream(E, k, t)
+        for t in range(E.PS.shape[2]):
+            if not rules.usable(t - 1, stream, -1):
+                continue
+            ids = of_stream(E, k, t - 1)
             for j in range(ids.shape[0]):
                 b = ids[j]
                 lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
