@@ -23,7 +23,7 @@ free block's stream is the one whose frees it holds.
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
 | ``fits_before`` | best fit's order: which of two free blocks a request takes | ``Heap.find`` (and its index's order) | ``engine_heap._less`` |
-| ``usable`` | may a request on one stream take a block freed on another? | ``Expander.need``/``stitch`` (``Heap.find`` searches just the indexes of the streams it allows) | ``engine_memory.need`` (``engine_heap.find`` and ``stitch`` walk just those streams' trees) |
+| ``usable`` | may a request on one stream take a block freed on another? | ``Heap.find`` (which streams' indexes it searches), ``Expander.need``/``stitch`` | ``engine_heap.find`` (which streams' trees), ``engine_memory.need``/``stitch`` |
 | ``split_rest`` | what stays free when a request takes the front of a block | ``Heap.take`` | ``engine_heap.take`` |
 | ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
@@ -35,6 +35,13 @@ free block's stream is the one whose frees it holds.
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
+| ``room`` | how many bytes may the pool still reserve under its limit? | ``Arena.room`` (to come: it inlines the sum) | ``engine._grow``, ``_stitch_first_room``, ``_last_rung`` |
+| ``above_limit`` | is a request larger than the limit on its own (refused before any rung)? | ``Arena.miss`` (to come: inline) | ``engine._malloc`` |
+| ``settles_on_miss`` | does a miss settle the streams before growing? | ``Arena.place`` (to come: inline) | ``engine._malloc`` |
+| ``retry_pages`` | after the device refused a plain grow, what to ask for once more | ``DeviceSegments.grow`` | ``engine._grow`` |
+| ``runs_past``, ``region_size`` | does a grow retire its region, and how large is the new one? | ``Expander.grow`` (and ``grow_need``) | ``engine_memory.grow`` |
+| ``eager_threshold`` | ``release_threshold=None`` as ``over_threshold`` reads it | ``PoolPolicy.releases_now`` | ``engine_layout.config_array`` |
+| ``releases_before_split`` | ``gives_back_before_split`` behind its preconditions (large, not exact, a whole plain segment, not kept) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
 
 The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
 which the scheduler runs and the engine follows for the rungs it models

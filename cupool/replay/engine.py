@@ -1,8 +1,9 @@
 """A numba-compiled twin of ``Pool`` + ``Heap`` + ``SimDevice`` for replaying traces fast.
 
-Replaying through the real ``Pool`` costs a few microseconds of Python per
-event; this engine runs the same placement policy in compiled code, so that
-long traces replay at millions of events per second.  It is not a second
+Replaying through the real ``Pool`` costs 12-175 microseconds of Python per
+event (docs/design.md, "Can the pool replay at 3 M events/s?"); this engine
+runs the same placement policy in compiled code, so that long traces replay at
+millions of events per second.  It is not a second
 design: every rule below mirrors a line of ``cupool/pool.py``, ``cupool/core/``
 (heap, arena, expandable) or ``cupool/device/sim.py``, the size classes are
 ``cupool.core.sizes``'s constants, and ``tests/test_replay.py`` checks on
