@@ -130,18 +130,11 @@ def test_the_miss_chains_arithmetic():
 
 
 def test_release_before_split_preconditions_all_needed():
-    """``releases_before_split`` is ``gives_back_before_split`` behind every precondition, each one needed."""
-    needed = dict(enabled=True, large=True, exact=False, plain=True, whole=True, keep=False)
-    pages, seg, limit, reserved = PAGE, 4 * PAGE, 5 * PAGE, 4 * PAGE  # the limit has no room for another
-    assert gives_back_before_split(pages, seg, limit, reserved)
-    assert rules.releases_before_split(**needed, request_pages=pages, segment_size=seg, limit=limit,
-                                       reserved=reserved)
+    """``releases_before_split``: every precondition of giving a segment back rather than splitting it is needed."""
+    needed = dict(large=True, exact=False, plain=True, whole=True, keep=False)
+    assert rules.releases_before_split(**needed)
     for name in needed:
-        flipped = {**needed, name: not needed[name]}
-        assert not rules.releases_before_split(**flipped, request_pages=pages, segment_size=seg, limit=limit,
-                                               reserved=reserved), name
-    assert not rules.releases_before_split(**needed, request_pages=pages, segment_size=seg, limit=10 * PAGE,
-                                           reserved=reserved)
+        assert not rules.releases_before_split(**{**needed, name: not needed[name]}), name
 
 
 def test_the_engine_compiles_the_same_rule_book():
@@ -160,9 +153,7 @@ def test_the_engine_compiles_the_same_rule_book():
     # The miss chain's arithmetic (issue 33), compiled as the engine calls it: integers and booleans.
     chain = njit(lambda: (rules.room(3, 5), rules.above_limit(PAGE + 1, PAGE), rules.settles_on_miss(2),
                           rules.retry_pages(MEDIUM_SEGMENT, PAGE + 1), rules.runs_past(4, 2, 5),
-                          rules.region_size(4, 7),
-                          rules.releases_before_split(True, True, False, True, True, False, PAGE, 4 * PAGE,
-                                                      5 * PAGE, 4 * PAGE)))
+                          rules.region_size(4, 7), rules.releases_before_split(True, False, True, True, False)))
     assert chain() == (0, True, True, 2 * PAGE, True, 7, True)
 
 

@@ -41,7 +41,7 @@ free block's stream is the one whose frees it holds.
 | ``retry_pages`` | after the device refused a plain grow, what to ask for once more | ``DeviceSegments.grow`` | ``engine._grow`` |
 | ``runs_past``, ``region_size`` | does a grow retire its region, and how large is the new one? | ``Expander.grow`` (and ``grow_need``) | ``engine_memory.grow`` |
 | ``eager_threshold`` | ``release_threshold=None`` as ``over_threshold`` reads it | ``PoolPolicy.releases_now`` | ``engine_layout.config_array`` |
-| ``releases_before_split`` | ``gives_back_before_split`` behind its preconditions (large, not exact, a whole plain segment, not kept) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
+| ``releases_before_split`` | may best fit's block be given back rather than split? (large, not exact, a whole plain segment, not kept; then ``gives_back_before_split``) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
 
 The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
 which the scheduler runs and the engine follows for the rungs it models
@@ -287,12 +287,11 @@ def eager_threshold(release_threshold: int | None) -> int:
     return -1 if release_threshold is None else release_threshold
 
 
-def releases_before_split(enabled: bool, large: bool, exact: bool, plain: bool, whole: bool, keep: bool,
-                          request_pages: int, segment_size: int, limit: int, reserved: int) -> bool:
-    """Whether best fit's block, for a request of ``request_pages`` pages, is a segment to give back rather
-    than split (Note [Release before split]): the setting is on (``enabled``), the request is a ``large`` one
-    not grown by its exact size (``exact``: a movable buffer, or the room a release made), the block is a
-    ``whole`` ``plain`` segment (a virtual-memory segment gives back its free granules instead) that is not
-    the preallocated one (``keep``), and ``gives_back_before_split`` says the limit calls for it."""
-    return (enabled and large and not exact and plain and whole and not keep
-            and gives_back_before_split(request_pages, segment_size, limit, reserved))
+def releases_before_split(large: bool, exact: bool, plain: bool, whole: bool, keep: bool) -> bool:
+    """Whether best fit's block may be a segment to give back rather than split (Note [Release before split]),
+    before ``gives_back_before_split`` weighs the limit (and where ``release_before_split`` is on): the
+    request is a ``large`` one not grown by its exact size (``exact``: a movable buffer, or the room a release
+    made), and the block is a ``whole`` ``plain`` segment (a virtual-memory segment gives back its free
+    granules instead) that is not the preallocated one (``keep``).  Two functions, asked in turn, so that a
+    hit pays for this one alone: the other needs the reserved bytes read."""
+    return large and not exact and plain and whole and not keep

@@ -116,9 +116,10 @@ def _releases(E, h, b, size, exact):
     """Note [Release before split]: whether best fit ``b`` is a wholly free plain segment to give back
     rather than split for ``size`` bytes, as ``cupool.core.rules.gives_back_before_split`` says."""
     cfg, S, s = E.cfg, E.S, E.B[b, SEG]
-    return rules.releases_before_split(cfg[C_SPLIT] != 0, h == LARGE, exact, S[S_REGION, s] < 0,
-                                       E.B[b, SIZE] == S[S_SIZE, s], S[S_KEEP, s] != 0, round_page(size),
-                                       E.B[b, SIZE], cfg[C_LIMIT], E.st[RES])
+    return (cfg[C_SPLIT] != 0
+            and rules.releases_before_split(h == LARGE, exact, S[S_REGION, s] < 0, E.B[b, SIZE] == S[S_SIZE, s],
+                                            S[S_KEEP, s] != 0)
+            and rules.gives_back_before_split(round_page(size), E.B[b, SIZE], cfg[C_LIMIT], E.st[RES]))
 
 
 @njit(cache=True, _nrt=False)
