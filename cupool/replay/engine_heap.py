@@ -289,12 +289,13 @@ def find(IX, PS, h, size, stream):
 
 
 @njit(cache=True, _nrt=False)
-def of_stream_into(E, h, t, out, stack):
-    """The blocks of stream ``t``'s trees in (size, address) order, written to ``out`` (the bands in order,
-    an iterative in-order walk of each; ``stack`` is scratch, both at least one longer than the trees); how many."""
+def of_stream_into(E, h, t, least, out, stack):
+    """The blocks of stream ``t``'s trees in (size, address) order from the band of ``least`` bytes on (0: all),
+    written to ``out`` (the bands in order, an iterative in-order walk of each; ``stack`` is scratch, both at
+    least one longer than the trees); how many."""
     IX, PS = E.IX, E.PS
     m = 0
-    c = _next_band(PS, h, t + 1, 0)
+    c = _next_band(PS, h, t + 1, band(least))
     while c >= 0:  # the bands in order, each tree in order
         sp = 0
         node = PS[h, ROOT + c, t + 1]
@@ -313,12 +314,17 @@ def of_stream_into(E, h, t, out, stack):
 
 
 @njit(cache=True)
-def of_stream(E, h, t):
-    """``of_stream_into`` in arrays of its own."""
+def of_stream_from(E, h, t, least):
+    """``of_stream_into`` in arrays of its own, cut to the blocks listed."""
     n = E.PS[h, 0, t + 1]
     out = np.empty(n, np.int64)
-    of_stream_into(E, h, t, out, np.empty(n + 1, np.int64))
-    return out
+    return out[:of_stream_into(E, h, t, least, out, np.empty(n + 1, np.int64))]
+
+
+@njit(cache=True)
+def of_stream(E, h, t):
+    """All the blocks of stream ``t``'s trees, in (size, address) order (the placement suite's view of the index)."""
+    return of_stream_from(E, h, t, 0)
 
 
 # ------------------------------------------------- split and coalesce
@@ -398,7 +404,7 @@ def settle(E, wait):
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 2  # settled: its flag goes down once both heaps are done
-            m = of_stream_into(E, h, t, W[0], W[1])  # the order the heap visits them in
+            m = of_stream_into(E, h, t, 0, W[0], W[1])  # the order the heap visits them in
             for j in range(m):
                 b = W[0, j]
                 if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, STREAM] == t:

@@ -25,7 +25,7 @@ from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
-from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream
+from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream_from
 from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
     FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
@@ -468,7 +468,7 @@ def stitch(E, h, size, stream, room, first):
         for t in range(E.PS.shape[2]):
             if not rules.usable(t - 1, stream, -1):
                 continue
-            ids = of_stream(E, k, t - 1)
+            ids = of_stream_from(E, k, t - 1, GRANULE)  # a block shorter than a granule holds no whole one
             for j in range(ids.shape[0]):
                 b = ids[j]
                 lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
