@@ -74,7 +74,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, STREAMS_SEEN, UNMATCHED,
 )
 from .engine_memory import (
-    drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
+    drop_segment, freed, grow, holes, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
 
 
@@ -180,7 +180,8 @@ def _malloc(E, n, stream, exact):
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
         return -1
-    if b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0:
+    if (b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0
+            and holes(E, stream, True) > 0):  # with no hole, the stitch takes nothing: the grow follows
         return FIRST_EXACT if exact else FIRST  # a stitch before the grow: ``_last_rung`` tries it
     if b >= 0:
         return _serve(E, h, b, size, stream)

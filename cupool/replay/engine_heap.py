@@ -314,17 +314,12 @@ def of_stream_into(E, h, t, least, out, stack):
 
 
 @njit(cache=True)
-def of_stream_from(E, h, t, least):
-    """``of_stream_into`` in arrays of its own, cut to the blocks listed."""
+def of_stream(E, h, t):
+    """``of_stream_into`` of all the blocks, in arrays of its own (how the placement suite reads the index)."""
     n = E.PS[h, 0, t + 1]
     out = np.empty(n, np.int64)
-    return out[:of_stream_into(E, h, t, least, out, np.empty(n + 1, np.int64))]
-
-
-@njit(cache=True)
-def of_stream(E, h, t):
-    """All the blocks of stream ``t``'s trees, in (size, address) order (the placement suite's view of the index)."""
-    return of_stream_from(E, h, t, 0)
+    of_stream_into(E, h, t, 0, out, np.empty(n + 1, np.int64))
+    return out
 
 
 # ------------------------------------------------- split and coalesce

@@ -32,7 +32,8 @@ from ..device.vmm import LANE_ARENAS, address_arena, region_span
 #: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: streams with frees since the last
 #: settle; EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
 #: GR: each (size class, stream)'s growing region; VA: free address ranges for regions; W: two scratch
-#: rows as long as B (a list of blocks and a walk's stack), so that a settle allocates nothing.
+#: rows as long as B (a list of blocks and a walk's stack), so that a settle and the list of a stitch's
+#: holes (``engine_memory.holes``) allocate nothing.
 Engine = namedtuple("Engine", "st fst cfg B FB S FS IX PS DT EXT R FR GR VA W")
 
 # Block fields (columns of B, a row per block: the fields a visit reads share a cache line; IX likewise).
