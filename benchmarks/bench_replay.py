@@ -3,6 +3,7 @@
     python -m benchmarks.bench_replay [--events 2000000] [--repeat 5] [--live 2000] [--streams 2]
     python -m benchmarks.bench_replay --traces ../shared/traces [--repeat 21]
     python -m benchmarks.bench_replay --cold [--repeat 3]
+    python -m benchmarks.bench_replay --floors [--events 300000] [--repeat 5]
 
 (Run from the checkout's root with ``-m``, so that ``cupool`` is the checkout's.)
 
@@ -15,8 +16,9 @@ in a band) per insert, removal or best-fit search, and more live blocks mean mor
 cache misses.  Each
 row of ``SETTINGS`` is replayed on the numba engine and named for what it runs
 (``{}`` would be whatever the trace recorded, and for a synthetic trace the
-pool's defaults, expandable segments with stitching); the pool engine runs the
-defaults on a prefix, for the same-run ratio numba / pool.
+pool's defaults, expandable segments with stitching).  Then each row runs on a
+prefix (``--pool-events``) through both engines, the pool engine (the real
+``Pool``) and the numba engine, for the same-run ratio numba / pool by CPU time.
 
 With ``--traces FOLDER`` it replays each trace there (PyTorch snapshots, cupool
 traces, RMM logs) instead, on its sized device, in every configuration of
@@ -27,6 +29,13 @@ With ``--cold`` it times the engine's first compile in a fresh process with an
 empty Numba cache (``NUMBA_CACHE_DIR`` in a temporary folder), then a second
 fresh process's load from the cache that run filled, ``--repeat`` times each on a
 new empty cache, and prints each run and the medians (wall and CPU seconds).
+
+With ``--floors`` it times what a replay driven from Python pays per event whatever
+its allocator costs (docs/design.md, "Can the pool replay at 3 M events/s?"): the
+driver's loop alone over the synthetic trace (a dict insert or pop per event), the
+loop with one call into a C function per event, the loop calling ``pool.malloc(4096)``
+/ ``free()`` on the pool's compiled fast path (parked blocks reused), and the same
+with a do-nothing subscriber, which turns parking off as a replay must.
 
 The ``max_size=80%`` rows cap the pool at 80% of the device: on a trace's sized
 device (1.25x its recorded peak) that is its recorded peak, so the reclaim
@@ -86,8 +95,10 @@ SETTINGS = {
 }
 
 
-def numba_rates(trace: Trace, cfg: dict, repeat: int) -> tuple[float | None, float | None, Any]:
-    """The numba engine's median events/s over ``repeat`` replays, by wall clock and by CPU time; the last result.
+def rates(trace: Trace, cfg: dict, repeat: int, engine: str = "numba",
+          stop: int | None = None) -> tuple[float | None, float | None, Any]:
+    """An engine's median events/s over ``repeat`` replays (of the first ``stop`` events), by wall clock
+    and by CPU time; the last result.
 
     Wall clock is the result's own ``events_per_second`` (the engine's loop alone).  On a machine
     shared with other jobs it measures the load as much as the engine, so each replay is also
@@ -97,9 +108,9 @@ def numba_rates(trace: Trace, cfg: dict, repeat: int) -> tuple[float | None, flo
     walls, cpus, r = [], [], None
     for _ in range(repeat):
         c0 = time.thread_time()
-        r = replay(trace, cfg, progress=False)
+        r = replay(trace, cfg, engine=engine, stop=stop, progress=False)
         c1 = time.thread_time()
-        replay(trace, cfg, stop=0, progress=False)
+        replay(trace, cfg, engine=engine, stop=0, progress=False)
         c2 = time.thread_time()
         if r.replayed:
             walls.append(r.events_per_second)
@@ -117,22 +128,67 @@ def real_traces(folder: Path, repeat: int) -> None:
     for path in paths:
         trace = load_trace(path)
         for label, cfg in SETTINGS.items():
-            wall, cpu, r = numba_rates(trace, cfg, repeat)
-            runs = [replay(trace, cfg, engine="pool", progress=False) for _ in range(max(1, repeat // 4))]
-            per_s = [p.events_per_second for p in runs if p.events_per_second is not None]
+            wall, cpu, r = rates(trace, cfg, repeat)
+            pwall, pcpu, _ = rates(trace, cfg, max(1, repeat // 4), engine="pool")
             if wall is None:
                 shown = "nothing replayed"
             else:
                 shown = (f"numba {cpu / 1e6:.2f} M events/s by CPU time, {wall / 1e6:.2f} by wall clock; "
-                         f"pool {statistics.median(per_s) / 1e6:.3f} (wall)")
+                         f"pool {pcpu / 1e6:.3f} by CPU time, {pwall / 1e6:.3f} by wall clock; "
+                         f"numba / pool {cpu / pcpu:.0f}x by CPU time")
             print(f"{path.name} [{label}]: {r.replayed} events replayed; median of {repeat}: {shown} "
                   f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)", flush=True)
+
+
+def floors(n: int, repeat: int) -> None:
+    """Medians of ``repeat`` runs, µs per event by CPU time, of a Python-driven replay's floors (``--floors``)."""
+    from cupool import Pool
+
+    trace, _ = synthetic(n)
+    kind, addr, size, stream = (trace.kind.tolist(), trace.addr.tolist(), trace.size.tolist(),
+                                trace.stream.tolist())
+
+    def loop(call: Any) -> None:
+        live: dict[int, Any] = {}
+        for i in range(n):
+            if kind[i] == 0:
+                live[addr[i]] = size[i] if call is None else call(size[i], stream[i])
+            else:
+                live.pop(addr[i], None)
+
+    def fast_path(pool: Pool) -> None:
+        live: dict[int, Any] = {}
+        malloc = pool.malloc
+        for i in range(n):
+            if kind[i] == 0:
+                live[addr[i]] = malloc(4096)
+            else:
+                held = live.pop(addr[i], None)
+                if held is not None:
+                    held.free()
+
+    def timed(fn: Any, arg: Any) -> float:
+        runs = []
+        for _ in range(repeat):
+            c = time.thread_time()
+            fn(arg)
+            runs.append(time.thread_time() - c)
+        return 1e6 * statistics.median(runs) / n
+
+    pool = Pool("sim", capacity="64GiB")
+    print(f"driver loop alone: {timed(loop, None):.3f} us/event")
+    print(f"driver loop + one call into C (max) per event: {timed(loop, max):.3f} us/event")
+    print(f"driver loop + pool.malloc(4096)/free on the compiled fast path: {timed(fast_path, pool):.3f} us/event")
+    unsubscribe = pool.subscribe(lambda ev: None)
+    print(f"the same with a do-nothing subscriber (no parking): {timed(fast_path, pool):.3f} us/event")
+    unsubscribe()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", type=Path, default=None, help="replay the traces in this folder instead")
     ap.add_argument("--cold", action="store_true", help="time the engine's cold compile and its cache load instead")
+    ap.add_argument("--floors", action="store_true", help="time a Python-driven replay's per-event floors instead")
     ap.add_argument("--events", type=int, default=2_000_000)
     ap.add_argument("--pool-events", type=int, default=100_000, help="events for the (slow) Pool engine")
     ap.add_argument("--repeat", type=int, default=5)
@@ -144,6 +200,9 @@ def main() -> None:
     if args.cold:
         cold(args.repeat)
         return
+    if args.floors:
+        floors(args.events, args.repeat)
+        return
     if args.traces is not None:
         replay(synthetic(1000)[0], stop=1000)  # load the compiled engine once
         real_traces(args.traces, args.repeat)
@@ -154,19 +213,20 @@ def main() -> None:
     replay(trace, base, stop=1000)  # load the compiled engine once
     for label, setting in SETTINGS.items():
         cfg = {**base, **setting}
-        wall, cpu, r = numba_rates(trace, cfg, args.repeat)
+        wall, cpu, r = rates(trace, cfg, args.repeat)
         print(f"numba engine [{label}]: {args.events} events, median of {args.repeat}: {cpu / 1e6:.2f} M events/s "
               f"by CPU time, {wall / 1e6:.2f} by wall clock "
               f"(peak reserved {r.peak_reserved >> 20} MiB, {r.ooms} OOMs)", flush=True)
-    cfg = {**base, **SETTINGS["expandable+stitch (the defaults)"]}
-    rate = numba_rates(trace, cfg, args.repeat)[0] or 0.0
-    small = replay(trace, cfg, stop=args.pool_events)
-    exact = [replay(trace, cfg, engine="pool", stop=args.pool_events) for _ in range(max(1, args.repeat // 2))]
-    prate = statistics.median(r.events_per_second for r in exact)
-    same = all(getattr(small, k) == getattr(exact[0], k) for k in ("peak_reserved", "peak_allocated", "peak_segments"))
-    print(f"pool engine [expandable+stitch (the defaults)]: {args.pool_events} events, {prate / 1e6:.3f} M events/s "
-          f"({1e6 / prate:.2f} us/event); same peaks as numba on this prefix: {same}")
-    print(f"ratio numba / pool (wall clock): {rate / prate:.0f}x")
+    # The pool engine on a prefix (it is slow), and the numba engine on the same prefix, in one run.
+    for label, setting in SETTINGS.items():
+        cfg = {**base, **setting}
+        wall, cpu, r = rates(trace, cfg, args.repeat, stop=args.pool_events)
+        pwall, pcpu, p = rates(trace, cfg, args.repeat, engine="pool", stop=args.pool_events)
+        same = all(getattr(r, k) == getattr(p, k) for k in ("peak_reserved", "peak_allocated", "peak_segments"))
+        print(f"pool engine [{label}]: {args.pool_events} events, median of {args.repeat}: {pcpu / 1e6:.3f} M events/s "
+              f"by CPU time ({1e6 / pcpu:.1f} us/event), {pwall / 1e6:.3f} by wall clock; numba on the same prefix "
+              f"{cpu / 1e6:.2f} by CPU time; numba / pool {cpu / pcpu:.0f}x by CPU time, {wall / pwall:.0f}x by wall "
+              f"clock; same peaks: {same}", flush=True)
 
 
 def cold(repeat: int) -> None:

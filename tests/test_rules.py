@@ -113,6 +113,30 @@ def test_after_free_table():
     assert [rules.over_threshold(r, t) for r, t in ((5, -1), (5, 5), (6, 5), (0, 0))] == [False, False, True, False]
 
 
+def test_the_miss_chains_arithmetic():
+    """The sums the pool and the engine make between decisions (issue 33's shared rules), longhand."""
+    for limit, reserved in itertools.product(range(0, 6), repeat=2):
+        assert rules.room(limit, reserved) == (limit - reserved if limit > reserved else 0)
+    for size, limit in itertools.product((1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE), (0, PAGE, 2 * PAGE, 3 * PAGE)):
+        assert rules.above_limit(size, limit) == (-(-size // PAGE) * PAGE > limit)
+    assert [rules.settles_on_miss(n) for n in range(4)] == [False, False, True, True]
+    for target, size in itertools.product((PAGE, 2 * PAGE, MEDIUM_SEGMENT), (512, PAGE, PAGE + 1, MEDIUM_SEGMENT)):
+        pages = -(-size // PAGE) * PAGE
+        assert rules.retry_pages(target, size) == (0 if target == pages else pages)
+    for frontier, n, end in itertools.product(range(0, 5), repeat=3):
+        assert rules.runs_past(frontier, n, end) == (frontier + n > end)
+        assert rules.region_size(frontier, n) == max(frontier, n)
+    assert [rules.eager_threshold(t) for t in (None, 0, 5)] == [-1, 0, 5]
+
+
+def test_release_before_split_preconditions_all_needed():
+    """``releases_before_split``: every precondition of giving a segment back rather than splitting it is needed."""
+    needed = dict(large=True, exact=False, plain=True, whole=True, keep=False)
+    assert rules.releases_before_split(**needed)
+    for name in needed:
+        assert not rules.releases_before_split(**{**needed, name: not needed[name]}), name
+
+
 def test_the_engine_compiles_the_same_rule_book():
     """Every function of the rule book is registered for the engine, and compiled it answers as it does
     uncompiled: there is no twin to drift."""
@@ -126,6 +150,11 @@ def test_the_engine_compiles_the_same_rule_book():
     compiled = njit(lambda: (rules.grow_target(LARGE, 3 * MEDIUM_SEGMENT, 1 << 40, False),
                              rules.hole(PAGE + 512, 5 * PAGE, PAGE), rules.mergeable(-1, 3, -1)))
     assert compiled() == (3 * MEDIUM_SEGMENT, (2 * PAGE, 6 * PAGE), True)
+    # The miss chain's arithmetic (issue 33), compiled as the engine calls it: integers and booleans.
+    chain = njit(lambda: (rules.room(3, 5), rules.above_limit(PAGE + 1, PAGE), rules.settles_on_miss(2),
+                          rules.retry_pages(MEDIUM_SEGMENT, PAGE + 1), rules.runs_past(4, 2, 5),
+                          rules.region_size(4, 7), rules.releases_before_split(True, False, True, True, False)))
+    assert chain() == (0, True, True, 2 * PAGE, True, 7, True)
 
 
 def test_release_cuts_holes_only_where_stitching_will_not_gather_them():

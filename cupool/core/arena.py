@@ -27,7 +27,8 @@ from . import interrupts
 from .heap import Block, Heap, Segment
 from .segments import DeviceSegments, SegmentSource
 from .sites import SiteTracker
-from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_page, round_size
+from .rules import above_limit, releases_before_split, room, settles_on_miss
+from .sizes import ALIGNMENT, LARGE, SMALL, pool_of, round_size
 from .streams import StreamEpochs
 from .view import ArenaView
 
@@ -150,11 +151,11 @@ class Arena(FastPath):
         if block is None and self.stacks:  # 2. the parked blocks (Note [Fast path])
             self.unpark()
             block = heap.find(size, stream)
-        if block is None and heap.stream_count() > 1:  # 3. blocks other streams are done with (Note [Streams])
+        if block is None and settles_on_miss(heap.stream_count()):  # 3. blocks other streams are done with
             self.settle_streams(wait=False)
             block = heap.find(size, stream)
-        if (block is not None and kind == LARGE and not exact and self.segments.whole  # 4. release before split
-                and block.size == block.segment.size and not block.segment.keep
+        if (block is not None and releases_before_split(  # 4. release before split
+                kind == LARGE, exact, self.segments.whole, block.size == block.segment.size, block.segment.keep)
                 and self.policy.gives_back(size, block)):
             self.segments.drop(kind, block.segment)  # Note [Release before split]
             books.releases_before_split += 1
@@ -175,7 +176,7 @@ class Arena(FastPath):
         books.misses += 1
         heap = self.heaps[kind]
         self.refusal = ""
-        if round_page(size) > self.limit:  # 5. above the limit on its own: nothing could help; fail, changing nothing
+        if above_limit(size, self.limit):  # 5. above the limit on its own: nothing could help; fail, changing nothing
             raise self.out_of_memory(size, stream, "the request alone is larger than the pool's limit of "
                                      f"{format_bytes(self.limit)}", fragmentation=None)
         block = None
@@ -228,7 +229,7 @@ class Arena(FastPath):
 
     def room(self) -> int:
         """Bytes the limit still lets the pool reserve."""
-        return max(0, self.limit - int(self.books.cur[RESERVED][ALL]))
+        return room(self.limit, int(self.books.cur[RESERVED][ALL]))
 
     # ----------------------------------------------------------------- freeing
     def free_block(self, a: Any) -> None:

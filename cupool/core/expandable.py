@@ -95,9 +95,8 @@ instead of copying (``Expander.move``; the expander is the arena's segment sourc
 the rest are copied as on any device.  On a GPU every move is copied: a remapped granule
 costs 30x or more what copying its 2 MiB does (Note [Per-call costs]). Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
 names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
-contiguous mapped range as a segment with ``is_expandable``. The device work of a
-grow, unmap or stitch is a few calls per granule, whatever the number of live
-blocks. The numba replay engine models growing, trimming, cutting holes and
+contiguous mapped range as a segment with ``is_expandable``. The numba replay engine models growing,
+trimming, cutting holes and
 stitching (``cupool.replay.engine_memory``), with the ranges' addresses as the
 pool's virtual memory hands them out (Note [Address arena]); it does not model
 compaction's remapping, since it follows a trace's recorded moves instead.
@@ -117,7 +116,8 @@ from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .rules import DROP, TRIM_TAIL, after_free, grow_need, hole, stitch_first_room, stitch_pick, stitch_takes, usable
+from .rules import (DROP, TRIM_TAIL, after_free, grow_need, hole, region_size, runs_past, stitch_first_room,
+                    stitch_pick, stitch_takes, usable)
 from .segments import execute
 from .sizes import SMALL, round_up
 
@@ -231,7 +231,7 @@ class Expander:
             return None
         chunks = self._create(n)
         region = self.regions.get((kind, stream))
-        if region is not None and region.frontier + n > region.base + region.size:
+        if region is not None and runs_past(region.frontier, n, region.base + region.size):
             # Its addresses ran out (stitching left holes behind): retire it, and start a new range.
             del self.regions[(kind, stream)]
             region.growable = False
@@ -239,8 +239,8 @@ class Expander:
                 self._forget(region)
             region = None
         if region is None:
-            try:  # a stream's region: all the pool may map, its limit (told by may_hold when raised)
-                region = self.regions[(kind, stream)] = self._reserve(self.space.span, growable=True, stitched=False)
+            try:  # a stream's region: all the pool may map (its limit, told by may_hold when raised), or the grow
+                region = self.regions[(kind, stream)] = self._reserve(region_size(self.space.span, n), True, False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
                     self.vm.release(c)

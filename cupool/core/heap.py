@@ -28,7 +28,7 @@ from typing import Protocol
 from sortedcontainers import SortedList
 
 from . import compiled_module
-from .rules import fits_before, merged_stream, mergeable, split_rest
+from .rules import fits_before, merged_stream, mergeable, split_rest, usable
 
 #: A stream's key, as the pool names streams; None: any stream.
 Stream = Hashable | None
@@ -272,9 +272,8 @@ class Heap:
     def find(self, size: int, stream: Stream) -> Block | None:
         """Best fit for ``size`` among free blocks usable by ``stream`` (its own and any stream's)."""
         best = None
-        for t in (stream, None) if stream is not None else (None,):
-            idx = self._index.get(t)
-            if idx is None:
+        for t, idx in self._index.items():
+            if not idx or not usable(t, stream, None):  # its own blocks and anyone's
                 continue
             key = idx.first_at_least(size)  # the index's (size, address) order is best fit's (rules.fits_before)
             if key is not None and (best is None or fits_before(key[0], key[1], best[0], best[1])):

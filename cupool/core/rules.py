@@ -23,7 +23,7 @@ free block's stream is the one whose frees it holds.
 | rule | question it answers | the pool asks it in | the engine asks it in |
 | --- | --- | --- | --- |
 | ``fits_before`` | best fit's order: which of two free blocks a request takes | ``Heap.find`` (and its index's order) | ``engine_heap._less`` |
-| ``usable`` | may a request on one stream take a block freed on another? | ``Expander.need``/``stitch`` (``Heap.find`` searches just the indexes of the streams it allows) | ``engine_memory.need`` (``engine_heap.find`` and ``stitch`` walk just those streams' trees) |
+| ``usable`` | may a request on one stream take a block freed on another? | ``Heap.find`` (which streams' indexes it searches), ``Expander.need``/``stitch`` | ``engine_heap.find`` (which streams' trees), ``engine_memory.need``/``stitch`` |
 | ``split_rest`` | what stays free when a request takes the front of a block | ``Heap.take`` | ``engine_heap.take`` |
 | ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
@@ -35,6 +35,13 @@ free block's stream is the one whose frees it holds.
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
+| ``room`` | how many bytes may the pool still reserve under its limit? | ``Arena.room`` (to come: it inlines the sum) | ``engine._grow``, ``_stitch_first_room``, ``_last_rung`` |
+| ``above_limit`` | is a request larger than the limit on its own (refused before any rung)? | ``Arena.miss`` (to come: inline) | ``engine._malloc`` |
+| ``settles_on_miss`` | does a miss settle the streams before growing? | ``Arena.place`` (to come: inline) | ``engine._malloc`` |
+| ``retry_pages`` | after the device refused a plain grow, what to ask for once more | ``DeviceSegments.grow`` | ``engine._grow`` |
+| ``runs_past``, ``region_size`` | does a grow retire its region, and how large is the new one? | ``Expander.grow`` (and ``grow_need``) | ``engine_memory.grow`` |
+| ``eager_threshold`` | ``release_threshold=None`` as ``over_threshold`` reads it | ``PoolPolicy.releases_now`` | ``engine_layout.config_array`` |
+| ``releases_before_split`` | may best fit's block be given back rather than split? (large, not exact, a whole plain segment, not kept; then ``gives_back_before_split``) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
 
 The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
 which the scheduler runs and the engine follows for the rungs it models
@@ -109,7 +116,7 @@ def grow_need(size: int, have: int, frontier: int, end: int, granule: int) -> in
     bytes usable by the stream) lacks, in whole granules, at least one; when that would run past
     the region's ``end`` from its ``frontier``, the request's own granules in a new region."""
     n = round_up(max(size - have, 1), granule)
-    if frontier + n > end:
+    if runs_past(frontier, n, end):
         return round_up(size, granule)
     return n
 
@@ -230,3 +237,61 @@ def release_cuts_holes(large: bool, stitching: bool) -> bool:
     own ``empty_cache()``, which cuts them, succeeds (issue 25).
     """
     return not (large and stitching)
+
+
+# ------------------------------------------------ the miss chain's arithmetic (issue 33)
+# The pool and the engine string the decisions above together each over its own structures; what the
+# chain computes on the way, from integers alone, is here, so that it too is written once.
+def room(limit: int, reserved: int) -> int:
+    """The bytes the limit still lets the pool reserve: none (not a negative amount) once a lowered
+    limit (``set_limit``) sits below what is reserved."""
+    return max(0, limit - reserved)
+
+
+def above_limit(size: int, limit: int) -> bool:
+    """Whether a request of ``size`` bytes is larger than the limit on its own: no rung of the ladder
+    could serve it, so the pool refuses it at once, changing nothing (Note [Out of memory])."""
+    return round_page(size) > limit
+
+
+def settles_on_miss(streams: int) -> bool:
+    """Whether a request that found no block settles the streams before it grows: only once the heap
+    has seen more than one stream (``streams``), since with one every free block is already its own."""
+    return streams > 1
+
+
+def retry_pages(target: int, size: int) -> int:
+    """After the device refused a plain segment of ``target`` bytes for a block of ``size``: the bytes
+    to ask for once more, the request's own pages; 0 when those were what it refused (``grow_target``)."""
+    minimum = round_page(size)
+    return 0 if target == minimum else minimum
+
+
+def runs_past(frontier: int, nbytes: int, end: int) -> bool:
+    """Whether mapping ``nbytes`` at a region's ``frontier`` runs past its ``end``: the region is
+    retired (stitching left holes behind it) and the grow starts a new one (``grow_need``)."""
+    return frontier + nbytes > end
+
+
+def region_size(span: int, nbytes: int) -> int:
+    """The addresses a stream's new growing region reserves: the pool's ``span`` (all it may map), or
+    the grow's own ``nbytes`` where a limit raised since the span was sized asks for more."""
+    return max(span, nbytes)
+
+
+def eager_threshold(release_threshold: int | None) -> int:
+    """``release_threshold`` as ``over_threshold`` takes it: None (never release at once) is -1.
+
+    Python only (it takes None): the engine's configuration stores its answer
+    (``engine_layout.config_array``), and the pool's policy asks it at each free."""
+    return -1 if release_threshold is None else release_threshold
+
+
+def releases_before_split(large: bool, exact: bool, plain: bool, whole: bool, keep: bool) -> bool:
+    """Whether best fit's block may be a segment to give back rather than split (Note [Release before split]),
+    before ``gives_back_before_split`` weighs the limit (and where ``release_before_split`` is on): the
+    request is a ``large`` one not grown by its exact size (``exact``: a movable buffer, or the room a release
+    made), and the block is a ``whole`` ``plain`` segment (a virtual-memory segment gives back its free
+    granules instead) that is not the preallocated one (``keep``).  Two functions, asked in turn, so that a
+    hit pays for this one alone: the other needs the reserved bytes read."""
+    return large and not exact and plain and whole and not keep

@@ -53,7 +53,7 @@ from ..errors import DeviceOutOfMemory
 from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .rules import DROP, after_free, grow_target
+from .rules import DROP, after_free, grow_target, retry_pages
 from .sizes import round_page
 
 log = logging.getLogger("cupool")
@@ -125,13 +125,13 @@ class DeviceSegments:
         target = grow_target(kind, size, room, exact)
         if not target:
             return None
-        minimum = round_page(size)
         try:
             seg = self.new(kind, target, stream, False)
         except DeviceOutOfMemory:
-            if target == minimum:
+            retry = retry_pages(target, size)
+            if not retry:
                 raise
-            seg = self.new(kind, minimum, stream, False)
+            seg = self.new(kind, retry, stream, False)
         assert seg.head is not None
         return seg.head
 

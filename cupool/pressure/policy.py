@@ -87,7 +87,7 @@ from ..core.arena import Arena
 from ..core.books import ALL, RESERVED
 from ..core.heap import Block
 from ..core.movables import Movables
-from ..core.rules import gives_back_before_split, over_threshold
+from ..core.rules import eager_threshold, gives_back_before_split, over_threshold
 from ..core.sizes import round_page
 from ..errors import ClosedError
 from .compact import compact, should_defrag
@@ -155,6 +155,5 @@ class PoolPolicy:
 
     def releases_now(self) -> bool:
         arena = None if self._arena is None else self._arena()
-        threshold = self.release_threshold
         return arena is not None and over_threshold(int(arena.books.cur[RESERVED][ALL]),
-                                                    -1 if threshold is None else threshold)
+                                                    eager_threshold(self.release_threshold))

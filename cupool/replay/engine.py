@@ -1,8 +1,9 @@
 """A numba-compiled twin of ``Pool`` + ``Heap`` + ``SimDevice`` for replaying traces fast.
 
-Replaying through the real ``Pool`` costs a few microseconds of Python per
-event; this engine runs the same placement policy in compiled code, so that
-long traces replay at millions of events per second.  It is not a second
+Replaying through the real ``Pool`` costs 12-175 microseconds of Python per
+event (docs/design.md, "Can the pool replay at 3 M events/s?"); this engine
+runs the same placement policy in compiled code, so that long traces replay at
+millions of events per second.  It is not a second
 design: every rule below mirrors a line of ``cupool/pool.py``, ``cupool/core/``
 (heap, arena, expandable) or ``cupool/device/sim.py``, the size classes are
 ``cupool.core.sizes``'s constants, and ``tests/test_replay.py`` checks on
@@ -58,7 +59,7 @@ from numba.core import event
 from numba.core.registry import CPUDispatcher
 
 from ..core import rules
-from ..core.sizes import LARGE, PAGE, pool_of, round_page, round_size
+from ..core.sizes import LARGE, pool_of, round_page, round_size
 from ..device.vmm import GRANULE
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
@@ -73,7 +74,7 @@ from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION, S_SIZE, S_TAIL, S_USED, STREAMS_SEEN, UNMATCHED,
 )
 from .engine_memory import (
-    drop_segment, freed, grow, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
+    drop_segment, freed, grow, holes, need, new_segment, release_free_segments, release_holes, stitch, vm_new_segment,
 )
 
 
@@ -87,7 +88,7 @@ _ALLOC, _FREE, _OOM, _ALLOC_MOV, _FREE_MOV, _MOVE_OUT, _MOVE_IN = range(7)
 def _grow(E, h, size, stream, exact):
     """The segment source's ``grow`` within the limit's room: a free block from new memory, or -1."""
     cfg, st = E.cfg, E.st
-    room = max(0, cfg[C_LIMIT] - st[RES])
+    room = rules.room(cfg[C_LIMIT], st[RES])
     if cfg[C_VMM]:  # map just the granules the stream's segment lacks
         if need(E, h, size, stream) <= room:
             return grow(E, h, size, stream)
@@ -95,10 +96,10 @@ def _grow(E, h, size, stream, exact):
     target = rules.grow_target(h, size, room, exact)
     if target == 0:
         return -1
-    minimum = round_page(size)
     b = new_segment(E, h, target, stream, 0)
-    if b < 0 and target != minimum:
-        b = new_segment(E, h, minimum, stream, 0)
+    retry = rules.retry_pages(target, size)
+    if b < 0 and retry:
+        b = new_segment(E, h, retry, stream, 0)
     return b
 
 
@@ -115,8 +116,9 @@ def _releases(E, h, b, size, exact):
     """Note [Release before split]: whether best fit ``b`` is a wholly free plain segment to give back
     rather than split for ``size`` bytes, as ``cupool.core.rules.gives_back_before_split`` says."""
     cfg, S, s = E.cfg, E.S, E.B[b, SEG]
-    return (cfg[C_SPLIT] != 0 and h == LARGE and not exact and E.B[b, SIZE] == S[S_SIZE, s]
-            and S[S_REGION, s] < 0 and S[S_KEEP, s] == 0
+    return (cfg[C_SPLIT] != 0
+            and rules.releases_before_split(h == LARGE, exact, S[S_REGION, s] < 0, E.B[b, SIZE] == S[S_SIZE, s],
+                                            S[S_KEEP, s] != 0)
             and rules.gives_back_before_split(round_page(size), E.B[b, SIZE], cfg[C_LIMIT], E.st[RES]))
 
 
@@ -167,18 +169,19 @@ def _malloc(E, n, stream, exact):
     size = round_size(n)
     h = pool_of(size)
     b = find(E.IX, E.PS, h, size, stream)
-    if b < 0 and st[STREAMS_SEEN + h] > 1:
+    if b < 0 and rules.settles_on_miss(st[STREAMS_SEEN + h]):
         settle(E, False)
         b = find(E.IX, E.PS, h, size, stream)
     if b >= 0 and _releases(E, h, b, size, exact):
         drop_segment(E, E.B[b, SEG])
         b = -1
         exact = True  # the released room serves just this request
-    if b < 0 and round_page(size) > cfg[C_LIMIT]:
+    if b < 0 and rules.above_limit(size, cfg[C_LIMIT]):
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
         return -1
-    if b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0:
+    if (b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0
+            and holes(E, stream, True) > 0):  # with no hole, the stitch takes nothing: the grow follows
         return FIRST_EXACT if exact else FIRST  # a stitch before the grow: ``_last_rung`` tries it
     if b >= 0:
         return _serve(E, h, b, size, stream)
@@ -188,8 +191,7 @@ def _malloc(E, n, stream, exact):
 @njit(cache=True, _nrt=False)
 def _stitch_first_room(E, h, size, stream):
     """``Expander.stitch_first``'s question: the fresh bytes a stitch before the grow may create, or -1."""
-    room = max(0, E.cfg[C_LIMIT] - E.st[RES])
-    return rules.stitch_first_room(need(E, h, size, stream), room, GRANULE)
+    return rules.stitch_first_room(need(E, h, size, stream), rules.room(E.cfg[C_LIMIT], E.st[RES]), GRANULE)
 
 
 @njit(cache=True, _nrt=False)
@@ -234,7 +236,7 @@ def _last_rung(E, n, stream, pending):
     if pending <= HOLES:
         if release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
             b = _find_or_grow(E, h, size, stream, exact)
-    elif stitch(E, LARGE, size, stream, (cfg[C_LIMIT] - st[RES]) // PAGE * PAGE, False):
+    elif stitch(E, LARGE, size, stream, rules.room(cfg[C_LIMIT], st[RES]), False):
         b = _find_or_grow(E, LARGE, size, stream, exact)
     if b < 0:
         st[OOMS] += 1

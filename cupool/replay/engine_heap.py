@@ -276,23 +276,26 @@ def _best_fit(IX, PS, h, t, size):
 
 @njit(cache=True, _nrt=False)
 def find(IX, PS, h, size, stream):
-    """Best fit among blocks of ``stream`` or anyone's (``rules.usable``): the first of both columns' answers."""
-    a = _best_fit(IX, PS, h, stream + 1, size) if stream >= 0 else -1
-    u = _best_fit(IX, PS, h, 0, size)
-    if a < 0:
-        return u
-    if u < 0 or _less(IX, a, IX[u, IX_SIZE], IX[u, IX_ADDR]):
-        return a
-    return u
+    """Best fit among the free blocks ``stream`` may take (``rules.usable``: its own and anyone's, as
+    ``Heap.find`` asks): the first of the usable columns' answers."""
+    best = -1
+    for t in range(PS.shape[2]):
+        if PS[h, 0, t] == 0 or not rules.usable(t - 1, stream, -1):
+            continue
+        b = _best_fit(IX, PS, h, t, size)
+        if b >= 0 and (best < 0 or _less(IX, b, IX[best, IX_SIZE], IX[best, IX_ADDR])):
+            best = b
+    return best
 
 
 @njit(cache=True, _nrt=False)
-def of_stream_into(E, h, t, out, stack):
-    """The blocks of stream ``t``'s trees in (size, address) order, written to ``out`` (the bands in order,
-    an iterative in-order walk of each; ``stack`` is scratch, both at least one longer than the trees); how many."""
+def of_stream_into(E, h, t, least, out, stack):
+    """The blocks of stream ``t``'s trees in (size, address) order from the band of ``least`` bytes on (0: all),
+    written to ``out`` (the bands in order, an iterative in-order walk of each; ``stack`` is scratch, both at
+    least one longer than the trees); how many."""
     IX, PS = E.IX, E.PS
     m = 0
-    c = _next_band(PS, h, t + 1, 0)
+    c = _next_band(PS, h, t + 1, band(least))
     while c >= 0:  # the bands in order, each tree in order
         sp = 0
         node = PS[h, ROOT + c, t + 1]
@@ -312,10 +315,10 @@ def of_stream_into(E, h, t, out, stack):
 
 @njit(cache=True)
 def of_stream(E, h, t):
-    """``of_stream_into`` in arrays of its own."""
+    """``of_stream_into`` of all the blocks, in arrays of its own (how the placement suite reads the index)."""
     n = E.PS[h, 0, t + 1]
     out = np.empty(n, np.int64)
-    of_stream_into(E, h, t, out, np.empty(n + 1, np.int64))
+    of_stream_into(E, h, t, 0, out, np.empty(n + 1, np.int64))
     return out
 
 
@@ -396,7 +399,7 @@ def settle(E, wait):
             if not wait and DT[t] == 0:
                 continue
             DT[t] = 2  # settled: its flag goes down once both heaps are done
-            m = of_stream_into(E, h, t, W[0], W[1])  # the order the heap visits them in
+            m = of_stream_into(E, h, t, 0, W[0], W[1])  # the order the heap visits them in
             for j in range(m):
                 b = W[0, j]
                 if B[b, ALIVE] == 1 and B[b, FREE] == 1 and B[b, STREAM] == t:

@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from ..core import rules
 from ..device.vmm import LANE_ARENAS, address_arena, region_span
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
 #: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: streams with frees since the last
 #: settle; EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
 #: GR: each (size class, stream)'s growing region; VA: free address ranges for regions; W: two scratch
-#: rows as long as B (a list of blocks and a walk's stack), so that a settle allocates nothing.
+#: rows as long as B (a list of blocks and a walk's stack), so that a settle and the list of a stitch's
+#: holes (``engine_memory.holes``) allocate nothing.
 Engine = namedtuple("Engine", "st fst cfg B FB S FS IX PS DT EXT R FR GR VA W")
 
 # Block fields (columns of B, a row per block: the fields a visit reads share a cache line; IX likewise).
@@ -99,6 +101,7 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
     cfg = np.zeros(N_CFG, np.int64)
     for slot in SETTING_SLOTS:
         cfg[CFG_SLOTS.index(slot)] = _as_int(slot, resolved[slot])
+    cfg[C_THRESHOLD] = rules.eager_threshold(resolved["release_threshold"])  # as the pool's policy reads it
     capacity = int(cfg[C_CAPACITY])
     cfg[C_SPAN] = SPAN_HEADROOM * capacity
     limit = int(cfg[C_LIMIT])

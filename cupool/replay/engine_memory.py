@@ -25,7 +25,7 @@ from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from . import engine_rules  # noqa: F401 - makes the rule book callable here
-from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream
+from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream_into
 from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
     FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
@@ -271,14 +271,14 @@ def grow(E, h, size, stream):
         return -1
     st[DEV_USED] += n
     r = E.GR[h, stream + 1]
-    if r >= 0 and R[R_FRONTIER, r] + n > R[R_BASE, r] + R[R_SIZE, r]:
+    if r >= 0 and rules.runs_past(R[R_FRONTIER, r], n, R[R_BASE, r] + R[R_SIZE, r]):
         E.GR[h, stream + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
         R[R_GROW, r] = 0
         if R[R_NSEG, r] == 0:
             _forget_region(E, r)
         r = -1
     if r < 0:
-        r = _new_region(E, E.cfg[C_VSPAN], 1, 0)
+        r = _new_region(E, rules.region_size(E.cfg[C_VSPAN], n), 1, 0)
         E.GR[h, stream + 1] = r
     at = R[R_FRONTIER, r]
     R[R_FRONTIER, r] += n
@@ -447,33 +447,50 @@ def _cut(E, h, b, lo, hi):
         _forget_region(E, r)
 
 
+@njit(cache=True, _nrt=False)
+def holes(E, stream, first):
+    """The free blocks whose granules a stitch for ``stream`` may take (``first``: a stitch before the grow),
+    listed into the scratch row ``E.W[0]`` (``E.W[1]``: the walk's stack); how many.
+
+    Allocates nothing, so that a request with nothing to stitch (most of them) learns
+    it without entering reference-counted code (``engine._malloc``).  Only the size
+    bands of a granule or more are walked: a shorter block holds no whole granule.
+    """
+    B, S, W = E.B, E.S, E.W
+    m = 0
+    for k in range(2):
+        for t in range(E.PS.shape[2]):
+            if not rules.usable(t - 1, stream, -1):  # the streams whose free blocks it may take, as the heap's find
+                continue
+            start = m
+            for j in range(start, start + of_stream_into(E, k, t - 1, GRANULE, W[0, start:], W[1])):
+                b = W[0, j]
+                lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
+                s = B[b, SEG]
+                if (hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0
+                        and rules.stitch_takes(first, k == SMALL, S[S_USED, s])):
+                    W[0, m] = b
+                    m += 1
+    return m
+
+
 @njit(cache=True)
 def stitch(E, h, size, stream, room, first):
     """``Expander.stitch``: serve ``size`` bytes from granules under free blocks, remapped side by side
     (``first``: a stitch before the grow, ``rules.stitch_takes``)."""
     B, S, st = E.B, E.S, E.st
+    room = room // GRANULE * GRANULE
     want = round_up(size, GRANULE)
-    n_holes = 0
-    for k in range(2):
-        n_holes += E.PS[k, 0, stream + 1] + E.PS[k, 0, 0]
-    ln = np.empty(n_holes, np.int64)
-    llo = np.empty(n_holes, np.int64)
-    lk = np.empty(n_holes, np.int64)
-    lb = np.empty(n_holes, np.int64)
-    m = 0
-    for k in range(2):
-        for t in (stream, -1):
-            ids = of_stream(E, k, t)
-            for j in range(ids.shape[0]):
-                b = ids[j]
-                lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
-                s = B[b, SEG]
-                if (hi > lo and S[S_REGION, s] >= 0 and S[S_KEEP, s] == 0
-                        and rules.stitch_takes(first, k == SMALL, S[S_USED, s])):
-                    ln[m], llo[m], lk[m], lb[m] = hi - lo, lo, k, b
-                    m += 1
-    lengths = ln[:m]  # clipped in place by the rule to what is taken from each hole
-    order, count, got = rules.stitch_pick(lengths, llo[:m], want)
+    m = holes(E, stream, first)
+    lengths = np.empty(m, np.int64)  # clipped in place by the rule to what is taken from each hole
+    llo = np.empty(m, np.int64)
+    lk = np.empty(m, np.int64)
+    lb = np.empty(m, np.int64)
+    for i in range(m):
+        b = E.W[0, i]
+        lo, hi = rules.hole(B[b, ADDR], B[b, SIZE], GRANULE)
+        lengths[i], llo[i], lk[i], lb[i] = hi - lo, lo, S[S_KIND, B[b, SEG]], b
+    order, count, got = rules.stitch_pick(lengths, llo, want)
     fresh = want - got
     if count == 0 or fresh > room or st[DEV_USED] + fresh > E.cfg[C_CAPACITY]:
         return False
@@ -481,7 +498,7 @@ def stitch(E, h, size, stream, room, first):
     r = _new_region(E, want, 0, 1)
     for j in range(count):
         i = order[j]
-        _cut(E, lk[i], lb[i], llo[i], llo[i] + ln[i])
+        _cut(E, lk[i], lb[i], llo[i], llo[i] + lengths[i])
     E.R[R_FRONTIER, r] += want
     _reserved(E, want)
     b = _vm_add(E, h, r, E.R[R_BASE, r], want, stream, 0)

@@ -24,6 +24,8 @@ REGISTERED = (
     rules.fits_before, rules.usable, rules.split_rest, rules.mergeable, rules.merged_stream,
     rules.grow_target, rules.grow_need, rules.hole, rules.stitch_pick, rules.stitch_takes, rules.stitch_first_room,
     rules.gives_back_before_split, rules.after_free, rules.over_threshold, rules.release_cuts_holes,
+    rules.room, rules.above_limit, rules.settles_on_miss, rules.retry_pages, rules.runs_past, rules.region_size,
+    rules.eager_threshold, rules.releases_before_split,
     ranges.take, ranges.give,
 )
 for _rule in REGISTERED:
