@@ -351,9 +351,10 @@ def test_teardown_closes_the_pool_and_registering_again_replaces_it(client, work
         assert _retired_total(client) == (0, 0)
         client.run(_keep_pool)
         client.unregister_worker_plugin("cupool")
-        state = client.run(_state)
         gone = {"kept_closed": True, "installed": False, "pool": False, "new": False, "routed": False, "limit": None}
-        assert state == {w: gone for w in workers}
+        # A worker leaves on its own event loop after the teardown returns (CupoolSetup.teardown defers
+        # _leave, so that a registration right after can keep the pool): wait for it, as for futures.
+        assert _wait_for(client, _state, {w: gone for w in workers}) == {w: gone for w in workers}
         with pytest.raises(RuntimeError, match="no CupoolSetup is set up"):
             cdask.stats(client)
         with pytest.raises(RuntimeError, match="no CupoolSetup is set up"):
