@@ -71,6 +71,20 @@ def test_grow_need_maps_what_the_tail_lacks_or_a_new_region():
         assert rules.grow_need(size, have, frontier, end, g) == expect
 
 
+def test_a_region_retires_on_its_history_never_on_the_limit():
+    """``region_retires`` reads the pool's history, not its limit: a region is kept while its addresses and
+    the grow stay within ``REGION_LIMITS`` times the most the pool has held (``most``, or ``reserved + n``),
+    so on any limit the grow fits (at least that much) a region ``REGION_LIMITS`` limits long is never passed."""
+    k = rules.REGION_LIMITS
+    for base, addresses, reserved, extra, n, end in itertools.product(
+            range(0, 3), range(0, 17), range(0, 7), range(0, 3), range(1, 4), range(0, 24)):
+        frontier, most = base + addresses, reserved + extra
+        retires = rules.region_retires(frontier, base, end, reserved, most, n)
+        assert retires == (addresses + n > k * max(most, reserved + n) or frontier + n > end)
+        if base + k * max(most, reserved + n) <= end:  # a region k limits long, the pool within that limit
+            assert retires == (addresses + n > k * max(most, reserved + n))
+
+
 def test_hole_is_the_largest_granule_run_inside_the_block():
     g = 4
     for addr, size in itertools.product(range(0, 13), range(1, 14)):

@@ -28,10 +28,11 @@ free block's stream is the one whose frees it holds.
 | ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
 | ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
+| ``region_retires`` | does a growing region give way to a new one before a grow? | ``Expander.grow`` | ``engine_memory.grow`` |
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``stitch_takes`` | which free blocks' granules a stitch may take (a stitch before the grow leaves the small heap's empty segments) | ``Expander.stitch`` | ``engine_memory.stitch`` |
-| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first`` | ``engine._last_rung`` |
+| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first``, ``Expander.grow`` | ``engine._grow_stitching`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
@@ -170,6 +171,30 @@ def stitch_first_room(need: int, room: int, granule: int) -> int:
     if need > room:
         return -1
     return need - granule
+
+
+#: A stream's growing region is this many limits long (``Expander.span``, the engine's ``C_VSPAN``):
+#: room for holes as large as what the pool holds before a region retires (``region_retires``).
+REGION_LIMITS = 2
+
+
+def region_retires(frontier: int, base: int, end: int, reserved: int, most: int, n: int) -> bool:
+    """Whether a stream's growing region ``[base, end)``, mapped up to ``frontier``, retires before a grow
+    of ``n`` bytes, which then starts a new region (Note [Virtual memory]).
+
+    Its addresses below the frontier are its mapped granules and its holes (granules a
+    stitch or ``empty_cache`` cut out).  It retires once they and the grow would pass
+    ``REGION_LIMITS`` times the most the pool has held: ``most`` bytes reserved at any
+    time so far, or ``reserved + n`` after this grow.  That is a rule of the pool's
+    history, never of its limit, so a larger device retires a region exactly where a
+    smaller one does.  (Retiring only when the grow would pass ``end``, a limit long, made
+    a larger device extend a segment where a smaller one started a new range, and fail
+    later where the smaller one did not: seed 105 of the monotone scan.)  The pool never
+    held more than its limit and a region is ``REGION_LIMITS`` limits long, so a region
+    kept is never passed; the second clause is for a limit raised since the region was
+    made (``set_limit``).
+    """
+    return frontier - base + n > REGION_LIMITS * max(most, reserved + n) or frontier + n > end
 
 
 # ------------------------------------------------------------------------------- giving back
