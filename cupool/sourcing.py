@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .core.expandable import Expander, virtual_memory_of
+from .core.expandable import Expander
 from .core.segments import DeviceSegments, SegmentSource
 from .device import Device
 from .device.upstream import DeviceUpstream, make_upstream
+from .device.vmm import VirtualMemory
+from .errors import VirtualMemoryUnsupported
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,33 @@ def sourcing(device: Device, expandable_segments: bool | None, stitch: bool | No
         return lambda dev, heaps, books, observers: Expander(mapped, dev, heaps, books, observers, stitching, limit)
 
     return Sourcing(expander, True, stitching, up.kind, up.mem_info()[1], up)
+
+
+def virtual_memory_of(device: Device, expandable: bool | None, stitch: bool | None) -> VirtualMemory | None:
+    """``device``'s virtual memory for a pool with ``expandable`` segments (else None), or a clear error why not.
+
+    ``None`` is the default, "where the device has virtual memory": on for the sim
+    device on Linux and for a GPU with ``cuda-bindings`` (the ``vmm`` extra), off
+    elsewhere, and ``stitch=None`` follows ``expandable_segments`` (Note [Virtual memory]).
+    """
+    for name, flag in (("expandable_segments", expandable), ("stitch", stitch)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True, False or None (where the device has virtual memory), got {flag!r}")
+    if expandable is None:
+        if stitch is False and not device.capabilities.grow_in_place:
+            return None
+        try:
+            vm = device.virtual_memory() if device.capabilities.grow_in_place else None
+        except VirtualMemoryUnsupported:
+            vm = None
+        if vm is None and stitch:
+            raise VirtualMemoryUnsupported(f"stitch=True needs a device with virtual memory: {device.name} has none")
+        return vm
+    if not expandable and not stitch:
+        return None
+    if stitch and not expandable:
+        raise ValueError("stitch=True remaps granules of expandable segments: it needs expandable_segments=True")
+    try:
+        return device.virtual_memory()
+    except VirtualMemoryUnsupported as e:
+        raise VirtualMemoryUnsupported(f"expandable_segments=True needs a device with virtual memory: {e}") from None

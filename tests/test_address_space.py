@@ -21,6 +21,7 @@ from cupool.device import SimDevice
 from cupool.device import cuda as cuda_module
 from cupool.device.cuda import CudaDevice
 from cupool.device.cuda_vmm import CudaVirtualMemory
+from cupool.core.rules import REGION_LIMITS
 from cupool.device.vmm import ARENA_SPANS, GRANULE, address_arena
 from cupool.errors import AddressSpaceExhausted, DeviceOutOfMemory
 from cupool.testing.cuda_double import CudaDouble
@@ -71,7 +72,9 @@ def test_a_thousand_pools_of_their_own_sim_devices_are_alive_at_once():
     assert all(space_of(p).address_bytes == ARENA_SPANS * 64 * MiB for p, _ in pools)
 
 
-def test_a_pool_without_a_limit_holds_at_most_four_times_the_device_in_addresses():
+def test_a_pool_without_a_limit_holds_a_few_times_the_device_in_addresses():
+    """Four growing regions, two limits long each (``rules.REGION_LIMITS``: a region retires on the pool's
+    history, issue 35), take two arenas of four limits: eight times the device, where it was four."""
     device = SimDevice("256MiB")
     pool = cupool.Pool(device, expandable_segments=True, stitch=True, defrag_threshold=None)
     live = [pool.malloc(n, stream=s) for s in (0, 1) for n in (1000, 300 * 1024)]  # both size classes, two streams
@@ -82,8 +85,9 @@ def test_a_pool_without_a_limit_holds_at_most_four_times_the_device_in_addresses
     pool.check()
     assert pool.stats()["num_stitches"] >= 1
     vm = device.virtual_memory()
-    assert 0 < space_of(pool).address_bytes <= 4 * device.capacity
-    assert vm.address_bytes <= 4 * device.capacity
+    most = REGION_LIMITS * ARENA_SPANS * device.capacity
+    assert 0 < space_of(pool).address_bytes <= most
+    assert vm.address_bytes <= most
 
 
 def test_three_thousand_pools_made_and_dropped_leave_the_address_space_where_it_was():
@@ -290,7 +294,7 @@ def test_after_a_raised_limit_large_requests_grow_one_segment_in_arenas_of_the_n
     """Before: regions and arenas stayed sized by the limit the pool was made with, so after
     ``set_limit()`` lifted a 64 MiB cap each 200 MiB request retired its region and reserved one of
     its own: three requests, three more segments, in three more 256 MiB arenas.  Now the segment
-    source is told (``may_hold``): the next region is one raised limit long, so the three requests
+    source is told (``may_hold``): the next region is two raised limits long, so the three requests
     grow one segment, in an arena of 4 x the new limit that starts a lane of its own (numbered, so
     that arenas reserved after it still follow it)."""
     device = SimDevice("1GiB")

@@ -145,7 +145,7 @@ def test_the_ladder_unmaps_another_stream_s_free_tail_to_grow():
 
 def test_a_region_out_of_addresses_retires_and_a_new_one_takes_over():
     pool = expandable()
-    pool._arena.segments.space.span = 4 * MiB  # as if holes had used up the stream's addresses
+    pool._arena.segments.space.span = 2 * MiB  # regions of 4 MiB (REGION_LIMITS): as if holes had used them up
     vm = pool.device.virtual_memory()
     a = pool.malloc(2 * MiB)
     b = pool.malloc(4 * MiB)  # 2 MiB of addresses left: a new range

@@ -71,6 +71,20 @@ def test_grow_need_maps_what_the_tail_lacks_or_a_new_region():
         assert rules.grow_need(size, have, frontier, end, g) == expect
 
 
+def test_a_region_retires_on_its_history_never_on_the_limit():
+    """``region_retires`` reads the pool's history, not its limit: a region is kept while its addresses and
+    the grow stay within ``REGION_LIMITS`` times the most the pool has held (``most``, or ``reserved + n``),
+    so on any limit the grow fits (at least that much) a region ``REGION_LIMITS`` limits long is never passed."""
+    k = rules.REGION_LIMITS
+    for base, addresses, reserved, extra, n, end in itertools.product(
+            range(0, 3), range(0, 17), range(0, 7), range(0, 3), range(1, 4), range(0, 24)):
+        frontier, most = base + addresses, reserved + extra
+        retires = rules.region_retires(frontier, base, end, reserved, most, n)
+        assert retires == (addresses + n > k * max(most, reserved + n) or frontier + n > end)
+        if base + k * max(most, reserved + n) <= end:  # a region k limits long, the pool within that limit
+            assert retires == (addresses + n > k * max(most, reserved + n))
+
+
 def test_hole_is_the_largest_granule_run_inside_the_block():
     g = 4
     for addr, size in itertools.product(range(0, 13), range(1, 14)):
@@ -125,7 +139,7 @@ def test_the_miss_chains_arithmetic():
         assert rules.retry_pages(target, size) == (0 if target == pages else pages)
     for frontier, n, end in itertools.product(range(0, 5), repeat=3):
         assert rules.runs_past(frontier, n, end) == (frontier + n > end)
-        assert rules.region_size(frontier, n) == max(frontier, n)
+        assert rules.region_size(frontier, n) == max(rules.REGION_LIMITS * frontier, n)
     assert [rules.eager_threshold(t) for t in (None, 0, 5)] == [-1, 0, 5]
 
 
@@ -153,8 +167,8 @@ def test_the_engine_compiles_the_same_rule_book():
     # The miss chain's arithmetic (issue 33), compiled as the engine calls it: integers and booleans.
     chain = njit(lambda: (rules.room(3, 5), rules.above_limit(PAGE + 1, PAGE), rules.settles_on_miss(2),
                           rules.retry_pages(MEDIUM_SEGMENT, PAGE + 1), rules.runs_past(4, 2, 5),
-                          rules.region_size(4, 7), rules.releases_before_split(True, False, True, True, False)))
-    assert chain() == (0, True, True, 2 * PAGE, True, 7, True)
+                          rules.region_size(4, 9), rules.releases_before_split(True, False, True, True, False)))
+    assert chain() == (0, True, True, 2 * PAGE, True, 9, True)
 
 
 def test_release_cuts_holes_only_where_stitching_will_not_gather_them():

@@ -1,8 +1,8 @@
 """Expandable segments and stitching: segments made of 2 MiB granules mapped into virtual ranges.
 
 PyTorch's expandable segments, over ``cupool.device.vmm.VirtualMemory``: each
-stream and size class gets one *region*, a virtual range as long as the pool's
-limit (addresses cost little), whose mapped prefix is a heap segment that grows at its end when nothing
+stream and size class gets one *region*, a virtual range a few times the pool's
+limit long (addresses cost little), whose mapped prefix is a heap segment that grows at its end when nothing
 fits (``grow``: granules mapped there, the last block extended) and shrinks
 from its end when its tail is free (``trim``: granules unmapped and released).
 On the sim device every granule is its own physical chunk, because the driver
@@ -10,17 +10,8 @@ maps only whole chunks from their start (Note [Virtual memory], below): that is
 what lets granules be placed independently; on a GPU each grow is one chunk.
 
 *Stitching* (``stitch``) serves a large request no free range fits from the
-granules under free blocks in the middle of segments: it unmaps them there,
-which splits their segments around the hole, and maps the same chunks side by
-side into a fresh range, without copying a byte.  The stitched segment's
-granules go back to the device as soon as it is wholly free again.
-
-Reserved bytes are mapped granules, always: every mapped granule lies in
-exactly one heap segment, and every segment of a region is mapped whole.
-The device work of a grow, trim or stitch is a few calls per granule it maps or
-unmaps, whatever the number of blocks alive.  Compaction's moves of whole mapped
-granules (``move``) trade chunks between the two ranges instead of copying where
-that costs the device less (on the sim device; never on a GPU).
+granules under free blocks in the middle of segments, remapped side by side into
+a fresh range without copying a byte.  Reserved bytes are mapped granules, always.
 
 Note [Virtual memory]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -29,8 +20,9 @@ device's virtual memory (``Device.virtual_memory()``, which a device without any
 refuses with ``VirtualMemoryUnsupported``; the sim device's is a memfd, so a
 block's bytes really live in the mapping, and touching an unmapped granule is
 refused, or faults, as on a GPU). As in PyTorch, each stream and size class
-has one *region*, a reserved range of addresses as long as the pool's limit (the
-highest it has had: a raised limit sizes the regions reserved after it, ``may_hold``),
+has one *region*, a reserved range of addresses ``rules.REGION_LIMITS`` times the pool's
+limit long (the highest limit it has had: a raised limit sizes the regions reserved after it,
+``may_hold``; a grow longer than that reserves its own length: ``rules.region_size``),
 from the pool's own address space (Note [Address arena]); its
 mapped prefix is a heap segment (``Segment.region``). When nothing fits, the pool
 maps just the granules the region's last free block lacks at the region's end
@@ -62,20 +54,24 @@ usable by the request's stream) are unmapped there, which splits their segments
 around the hole (``Heap.cut``), and mapped side by side in a fresh range, with no
 copy; what they lack is created fresh when the limit allows. A stitched segment
 goes back to the device as soon as it is wholly free. When a region's addresses
-run out (holes left behind), it retires and the stream starts a new one.
+(granules and the holes cut out of them) would pass ``REGION_LIMITS`` times the most
+the pool has held, it retires and the stream starts a new one
+(``rules.region_retires``: history, not the limit, decides, as a larger device must).
 
 Note [Stitch before grow]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A large request that no free block fits, on a pool that stitches, first tries a
 stitch whose fresh granules are fewer than the grow in place would map
-(``rules.stitch_first_room``, asked by ``Expander.stitch_first`` before the arena's
-grow, and by the replay engine's ``_last_rung``): the whole free granules of holes
+(``rules.stitch_first_room``, asked by every ``Expander.grow``, the ladder's retries
+included, and by the replay engine's ``_grow_stitching``): the whole free granules of holes
 are memory already reserved and otherwise wasted, so using them before mapping new
 ones keeps the peak reserved down.  Before this rule the miss path grew first and
 stitched only under pressure, so whether the holes were used depended on the room
 left, and so on the capacity: a larger device could run out of memory where a smaller
 one did not (the 15-call program in ``docs/benchmarks.md``).  Only when the grow
-fits: without room the ladder runs as before, releasing, then stitching.  The price
+fits: without room the ladder runs (streams, release, stitch), and the grow after each
+step stitches first too (it once only grew, so a smaller device grew in place where a
+larger one stitched: seed 24 of the monotone scan, ``tests/test_placement.py``).  The price
 is driver calls: a stitch unmaps its holes' granules and maps them again, and its
 segment goes back to the device as soon as it is wholly free.  So this stitch leaves
 the small heap's empty segments alone (``rules.stitch_takes``): they are that heap's
@@ -93,7 +89,8 @@ grow, unmap, stitch and remap. On the sim device, compaction's moves of whole ma
 trading chunks between the two ranges, granule by granule in memmove's order,
 instead of copying (``Expander.move``; the expander is the arena's segment source, ``cupool.core.segments``);
 the rest are copied as on any device.  On a GPU every move is copied: a remapped granule
-costs 30x or more what copying its 2 MiB does (Note [Per-call costs]). Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
+costs 30x or more what copying its 2 MiB does (Note [Per-call costs]).
+Events: ``segment_map`` / ``segment_unmap`` (PyTorch's
 names) replace ``segment_alloc`` / ``segment_free``, and PyTorch snapshots show each
 contiguous mapped range as a segment with ``is_expandable``. The numba replay engine models growing,
 trimming, cutting holes and
@@ -112,44 +109,16 @@ import numpy as np
 from ..device.base import Device
 from ..device.costs import remap_pays
 from ..device.vmm import Chunk, VirtualMemory
-from ..errors import DeviceOutOfMemory, VirtualMemoryUnsupported
-from .books import RESERVED, SEGMENTS, Books
+from ..errors import DeviceOutOfMemory
+from .books import ALL, RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
-from .rules import (DROP, TRIM_TAIL, after_free, grow_need, hole, region_size, runs_past, stitch_first_room,
-                    stitch_pick, stitch_takes, usable)
+from .rules import (
+    DROP, TRIM_TAIL, after_free, grow_need, hole, region_retires, region_size, stitch_first_room, stitch_pick,
+    stitch_takes, usable,
+)
 from .segments import execute
-from .sizes import SMALL, round_up
-
-
-def virtual_memory_of(device: Device, expandable: bool | None, stitch: bool | None) -> VirtualMemory | None:
-    """``device``'s virtual memory for a pool with ``expandable`` segments (else None), or a clear error why not.
-
-    ``None`` is the default, "where the device has virtual memory": on for the sim
-    device on Linux and for a GPU with ``cuda-bindings`` (the ``vmm`` extra), off
-    elsewhere, and ``stitch=None`` follows ``expandable_segments`` (Note [Virtual memory]).
-    """
-    for name, flag in (("expandable_segments", expandable), ("stitch", stitch)):
-        if flag is not None and not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True, False or None (where the device has virtual memory), got {flag!r}")
-    if expandable is None:
-        if stitch is False and not device.capabilities.grow_in_place:
-            return None
-        try:
-            vm = device.virtual_memory() if device.capabilities.grow_in_place else None
-        except VirtualMemoryUnsupported:
-            vm = None
-        if vm is None and stitch:
-            raise VirtualMemoryUnsupported(f"stitch=True needs a device with virtual memory: {device.name} has none")
-        return vm
-    if not expandable and not stitch:
-        return None
-    if stitch and not expandable:
-        raise ValueError("stitch=True remaps granules of expandable segments: it needs expandable_segments=True")
-    try:
-        return device.virtual_memory()
-    except VirtualMemoryUnsupported as e:
-        raise VirtualMemoryUnsupported(f"expandable_segments=True needs a device with virtual memory: {e}") from None
+from .sizes import LARGE, SMALL, round_up
 
 
 class Region:
@@ -203,15 +172,20 @@ class Expander:
         self.stitches = 0
         self.stitched_bytes = 0
         self.remapped_bytes = 0  # compaction's moves made by remapping granules instead of copying
+        self.most = 0  # the most bytes the pool has had mapped at once (peaks that reset_peak_stats leaves)
         self.batching = False  # inside trim_all: one synchronization for all its unmaps
         self.quiet = False  # the device was synchronized since the lock was taken: unmap without waiting
 
     # ------------------------------------------------------------------ growth
     def need(self, kind: int, size: int, stream: Any) -> int:
-        """The bytes ``grow(kind, size, stream)`` would map: what the tail's free block lacks, in granules."""
+        """The bytes ``grow(kind, size, stream)`` would map: what the tail's free block lacks, in granules
+        (a new region: the request's own)."""
         region = self.regions.get((kind, stream))
-        if region is None:
-            return grow_need(size, 0, 0, 1 << 62, self.granule)  # no region yet: no end to run past
+        if region is None or self._retires(region, size, stream):
+            return grow_need(size, 0, 0, 1 << 62, self.granule)  # a new region: no end to run past
+        return self._tail_need(region, size, stream)
+
+    def _tail_need(self, region: Region, size: int, stream: Any) -> int:
         have = 0
         if region.tail is not None:
             last = region.tail.tail
@@ -219,27 +193,37 @@ class Expander:
                 have = last.size
         return grow_need(size, have, region.frontier, region.base + region.size, self.granule)
 
+    def _retires(self, region: Region, size: int, stream: Any) -> bool:
+        """Whether ``region`` gives way to a new one before this grow (``rules.region_retires``)."""
+        return region_retires(region.frontier, region.base, region.base + region.size,
+                              int(self.books.cur[RESERVED][ALL]), self.most, self._tail_need(region, size, stream))
+
     def grow(self, kind: int, size: int, stream: Any, room: int, exact: bool) -> Block | None:
         """Map granules at the end of ``stream``'s region; a free block of at least ``size``.
 
         None when the granules needed are more than ``room``; ``DeviceOutOfMemory``
         passes through with nothing changed.  ``exact`` changes nothing here: a
-        region grows by just what the request lacks anyway.
+        region grows by just what the request lacks anyway.  A large request stitches
+        holes first where that maps less (Note [Stitch before grow]).
         """
+        if kind == LARGE and self.stitching:
+            block = self._stitch_first(kind, size, stream, room)
+            if block is not None:
+                return block
         n = self.need(kind, size, stream)
         if n > room:
             return None
         chunks = self._create(n)
         region = self.regions.get((kind, stream))
-        if region is not None and runs_past(region.frontier, n, region.base + region.size):
-            # Its addresses ran out (stitching left holes behind): retire it, and start a new range.
+        if region is not None and self._retires(region, size, stream):
+            # Its holes outgrew what the pool holds: retire it, and start a new range.
             del self.regions[(kind, stream)]
             region.growable = False
             if not region.segments:
                 self._forget(region)
             region = None
         if region is None:
-            try:  # a stream's region: all the pool may map (its limit, told by may_hold when raised), or the grow
+            try:  # REGION_LIMITS times all the pool may map (its limit, told by may_hold when raised), or the grow
                 region = self.regions[(kind, stream)] = self._reserve(region_size(self.space.span, n), True, False)
             except BaseException:  # no addresses left: the chunks go back, the request fails
                 for c in chunks:
@@ -375,8 +359,11 @@ class Expander:
         Returns whether a stitched segment now holds a free block of ``size`` for
         ``stream``; False changes nothing, and the grow follows.
         """
+        return self._stitch_first(kind, size, stream, room) is not None
+
+    def _stitch_first(self, kind: int, size: int, stream: Any, room: int) -> Block | None:
         fresh = stitch_first_room(self.need(kind, size, stream), room, self.granule)
-        return fresh >= 0 and self.stitch(kind, size, stream, fresh, first=True)
+        return self._stitch(kind, size, stream, fresh, first=True) if fresh >= 0 else None
 
     def stitch(self, kind: int, size: int, stream: Any, room: int, first: bool = False) -> bool:
         """Serve ``size`` bytes from granules under free blocks, remapped side by side (no copy).
@@ -386,6 +373,10 @@ class Expander:
         the limit still allows) covers it.  Returns whether a stitched segment now holds a
         free block of ``size`` for ``stream``; False changes nothing.
         """
+        return self._stitch(kind, size, stream, room, first) is not None
+
+    def _stitch(self, kind: int, size: int, stream: Any, room: int, first: bool) -> Block | None:
+        """``stitch``, returning the stitched segment's free block (None: nothing changed)."""
         g = self.granule
         room = room // g * g
         want = round_up(size, self.granule)
@@ -397,7 +388,8 @@ class Expander:
                 for b in heap.free_blocks(s):
                     lo, hi = self._whole(*hole(b.addr, b.size, g))
                     seg = b.segment
-                    if hi > lo and seg.region is not None and not seg.keep and stitch_takes(first, k == SMALL, seg.used):
+                    if (hi > lo and seg.region is not None and not seg.keep
+                            and stitch_takes(first, k == SMALL, seg.used)):
                         holes.append((hi - lo, lo, k, b))
         lengths = np.array([h[0] for h in holes], np.int64)
         order, count, got = stitch_pick(lengths, np.array([h[1] for h in holes], np.int64), want)
@@ -407,11 +399,11 @@ class Expander:
         got = sum(hi - lo for _, _, lo, hi in taken)
         fresh = want - got
         if not taken or fresh > room:
-            return False
+            return None
         try:
             new = self._create(fresh) if fresh else []
         except DeviceOutOfMemory:
-            return False
+            return None
         region = self._reserve(want, growable=False, stitched=True)
         chunks: list[Chunk] = []
         self.batching = True  # one synchronization and one context push for every cut
@@ -427,7 +419,7 @@ class Expander:
         region.tail = self._add(kind, region, region.base, want, stream, keep=False)
         self.stitches += 1
         self.stitched_bytes += got
-        return True
+        return region.tail.head
 
     def _cut(self, kind: int, b: Block, lo: int, hi: int) -> list[Chunk]:
         """Unmap ``[lo, hi)`` from under free block ``b``, splitting its segment; the chunks that were there."""
@@ -585,6 +577,7 @@ class Expander:
 
     def _mapped(self, kind: int, addr: int, n: int, stream: Any) -> None:
         self.books.account(kind, RESERVED, n)
+        self.most = max(self.most, int(self.books.cur[RESERVED][ALL]))
         self.books.device_allocs += 1
         if self.observers.active:
             self.observers.emit("segment_map", addr, n, 0 if stream is None else stream)

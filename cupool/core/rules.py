@@ -28,10 +28,11 @@ free block's stream is the one whose frees it holds.
 | ``mergeable``, ``merged_stream`` | do two free neighbours coalesce, and under which stream | ``Heap._coalesce`` | ``engine_heap.coalesce`` |
 | ``grow_target`` | which plain segment a grow asks the device for first | ``DeviceSegments.grow`` | ``engine._grow`` |
 | ``grow_need`` | how many granules an expandable region maps to serve a request | ``Expander.need`` | ``engine_memory.need`` |
+| ``region_retires`` | does a growing region give way to a new one before a grow? | ``Expander.grow`` | ``engine_memory.grow`` |
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``stitch_takes`` | which free blocks' granules a stitch may take (a stitch before the grow leaves the small heap's empty segments) | ``Expander.stitch`` | ``engine_memory.stitch`` |
-| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first`` | ``engine._last_rung`` |
+| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first``, ``Expander.grow`` | ``engine._grow_stitching`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
@@ -39,7 +40,7 @@ free block's stream is the one whose frees it holds.
 | ``above_limit`` | is a request larger than the limit on its own (refused before any rung)? | ``Arena.miss`` (to come: inline) | ``engine._malloc`` |
 | ``settles_on_miss`` | does a miss settle the streams before growing? | ``Arena.place`` (to come: inline) | ``engine._malloc`` |
 | ``retry_pages`` | after the device refused a plain grow, what to ask for once more | ``DeviceSegments.grow`` | ``engine._grow`` |
-| ``runs_past``, ``region_size`` | does a grow retire its region, and how large is the new one? | ``Expander.grow`` (and ``grow_need``) | ``engine_memory.grow`` |
+| ``runs_past``, ``region_size`` | does a grow run past its region's end, and how large is a new region? | ``Expander.grow`` (through ``grow_need``, ``region_retires``) | ``engine_memory.grow`` (the same) |
 | ``eager_threshold`` | ``release_threshold=None`` as ``over_threshold`` reads it | ``PoolPolicy.releases_now`` | ``engine_layout.config_array`` |
 | ``releases_before_split`` | may best fit's block be given back rather than split? (large, not exact, a whole plain segment, not kept; then ``gives_back_before_split``) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
 
@@ -179,6 +180,30 @@ def stitch_first_room(need: int, room: int, granule: int) -> int:
     return need - granule
 
 
+#: A stream's growing region is this many limits long (``region_size``): room for holes as large as
+#: what the pool holds before a region retires (``region_retires``).
+REGION_LIMITS = 2
+
+
+def region_retires(frontier: int, base: int, end: int, reserved: int, most: int, n: int) -> bool:
+    """Whether a stream's growing region ``[base, end)``, mapped up to ``frontier``, retires before a grow
+    of ``n`` bytes, which then starts a new region (Note [Virtual memory]).
+
+    Its addresses below the frontier are its mapped granules and its holes (granules a
+    stitch or ``empty_cache`` cut out).  It retires once they and the grow would pass
+    ``REGION_LIMITS`` times the most the pool has held: ``most`` bytes reserved at any
+    time so far, or ``reserved + n`` after this grow.  That is a rule of the pool's
+    history, never of its limit, so a larger device retires a region exactly where a
+    smaller one does.  (Retiring only when the grow would pass ``end``, a limit long, made
+    a larger device extend a segment where a smaller one started a new range, and fail
+    later where the smaller one did not: seed 105 of the monotone scan.)  The pool never
+    held more than its limit and a region is ``REGION_LIMITS`` limits long, so a region
+    kept is never passed; the second clause is for a limit raised since the region was
+    made (``set_limit``).
+    """
+    return frontier - base + n > REGION_LIMITS * max(most, reserved + n) or runs_past(frontier, n, end)
+
+
 # ------------------------------------------------------------------------------- giving back
 def gives_back_before_split(request_pages: int, segment_size: int, limit: int, reserved: int) -> bool:
     """Whether a large request of ``request_pages`` (its size in whole pages) gives back a wholly free plain
@@ -274,9 +299,10 @@ def runs_past(frontier: int, nbytes: int, end: int) -> bool:
 
 
 def region_size(span: int, nbytes: int) -> int:
-    """The addresses a stream's new growing region reserves: the pool's ``span`` (all it may map), or
-    the grow's own ``nbytes`` where a limit raised since the span was sized asks for more."""
-    return max(span, nbytes)
+    """The addresses a stream's new growing region reserves: ``REGION_LIMITS`` times the pool's ``span``
+    (all it may map: its limit, the highest it has had, ``AddressSpace.may_hold``), or the grow's own
+    ``nbytes`` where a limit raised since the span was sized asks for more."""
+    return max(REGION_LIMITS * span, nbytes)
 
 
 def eager_threshold(release_threshold: int | None) -> int:

@@ -13,7 +13,8 @@ implements these hooks, each called with the arena's lock held:
    (rounded to the source's page), ``keep`` for the preallocated one.
    ``DeviceOutOfMemory`` passes through with nothing changed.
 2. ``grow(kind, size, stream, room, exact) -> Block | None``: a free block of at
-   least ``size`` for ``stream``, reserving at most ``room`` more bytes;
+   least ``size`` for ``stream``, reserving at most ``room`` more bytes (a source
+   that stitches stitches first where that maps less, Note [Stitch before grow]);
    None when ``room`` is too small (the limit), nothing changed.
 3. ``drop(kind, seg)``: give a wholly free segment back.
 4. ``after_free(kind, block, over) -> int``: after any free left ``block``

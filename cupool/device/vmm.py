@@ -39,12 +39,14 @@ virtual memory serves every pool of a device (``shared``: one per GPU, one per
 sim device), and each pool reserves from an ``AddressSpace`` of its own: ranges
 first fit, lowest address first, from an *arena* that the space reserves from
 the backend on first use, sized by what the pool may hold (``address_arena``:
-``ARENA_SPANS`` times its limit, the device's capacity without one, and a
-growing region is one limit long: ``region_span``).  A limit raised later
-(``Pool.set_limit``) is told to the space (``may_hold``): regions and arenas
-reserved after it are sized by the highest limit the pool has had, and its next
-arena starts a new lane (below), so the rule stays one of the pool's own calls;
-what was reserved before stays where it is.  ``free_range`` only returns
+``ARENA_SPANS`` times its limit, the device's capacity without one; a growing
+region is ``REGION_LIMITS`` (2) times ``region_span``, two limits long, so that
+when it retires depends on the pool's history, never on its limit: ``rules.region_size``,
+Note [Virtual memory]).  A limit raised later (``Pool.set_limit``) is told to the space
+(``may_hold``): regions and arenas reserved after it are sized by the highest limit
+the pool has had, and its next arena starts a new lane (below), so the rule stays
+one of the pool's own calls; what was reserved before stays where it is.
+``free_range`` only returns
 a range to its space's arena; the backend's ``_free_range`` runs for a whole
 arena, when the space is given back (its pool closed and emptied, or collected)
 or at ``close``.  So a pool holds a few times what it may map in addresses, never
@@ -62,9 +64,9 @@ fit runs on over them as over one, which is what the engine models
 (``config_array``'s arena is a lane).  Elsewhere (a GPU, or a lane whose
 addresses something else holds) the next arena lies wherever the backend puts
 it: from then on only the order within each arena is the rule's.  An
-arena holds three growing regions and their gaps with room to spare: one stream's
-two size classes, exact segments and stitching; a pool whose streams each grow
-both size classes at once takes a second arena from its second stream on.  That
+arena holds one growing region with room to spare for exact segments and
+stitching; a pool that grows both size classes, or more streams, takes more
+arenas of its lane (a 2-limit region straddles two).  That
 is the price of holding no more than ``ARENA_SPANS`` times what the pool may
 hold (issue 34; the arena was 64 regions of twice the device before, 17.5 TiB on
 an H200, and ran a GPU out of addresses after a few pools).  A backend that refuses a whole

@@ -151,20 +151,21 @@ def _hit(E, n, stream, exact):
     return _serve(E, h, b, size, stream)
 
 
-#: What ``_malloc`` returns when the ladder's last rung is left to ``_last_rung``, which allocates
-#: scratch arrays: stitching, or releasing with holes cut (``release_cuts_holes``); the two never
-#: both apply; or a stitch tried before the grow (``FIRST``, Note [Stitch before grow]).  Each with
-#: ``exact`` False or True; any of them is ``<= LAST_RUNG``.
-STITCH, STITCH_EXACT, HOLES, HOLES_EXACT, FIRST, FIRST_EXACT = -2, -3, -4, -5, -6, -7
-LAST_RUNG = STITCH
+#: What ``_malloc`` returns when the rest of a request is left to ``_last_rung``, which allocates
+#: scratch arrays: a release with holes cut (``release_cuts_holes``), the ladder's last rung; or a
+#: large request on a pool that stitches, whose every grow stitches first where that maps less
+#: (``STITCHING``, Note [Stitch before grow]), and whose ladder ends with a stitch.  The two never
+#: both apply.  Each with ``exact`` False or True; any of them is ``<= LAST_RUNG``.
+HOLES, HOLES_EXACT, STITCHING, STITCHING_EXACT = -2, -3, -4, -5
+LAST_RUNG = HOLES
 
 
 @njit(cache=True, _nrt=False)
 def _malloc(E, n, stream, exact):
     """A request through the whole chain: the block, -1 (out of memory, counted), or one of the
-    ``LAST_RUNG`` codes when the ladder's last step is left: stitching, or a release that cuts
-    holes.  They allocate scratch arrays, so ``_last_rung`` (with reference counting) takes the
-    request from there."""
+    ``LAST_RUNG`` codes when the rest is left to ``_last_rung``: a large request that stitches,
+    or a release that cuts holes.  They allocate scratch arrays, so ``_last_rung`` (with reference
+    counting) takes the request from there."""
     st, cfg = E.st, E.cfg
     size = round_size(n)
     h = pool_of(size)
@@ -180,9 +181,14 @@ def _malloc(E, n, stream, exact):
         # Larger than the limit on its own: the pool refuses at once, running no ladder step.
         st[OOMS] += 1
         return -1
-    if (b < 0 and cfg[C_STITCH] and h == LARGE and _stitch_first_room(E, h, size, stream) >= 0
-            and holes(E, stream, True) > 0):  # with no hole, the stitch takes nothing: the grow follows
-        return FIRST_EXACT if exact else FIRST  # a stitch before the grow: ``_last_rung`` tries it
+    if b < 0 and cfg[C_STITCH] and h == LARGE:
+        # Its every grow stitches first (``_grow_stitching``), which allocates, so ``_last_rung`` serves it;
+        # where the first could not stitch (no room for it, or no hole), it is the grow in place, tried here.
+        if _stitch_first_room(E, h, size, stream) >= 0 and holes(E, stream, True) > 0:
+            return STITCHING_EXACT if exact else STITCHING
+        b = _grow(E, h, size, stream, exact)
+        if b < 0:  # the ladder, each grow after a step stitching first: ``_last_rung`` (whose first grow fails)
+            return STITCHING_EXACT if exact else STITCHING
     if b >= 0:
         return _serve(E, h, b, size, stream)
     return _grown(E, h, size, stream, exact)
@@ -196,18 +202,17 @@ def _stitch_first_room(E, h, size, stream):
 
 @njit(cache=True, _nrt=False)
 def _grown(E, h, size, stream, exact):
-    """``_malloc`` from the grow on (``Arena.miss`` from step 6): grow, the ladder, serve; as ``_malloc`` returns."""
+    """``_malloc`` from the grow on (``Arena.miss`` from step 6) where nothing stitches: grow, the ladder,
+    serve; as ``_malloc`` returns."""
     st, cfg = E.st, E.cfg
     b = _grow(E, h, size, stream, exact)
-    # The reclaim ladder: wait for all streams, release cached segments (and free tails), stitch.
+    # The reclaim ladder: wait for all streams, release cached segments (and free tails).
     if b < 0 and settle(E, True) > 0:
         b = _find_or_grow(E, h, size, stream, exact)
     if b < 0 and cfg[C_VMM] and rules.release_cuts_holes(h == LARGE, cfg[C_STITCH] != 0):
-        return HOLES_EXACT if exact else HOLES  # release, holes cut too: the last rung (no stitching then)
+        return HOLES_EXACT if exact else HOLES  # release, holes cut too: the last rung
     if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:  # release: wholly free segments and free tails
         b = _find_or_grow(E, h, size, stream, exact)
-    if b < 0 and cfg[C_STITCH] and h == LARGE:
-        return STITCH_EXACT if exact else STITCH
     if b < 0:
         st[OOMS] += 1
         return -1
@@ -215,29 +220,47 @@ def _grown(E, h, size, stream, exact):
 
 
 @njit(cache=True)
+def _grow_stitching(E, h, size, stream, exact):
+    """``Expander.grow`` of a large request on a pool that stitches: the holes' granules first where that
+    maps fewer fresh ones (Note [Stitch before grow]), else the grow in place; a free block, or -1."""
+    fresh = _stitch_first_room(E, h, size, stream)
+    if fresh >= 0 and stitch(E, LARGE, size, stream, fresh, True):
+        return find(E.IX, E.PS, h, size, stream)
+    return _grow(E, h, size, stream, exact)
+
+
+@njit(cache=True)
+def _find_or_grow_stitching(E, h, size, stream, exact):
+    b = find(E.IX, E.PS, h, size, stream)
+    if b < 0:
+        b = _grow_stitching(E, h, size, stream, exact)
+    return b
+
+
+@njit(cache=True)
 def _last_rung(E, n, stream, pending):
-    """The ladder's last step for a request ``_malloc`` left to it (``pending``: its code): stitch, or
-    release with holes cut (as ``Scheduler._release`` does where stitching will not gather them);
-    then serve, or count an OOM."""
+    """The rest of a request ``_malloc`` left to it (``pending``: its code), then serve it or count an OOM.
+
+    ``HOLES``: release with holes cut (as ``Scheduler._release`` does where stitching will not
+    gather them).  ``STITCHING``: ``Arena.miss`` for a large request on a pool that stitches,
+    each grow stitching first (``_grow_stitching``): grow; the ladder's steps, waiting for the
+    streams, releasing (no holes cut: they are the stitch's), stitching within the room, each
+    followed by a look and a grow."""
     st, cfg = E.st, E.cfg
     size = round_size(n)
     h = pool_of(size)
-    if pending <= FIRST:  # Note [Stitch before grow]; if it cannot, the grow and the ladder as before
-        exact = pending == FIRST_EXACT
-        if stitch(E, LARGE, size, stream, _stitch_first_room(E, h, size, stream), True):
-            b = find(E.IX, E.PS, h, size, stream)
-            if b >= 0:
-                return _serve(E, h, b, size, stream)
-        pending = _grown(E, h, size, stream, exact)
-        if pending > LAST_RUNG:
-            return pending
-    exact = pending == STITCH_EXACT or pending == HOLES_EXACT
     b = -1
-    if pending <= HOLES:
-        if release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
-            b = _find_or_grow(E, h, size, stream, exact)
-    elif stitch(E, LARGE, size, stream, rules.room(cfg[C_LIMIT], st[RES]), False):
-        b = _find_or_grow(E, LARGE, size, stream, exact)
+    if pending <= STITCHING:
+        exact = pending == STITCHING_EXACT
+        b = _grow_stitching(E, h, size, stream, exact)
+        if b < 0 and settle(E, True) > 0:
+            b = _find_or_grow_stitching(E, h, size, stream, exact)
+        if b < 0 and release_free_segments(E, cfg[C_VMM]) > 0:
+            b = _find_or_grow_stitching(E, h, size, stream, exact)
+        if b < 0 and stitch(E, LARGE, size, stream, rules.room(cfg[C_LIMIT], st[RES]), False):
+            b = _find_or_grow_stitching(E, h, size, stream, exact)
+    elif release_free_segments(E, cfg[C_VMM]) + release_holes(E) > 0:
+        b = _find_or_grow(E, h, size, stream, pending == HOLES_EXACT)
     if b < 0:
         st[OOMS] += 1
         return -1

@@ -55,11 +55,13 @@ NRF = 8
 (BLOCK_IDS, FREE_BLOCK_IDS, SEGMENT_IDS, FREE_SEGMENT_IDS, FREE_EXTENTS, RES, ALLOC, PEAK_RES, PEAK_ALLOC, NSEG,
  PEAK_SEG, DEV_ALLOCS, OOMS, UNMATCHED, FREE_INDEXED, FREE_INDEXED_LARGE, DEV_USED, STREAMS_SEEN, STREAMS_SEEN_LARGE,
  DEV_FREES, SAMPLES, MOVING, REGION_IDS, FREE_REGION_IDS, FREE_VA_RANGES, STITCHES, PEAK_SAMPLED,
- PENDING, SEG_ALLOCS, SEG_FREES) = range(30)
-N_ST = 30  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
+ PENDING, SEG_ALLOCS, SEG_FREES, MOST_RES) = range(31)
+N_ST = 31  # MOVING: 1 + the block between a move_out and its move_in (0: none), kept across chunks
 # NSEG, PEAK_SEG, SEG_ALLOCS, SEG_FREES: segments (Note [Segments]); DEV_ALLOCS, DEV_FREES: device calls.
 # PEAK_SAMPLED: whether F_PEAK has a sample taken at the present peak reserved (see engine.run).
 # PENDING: what engine._malloc returned for a request it left to stitching (see engine._fast).
+# MOST_RES: the most ever reserved, which a seeded replay does not reset as it does PEAK_RES
+# (``Expander.most``: ``rules.region_retires`` reads it).
 # Floats (entries of fst): fragmentation sum and max over samples, and after the peak-setting event.
 F_SUM, F_MAX, F_PEAK = range(3)
 # Configuration (entries of cfg): the slots derived from the settings (``config_array``), then one slot
@@ -106,7 +108,7 @@ def config_array(resolved: Mapping[str, Any]) -> np.ndarray:
     cfg[C_SPAN] = SPAN_HEADROOM * capacity
     limit = int(cfg[C_LIMIT])
     holds = capacity if limit < 0 else limit  # a growing region, and the pool's arena (Note [Address arena])
-    cfg[C_VSPAN] = region_span(holds)
+    cfg[C_VSPAN] = region_span(holds)  # one limit: rules.region_size makes a region REGION_LIMITS of them
     cfg[C_ARENA] = LANE_ARENAS * address_arena(holds)  # a lane of numbered arenas (Note [Address arena])
     cfg[C_HOLDS] = cfg[C_SPAN] if resolved["upstream"] == "managed" else capacity
     return cfg

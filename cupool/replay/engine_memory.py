@@ -28,8 +28,8 @@ from . import engine_rules  # noqa: F401 - makes the rule book callable here
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream_into
 from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,
-    FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, NEXT, NSEG, PEAK_RES, PEAK_SEG,
-    PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
+    FREE_INDEXED_LARGE, FREE_REGION_IDS, FREE_SEGMENT_IDS, FREE_VA_RANGES, GR_NONE, MOST_RES, NEXT, NSEG, PEAK_RES,
+    PEAK_SEG, PREV, REGION_IDS, RES, R_ALIVE, R_BASE, R_FRONTIER, R_GROW, R_NSEG, R_SIZE, R_STITCHED, R_TAIL, SEG,
     SEGMENT_IDS, SEG_ALLOCS, SEG_FREES, SIZE, STITCHES, STREAM, S_ADDR, S_ALIVE, S_HEAD, S_KEEP, S_KIND, S_REGION,
     S_SIZE, S_TAIL, S_USED,
 )
@@ -108,6 +108,8 @@ def _reserved(E, n):
     st[DEV_ALLOCS] += 1
     if st[RES] > st[PEAK_RES]:
         st[PEAK_RES] = st[RES]
+    if st[RES] > st[MOST_RES]:
+        st[MOST_RES] = st[RES]
 
 
 @njit(cache=True, _nrt=False)
@@ -249,17 +251,31 @@ def vm_new_segment(E, h, nbytes, stream, keep):
 
 @njit(cache=True, _nrt=False)
 def need(E, h, size, stream):
-    """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules."""
-    R, S, B = E.R, E.S, E.B
+    """``Expander.need``: the bytes ``grow`` would map, what the tail's free block lacks, in granules, or the
+    request's own granules where a new region takes the grow."""
     r = E.GR[h, stream + 1]
-    if r < 0:
-        return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)  # no region yet: no end to run past
+    if r < 0 or _retires(E, r, size, stream):
+        return rules.grow_need(size, 0, 0, 1 << 62, GRANULE)  # a new region: no end to run past
+    return _tail_need(E, r, size, stream)
+
+
+@njit(cache=True, _nrt=False)
+def _tail_need(E, r, size, stream):
+    R, S, B = E.R, E.S, E.B
     have = 0
     if R[R_TAIL, r] >= 0:
         last = S[S_TAIL, R[R_TAIL, r]]
         if B[last, FREE] == 1 and rules.usable(B[last, STREAM], stream, -1):
             have = B[last, SIZE]
     return rules.grow_need(size, have, R[R_FRONTIER, r], R[R_BASE, r] + R[R_SIZE, r], GRANULE)
+
+
+@njit(cache=True, _nrt=False)
+def _retires(E, r, size, stream):
+    """``Expander._retires``: whether region ``r`` gives way to a new one before this grow."""
+    R = E.R
+    return rules.region_retires(R[R_FRONTIER, r], R[R_BASE, r], R[R_BASE, r] + R[R_SIZE, r], E.st[RES],
+                                E.st[MOST_RES], _tail_need(E, r, size, stream))
 
 
 @njit(cache=True, _nrt=False)
@@ -271,8 +287,8 @@ def grow(E, h, size, stream):
         return -1
     st[DEV_USED] += n
     r = E.GR[h, stream + 1]
-    if r >= 0 and rules.runs_past(R[R_FRONTIER, r], n, R[R_BASE, r] + R[R_SIZE, r]):
-        E.GR[h, stream + 1] = GR_NONE  # its addresses ran out (stitching left holes): retire it
+    if r >= 0 and _retires(E, r, size, stream):
+        E.GR[h, stream + 1] = GR_NONE  # its holes outgrew what the pool holds: retire it
         R[R_GROW, r] = 0
         if R[R_NSEG, r] == 0:
             _forget_region(E, r)

@@ -22,7 +22,8 @@ from ..device import ranges
 REGISTERED = (
     round_up, sizes.round_page, sizes.round_size, sizes.pool_of, sizes.segment_size,
     rules.fits_before, rules.usable, rules.split_rest, rules.mergeable, rules.merged_stream,
-    rules.grow_target, rules.grow_need, rules.hole, rules.stitch_pick, rules.stitch_takes, rules.stitch_first_room,
+    rules.grow_target, rules.grow_need, rules.region_retires, rules.hole, rules.stitch_pick, rules.stitch_takes,
+    rules.stitch_first_room,
     rules.gives_back_before_split, rules.after_free, rules.over_threshold, rules.release_cuts_holes,
     rules.room, rules.above_limit, rules.settles_on_miss, rules.retry_pages, rules.runs_past, rules.region_size,
     rules.eager_threshold, rules.releases_before_split,
