@@ -21,7 +21,7 @@ import cupool
 from cupool.core import rules
 from cupool.core.heap import Heap
 from cupool.replay import replay
-from cupool.testing.programs import run_calls
+from cupool.testing.programs import run_call, run_calls
 
 MiB = 1 << 20
 
@@ -181,15 +181,9 @@ def _alike_until_short(ops: list[tuple[int, int, int]], small: int, large: int) 
     bytes equal after each call until the small one's first request meets its limit; how many calls ran."""
     pools = [cupool.Pool("sim", capacity=c) for c in (small, large)]
     lives: list[list] = [[], []]
-    for i, (op, x, stream) in enumerate(ops):
+    for i, call in enumerate(ops):
         for pool, live in zip(pools, lives):
-            if op == 0:
-                try:
-                    live.append(pool.malloc(x, stream=stream))
-                except cupool.OutOfMemoryError:
-                    pass
-            elif live:
-                live.pop(x % len(live)).free()
+            run_call(pool, live, call)
         figures = [pool.stats() for pool in pools]  # read alike: reading folds the fast path's log
         if figures[0]["num_alloc_retries"]:
             return i

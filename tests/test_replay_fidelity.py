@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import cupool
 from cupool.replay import replay
+from cupool.testing.programs import run_calls
 
 MiB = 1 << 20
 #: Configurations a program is recorded under (the replay reads them from the trace).
@@ -39,15 +40,7 @@ def _run(config: dict, ops: list[tuple[int, int, int]], capacity: int | str = "6
     pool = cupool.Pool("sim", capacity=capacity, **config)
     rec = pool.record()
     rec.start()
-    live = []
-    for op, x, stream in ops:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except cupool.OutOfMemoryError:
-                pass
-        elif live:
-            live.pop(x % len(live)).free()
+    _, live = run_calls(pool, ops)  # kept alive until the recording stops
     rec.stop()
     return rec.trace(), _figures(pool.stats())
 

@@ -164,14 +164,24 @@ def run_calls(pool: Pool, calls: Any) -> tuple[int, list[Allocation]]:
     """
     live: list[Allocation] = []
     ooms = 0
-    for op, x, stream in calls:
-        if op == 0:
-            try:
-                live.append(pool.malloc(x, stream=stream))
-            except OutOfMemoryError:
-                ooms += 1
-        elif op == 2:
-            pool.empty_cache()
-        elif live:
-            live.pop(x % len(live)).free()
+    for call in calls:
+        ooms += run_call(pool, live, call)
     return ooms, live
+
+
+def run_call(pool: Pool, live: list[Allocation], call: Any) -> int:
+    """One of ``run_calls``' calls on ``pool``, with ``live`` its allocations so far; 1 if it was refused, else 0.
+
+    For a test that runs one program on several pools call by call, comparing them in between.
+    """
+    op, x, stream = call
+    if op == 0:
+        try:
+            live.append(pool.malloc(x, stream=stream))
+        except OutOfMemoryError:
+            return 1
+    elif op == 2:
+        pool.empty_cache()
+    elif live:
+        live.pop(x % len(live)).free()
+    return 0
