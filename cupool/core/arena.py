@@ -179,12 +179,9 @@ class Arena(FastPath):
         if above_limit(size, self.limit):  # 5. above the limit on its own: nothing could help; fail, changing nothing
             raise self.out_of_memory(size, stream, "the request alone is larger than the pool's limit of "
                                      f"{format_bytes(self.limit)}", fragmentation=None)
-        block = None
-        segments = self.segments
-        if kind == LARGE and segments.stitching and segments.stitch_first(kind, size, stream, self.room()):
-            block = heap.find(size, stream)  # 6. stitch holes where that maps less (Note [Stitch before grow]),
-        if block is None:
-            block = self.grow(kind, size, stream, exact)  # or grow within the limit
+        # 6. grow within the limit; a source that stitches uses holes first where that maps less
+        # (Note [Stitch before grow]: every grow does, the ladder's below included)
+        block = self.grow(kind, size, stream, exact)
         if block is not None:
             return block
         books.retries += 1

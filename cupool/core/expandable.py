@@ -353,15 +353,9 @@ class Expander:
         return released
 
     # ---------------------------------------------------------------- stitching
-    def stitch_first(self, kind: int, size: int, stream: Any, room: int) -> bool:
-        """Stitch before growing, where that maps fewer fresh granules (Note [Stitch before grow]).
-
-        Returns whether a stitched segment now holds a free block of ``size`` for
-        ``stream``; False changes nothing, and the grow follows.
-        """
-        return self._stitch_first(kind, size, stream, room) is not None
-
     def _stitch_first(self, kind: int, size: int, stream: Any, room: int) -> Block | None:
+        """Stitch before growing, where that maps fewer fresh granules (Note [Stitch before grow]): the
+        stitched segment's free block, or None (nothing changed, and the grow follows)."""
         fresh = stitch_first_room(self.need(kind, size, stream), room, self.granule)
         return self._stitch(kind, size, stream, fresh, first=True) if fresh >= 0 else None
 
@@ -589,7 +583,7 @@ class Expander:
             self.observers.emit("segment_unmap", addr, n, 0 if stream is None else stream)
 
     def may_hold(self, holds: int) -> None:
-        self.space.may_hold(holds)  # regions reserved from now on are one raised limit long
+        self.space.may_hold(holds)  # regions reserved from now on are sized by the raised limit (region_size)
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -32,17 +32,17 @@ free block's stream is the one whose frees it holds.
 | ``hole`` | which granules under a free block a cut can unmap | ``Expander`` (trim, holes, stitch) | ``engine_memory`` (trim, holes, stitch) |
 | ``stitch_pick`` | which holes a stitch gathers, in which order, how much of each | ``Expander.stitch`` | ``engine_memory.stitch`` |
 | ``stitch_takes`` | which free blocks' granules a stitch may take (a stitch before the grow leaves the small heap's empty segments) | ``Expander.stitch`` | ``engine_memory.stitch`` |
-| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.stitch_first``, ``Expander.grow`` | ``engine._grow_stitching`` |
+| ``stitch_first_room`` | may a large request stitch holes before it grows, and with how many fresh bytes? (Note [Stitch before grow]) | ``Expander.grow`` | ``engine._grow_stitching`` |
 | ``gives_back_before_split`` | should a large request give a wholly free plain segment back rather than split it? (Note [Release before split]) | ``Arena.place``, asking ``PoolPolicy.gives_back`` | ``engine._releases`` |
 | ``after_free``, ``over_threshold`` | what a free gives back at once: nothing, the segment, or its free tail (eager release above ``release_threshold``) | ``PoolPolicy.releases_now``, then ``DeviceSegments.after_free``, ``Expander.after_free`` | ``engine._free``, ``engine_memory.freed`` |
 | ``release_cuts_holes`` | does the reclaim ladder's release step unmap the granules under free blocks between live ones? | ``Scheduler._release`` | ``engine._malloc``, then ``engine._last_rung`` |
-| ``room`` | how many bytes may the pool still reserve under its limit? | ``Arena.room`` (to come: it inlines the sum) | ``engine._grow``, ``_stitch_first_room``, ``_last_rung`` |
-| ``above_limit`` | is a request larger than the limit on its own (refused before any rung)? | ``Arena.miss`` (to come: inline) | ``engine._malloc`` |
-| ``settles_on_miss`` | does a miss settle the streams before growing? | ``Arena.place`` (to come: inline) | ``engine._malloc`` |
+| ``room`` | how many bytes may the pool still reserve under its limit? | ``Arena.room`` | ``engine._grow``, ``_stitch_first_room``, ``_last_rung`` |
+| ``above_limit`` | is a request larger than the limit on its own (refused before any rung)? | ``Arena.miss`` | ``engine._malloc`` |
+| ``settles_on_miss`` | does a miss settle the streams before growing? | ``Arena.place`` | ``engine._malloc`` |
 | ``retry_pages`` | after the device refused a plain grow, what to ask for once more | ``DeviceSegments.grow`` | ``engine._grow`` |
 | ``runs_past``, ``region_size`` | does a grow run past its region's end, and how large is a new region? | ``Expander.grow`` (through ``grow_need``, ``region_retires``) | ``engine_memory.grow`` (the same) |
 | ``eager_threshold`` | ``release_threshold=None`` as ``over_threshold`` reads it | ``PoolPolicy.releases_now`` | ``engine_layout.config_array`` |
-| ``releases_before_split`` | may best fit's block be given back rather than split? (large, not exact, a whole plain segment, not kept; then ``gives_back_before_split``) | ``Arena.place`` (to come: inline, then ``PoolPolicy.gives_back``) | ``engine._releases`` |
+| ``releases_before_split`` | may best fit's block be given back rather than split? (large, not exact, a whole plain segment, not kept; then ``gives_back_before_split``) | ``Arena.place`` (then ``PoolPolicy.gives_back``) | ``engine._releases`` |
 
 The reclaim ladder's order is a table too: ``cupool.core.events.LADDER_STEPS``,
 which the scheduler runs and the engine follows for the rungs it models

@@ -28,8 +28,8 @@ implements these hooks, each called with the arena's lock held:
    (``empty_cache``).
 6. ``move(moves)``: carry out compaction's planned moves (copy, or remap).
 7. ``stitch(kind, size, stream, room) -> bool``: serve a large request from holes
-   (sources without virtual memory: False); ``stitch_first(kind, size, stream, room)``,
-   the same tried before a grow, where it maps less (Note [Stitch before grow]).
+   (sources without virtual memory: False); the ladder's stitch step (a grow's own
+   stitch before it maps is hook 2's business).
 8. ``stats()``, ``check()``, ``close()``: figures, invariants, and giving
    everything back when the arena dies (its finalizer).
 9. ``may_hold(nbytes)``: the pool's limit was set to ``nbytes``; what the source
@@ -76,7 +76,6 @@ class SegmentSource(Protocol):
     def trim_all(self, kept_too: bool, holes: bool = False, synced: bool = False) -> int: ...
     def move(self, moves: Sequence[PlannedMove]) -> None: ...
     def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool: ...
-    def stitch_first(self, kind: int, size: int, stream: Any, room: int) -> bool: ...
     def stats(self) -> dict[str, int]: ...
     def check(self) -> None: ...
     def close(self) -> None: ...
@@ -168,9 +167,6 @@ class DeviceSegments:
         execute(self.device, moves)
 
     def stitch(self, kind: int, size: int, stream: Any, room: int) -> bool:
-        return False
-
-    def stitch_first(self, kind: int, size: int, stream: Any, room: int) -> bool:
         return False
 
     def stats(self) -> dict[str, int]:

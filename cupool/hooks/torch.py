@@ -53,8 +53,8 @@ from types import ModuleType
 from typing import Any
 
 from ..core import compiled_module
-from ..device.cuda import check_index
 from ..core.fast import Allocation
+from ..device.cuda import check_index
 from ..errors import NoDeviceError, TorchAllocatorError
 from ..pool import Pool
 from .routing import current_device, default_pool, existing_pool, gpu_available

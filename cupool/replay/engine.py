@@ -196,7 +196,8 @@ def _malloc(E, n, stream, exact):
 
 @njit(cache=True, _nrt=False)
 def _stitch_first_room(E, h, size, stream):
-    """``Expander.stitch_first``'s question: the fresh bytes a stitch before the grow may create, or -1."""
+    """The question ``Expander.grow`` asks before it maps: the fresh bytes a stitch before the grow may
+    create, or -1."""
     return rules.stitch_first_room(need(E, h, size, stream), rules.room(E.cfg[C_LIMIT], E.st[RES]), GRANULE)
 
 
