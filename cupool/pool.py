@@ -111,10 +111,10 @@ class Pool(CupyPoolMethods):
         None (the default): both wherever the device has virtual memory (the sim device on Linux, a GPU
         with cuda-bindings), which is what meets the real traces' targets (docs/benchmarks.md).
 
-    ``malloc_key(n, stream)`` is ``malloc`` for a validated size and a stream already named by its
-    key (``device.stream_key``): the hooks' hot path.  It is the arena's bound method and
-    does not keep the pool alive: whoever keeps it keeps the pool too.  A pool is closed by ``close()``,
-    by leaving a ``with`` block, or by being dropped (Note [Lifetimes]).
+    ``malloc_key(n, stream)`` is ``malloc`` for a validated size and a stream already named by its key
+    (``device.stream_key``): the hooks' hot path.  It is the arena's bound method and does not keep the
+    pool alive: whoever keeps it keeps the pool too.  A pool is closed by ``close()``, by leaving a ``with``
+    block, or by being dropped (Note [Lifetimes]).
     """
 
     #: The reclaim ladder without spilling, in its default order; the scheduler adds "spill".
@@ -156,9 +156,7 @@ class Pool(CupyPoolMethods):
         self._settings = {
             "device": dev.name,
             "capacity": getattr(dev, "capacity", None),
-            "initial_size": init,
-            "max_size": max_size,
-            "memory_fraction": memory_fraction,
+            "initial_size": init, "max_size": max_size, "memory_fraction": memory_fraction,
             "expandable_segments": src.expandable_segments, "stitch": src.stitch, "upstream": src.upstream,
         }
         arena = self._arena = Arena(dev, limit, policy, track_sites, src.make(limit))
@@ -177,6 +175,14 @@ class Pool(CupyPoolMethods):
             with arena.lock:
                 arena.new_segment(LARGE, init, None, keep=True)
         note_made(device, dev)  # the no-GPU notice, after every error this constructor can raise
+
+    def lending(self) -> tuple[Callable[[int, Any], tuple[Any, int]], Callable[..., None], int] | None:
+        """For a C caller that keeps its blocks itself (PyTorch's shim): the arena's ``lend`` and ``free_lent``
+        and where its parked stacks' C state lies (0 uncompiled; Note [Hits without the GIL]).  None while
+        an admission check is set or leak sites are tracked: both need an object per allocation."""
+        a = self._arena
+        lends = self._admission is None and a.sites is None
+        return (a.lend, a.free_lent, a.stacks.state_address()) if lends else None
 
     # ------------------------------------------------------------------ public
     def malloc(self, nbytes: int, stream: Any = None) -> Allocation:
@@ -583,12 +589,8 @@ class PinnedPool(Pool):
         max_size: int | str | None = None,
         release_threshold: int | str | None = None,
     ) -> None:
-        super().__init__(
-            pinned_device(device, capacity),
-            initial_size=initial_size,
-            max_size=max_size,
-            release_threshold=release_threshold,
-        )
+        super().__init__(pinned_device(device, capacity), initial_size=initial_size, max_size=max_size,
+                         release_threshold=release_threshold)
 
     def empty(self, shape: int | tuple[int, ...], dtype: Any = "float32", stream: Any = None) -> npt.NDArray[Any]:
         """An uninitialised numpy array in pinned memory, returned to the pool when it dies."""

@@ -17,7 +17,8 @@ INDEX_ROW = re.compile(r"^\| \[([^\]]+)\] \| `([^`]+)` \|", re.M)
 
 
 def _sources() -> list[Path]:
-    files = [*(ROOT / "cupool").rglob("*.py"), *(ROOT / "cupool").rglob("*.pxd"), *(ROOT / "kernels").rglob("*.py"),
+    files = [*(ROOT / "cupool").rglob("*.py"), *(ROOT / "cupool").rglob("*.pxd"), *(ROOT / "cupool").rglob("*.pyx"),
+             *(ROOT / "cupool").rglob("*.cpp"), *(ROOT / "kernels").rglob("*.py"),
              *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"),
              ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
     here = Path(__file__).resolve()

@@ -546,3 +546,118 @@ def test_the_helpers_answer_for_the_pool_the_shim_serves_from_even_once_its_defa
     finally:
         ct.use(None)
         hooks.reset_default_pools()
+
+
+# --- Note [Hits without the GIL]: the C path the shim takes for parked blocks --------------------
+
+#: The figures a hit and a park change, which the C path must keep exact (Note [Fast path]).
+FIGURES = ("allocation.", "allocated_bytes.", "requested_bytes.", "segment.", "reserved_bytes.")
+
+
+@pytest.fixture
+def counted(lib):
+    """The shim registered with a resolve whose ``lend`` and ``malloc_key`` count their calls: each
+    is one allocation served through Python, with the GIL."""
+    from cupool.hooks import torch as front
+
+    module = front._module()
+    calls = {"lend": 0, "malloc_key": 0}
+
+    def counting(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return None if fn is None else call
+
+    def resolve(device):
+        pool, malloc_key, stream_key, lend, free_lent, state = front._resolve(device)
+        return pool, counting("malloc_key", malloc_key), stream_key, counting("lend", lend), free_lent, state
+
+    module.register(resolve, front._report, front._unknown)
+    module.forget()
+    yield calls
+    module.register(front._resolve, front._report, front._unknown)
+    module.forget()
+
+
+def _pairs(lib, sizes, rounds, stream=None):
+    for _ in range(rounds):
+        for n in sizes:
+            ptr = lib.alloc(n, 0, stream)
+            assert ptr, ct.last_error()
+            lib.free(ptr, n, 0, stream)
+
+
+def _figures(pool):
+    return {k: v for k, v in pool.stats().items() if k.startswith(FIGURES)}
+
+
+def test_warm_small_blocks_are_served_and_parked_without_python_and_the_books_stay_exact(lib, pool, counted):
+    sizes = [4096, 100, 1 << 20, 3900]  # 3900 and 4096: one stack (512-byte steps), two requested sizes
+    _pairs(lib, sizes, 1)  # cold: each block placed by best fit, then parked
+    through_python = counted["lend"]
+    assert through_python == len(sizes) - 1  # 3900 took the block 4096 parked, without Python
+    _pairs(lib, sizes, 600)  # 4,800 log entries: past the fold's 4,096 once
+    # A warm request is a C hit; the one that finds the log full goes through Python, which folds it.
+    # (The shim runs only where the core is compiled: cupool.core's rule for COMPILED_MODULES.)
+    assert counted["lend"] - through_python == 1
+    # The books as a pool serving the same calls from Python keeps them.
+    twin = cupool.Pool("sim", capacity="64MiB")
+    for _ in range(601):
+        for n in sizes:
+            twin.malloc(n).free()
+    assert _figures(pool) == _figures(twin)
+
+
+def test_a_c_hit_writes_the_requested_size_the_snapshot_shows(lib, pool, counted):
+    ptr = lib.alloc(4000, 0, None)
+    lib.free(ptr, 4000, 0, None)
+    ptr = lib.alloc(3900, 0, None)  # the same 4 KiB block, off its stack
+    assert counted["lend"] == 1
+    blocks = [b for s in pool.snapshot()["segments"] for b in s["blocks"] if b["address"] == ptr]
+    assert [(b["size"], b["requested_size"], b["state"]) for b in blocks] == [(4096, 3900, "active_allocated")]
+    assert pool.stats()["requested_bytes.all.current"] == 3900
+    lib.free(ptr, 3900, 0, None)
+
+
+def test_a_subscriber_that_wants_every_block_sends_each_call_through_python(lib, pool, counted):
+    _pairs(lib, [4096], 2)
+    events = []
+    stop = pool.subscribe(events.append)
+    try:
+        before = counted["lend"]
+        _pairs(lib, [4096], 10)
+        assert counted["lend"] - before == 10
+        assert [e[1] for e in events].count("alloc") == 10 and [e[1] for e in events].count("free") == 10
+    finally:
+        stop()
+    before = counted["lend"]
+    _pairs(lib, [4096], 10)
+    assert counted["lend"] - before == 0
+
+
+def test_a_pool_that_tracks_leak_sites_lends_nothing_and_keeps_each_allocation(lib, counted):
+    p = cupool.Pool("sim", capacity="64MiB", track_sites=True)
+    assert p.lending() is None
+    ct.use(p)
+    try:
+        _pairs(lib, [4096], 5)
+        assert counted["lend"] == 0 and counted["malloc_key"] == 5
+        ptr = lib.alloc(4096, 0, None)
+        assert ct.live_blocks() == 1 and p.stats()["allocation.all.current"] == 1
+        lib.free(ptr, 4096, 0, None)
+        assert p.stats()["allocation.all.current"] == 0
+    finally:
+        ct.use(None)
+        p.check()
+
+
+def test_a_pool_with_an_admission_check_lends_nothing(lib, pool, counted):
+    pool.set_admission(lambda n, what: "refused by the test" if n > 8192 else None)
+    assert pool.lending() is None
+    ct.use(pool)  # the shim asks again, and gets the admitting malloc_key
+    assert lib.alloc(16384, 0, None) is None
+    assert "refused by the test" in str(ct.last_error())
+    _pairs(lib, [4096], 3)
+    assert counted["lend"] == 0 and counted["malloc_key"] == 4
+    pool.set_admission(None)

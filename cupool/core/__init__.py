@@ -43,11 +43,14 @@ uncompiled: the hit (``fast``), and on a miss or a large block best fit, split
 and coalesce (``heap``), the figures (``books``) and the miss chain and the free
 (``arena``).  Each is plain Python typed by an augmenting ``.pxd``: blocks,
 segments, heaps, books and the arena are C structs there, and the arena's slow
-path is a C call from the fast path.  One piece has two implementations, as the
-log's fold has: the heap's free index is an ordered C++ set compiled
-(``free_index.pyx``) and a ``SortedList`` uncompiled (``heap.SortedFreeIndex``),
-with the same methods and best fit's order; the placement conformance suite and
-the state machines run on both (tests/test_both_paths.py).
+path is a C call from the fast path.  Two pieces are written twice, as the log's
+fold is, each behind one set of methods that the placement conformance suite and
+the state machines hold both to (tests/test_both_paths.py): the heap's free index,
+an ordered C++ set compiled (``free_index.pyx``) and a ``SortedList`` uncompiled
+(``heap.SortedFreeIndex``), in best fit's order; and the fast path's lock, parked
+stacks and log, C structures compiled (``park.pyx``, which PyTorch's shim reaches
+without the GIL: Note [Hits without the GIL]) and ``threading.Lock``, a dict of
+lists (``fast.DictParking``) and a list uncompiled.
 
 What stays Python, and why: the rule book and the size classes (``rules``,
 ``sizes``), which the Numba replay engine compiles from their Python functions
@@ -69,7 +72,7 @@ from pathlib import Path
 from types import ModuleType
 
 #: Every module setup.py compiles, by dotted name, in build order: one may cimport those before it.
-COMPILED_MODULES = ("cupool.core.fast", "cupool.core.free_index", "cupool.core.heap", "cupool.core.books", "cupool.core.arena", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
+COMPILED_MODULES = ("cupool.core.free_index", "cupool.core.heap", "cupool.core.park", "cupool.core.fast", "cupool.core.books", "cupool.core.arena", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
 #: The source suffixes of a listed module, in the order they are looked for; Cython compiles the first two.
 SOURCE_SUFFIXES = (".py", ".pyx", ".cpp")
 #: Beside a built extension: the sha256 of the source it was compiled from.

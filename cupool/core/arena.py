@@ -89,6 +89,7 @@ class Arena(FastPath):
         self.segments: SegmentSource = maker(device, self.heaps, books, self.observers)
         self.view = ArenaView(self)
         self.sites = SiteTracker() if track_sites else None
+        self.refresh_fast()  # a C caller's hits wait for no sites (Note [Hits without the GIL])
         self.closed = False
         self.streams = StreamEpochs(device)  # Note [Streams]
         # Whether anything that could let compaction do more (a free, a lease ending)
@@ -122,7 +123,7 @@ class Arena(FastPath):
         misses = self.books.misses
         block, kind = self.place(n, stream)
         a = Allocation(self, block, n, stream, kind)
-        block.payload = n
+        block.requested = n
         if self.observers.active:
             # A small block that made the pool grow is news to figure-only subscribers too.
             small = kind == SMALL and self.books.misses == misses
@@ -292,6 +293,7 @@ class Arena(FastPath):
     def forget_after_fork(self, parent: int) -> None:
         """In a fork's child: refuse every request from now on, and never give back the parent's memory (Note [Fork])."""
         self.lock = make_lock()  # a thread of the parent may have held it: it is not here to let go
+        self.stacks.rebind(self.lock)
         self.holder = None
         self.pending.clear()
         self.forked = parent

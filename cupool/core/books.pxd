@@ -3,13 +3,15 @@
 # with typed indexes, so a miss pays no Python call for its bookkeeping.
 cimport cython
 
+from cupool.core.park cimport Log
+
 
 cdef class Books:
     cdef public list cur
     cdef public list peak
     cdef public list total_in
     cdef public list total_out
-    cdef public list log
+    cdef public Log log  # a list uncompiled
     cdef public Py_ssize_t hits
     cdef public Py_ssize_t misses
     cdef public Py_ssize_t retries

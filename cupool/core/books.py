@@ -56,9 +56,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from . import compiled_module
 from .fast import COMPILED, fold_log
 from .sizes import ALIGNMENT, POOL_NAMES, SMALL
 
@@ -78,6 +80,21 @@ COLUMNS = (*POOL_NAMES, "all")
 
 # Below this many entries a fold is cheaper in plain Python than through numpy.
 _FOLD_NUMPY_MIN = 64
+# The fast path's log compiled: a C vector a hit without the GIL appends to (Note [Hits without the GIL]).
+_new_log: Any = compiled_module("cupool.core.park")[0].Log if COMPILED else list
+
+
+def _fold_numpy(log: list[int]) -> tuple[int, ...]:
+    """``fast.fold_log`` for a long log uncompiled, in numpy: the same ten figures."""
+    v = np.array(log, dtype=np.int64)
+    sign = np.sign(v)
+    n = np.abs(v) - 1
+    size = np.maximum(((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+    out = [int((sign > 0).sum())]
+    for d in (sign, sign * size, sign * n):
+        traj = np.cumsum(d)
+        out += [int(traj[-1]), max(0, int(traj.max())), int(d[d > 0].sum())]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -113,8 +130,9 @@ class Books:
         self.peak = [[0, 0, 0] for _ in range(rows)]
         self.total_in = [[0, 0, 0] for _ in range(rows)]
         self.total_out = [[0, 0, 0] for _ in range(rows)]
-        # Fast path: +(requested + 1) per hit, -(requested + 1) per free.  Never rebound.
-        self.log: list[int] = []
+        # Fast path: +(requested + 1) per hit, -(requested + 1) per free.  Never rebound: the
+        # fast path holds it too (a park.Log compiled, folded in C; a list uncompiled).
+        self.log: Any = _new_log()
         self.hits = 0
         self.misses = 0
         self.retries = 0
@@ -162,28 +180,16 @@ class Books:
         """
         if not self.log:
             return
-        log = self.log[:]
-        self.log.clear()  # in place: the arena's fast path holds this very list
-        if COMPILED or len(log) < _FOLD_NUMPY_MIN:  # a C loop compiled; plain Python for a short log
-            hits, *sums = fold_log(log)
-            for k, row in enumerate((ALLOCATIONS, ALLOCATED, REQUESTED)):
-                net, top, gained = sums[3 * k], sums[3 * k + 1], sums[3 * k + 2]
-                self._fold_row(row, net, top, gained, gained - net)
+        if COMPILED:  # a C loop over the C log, which it empties
+            sums = self.log.fold()
         else:
-            hits = self._fold_numpy(log)
-        self.hits += hits
-
-    def _fold_numpy(self, log: list[int]) -> int:
-        """``fold`` for a long log, in numpy; returns the hits in it."""
-        v = np.array(log, dtype=np.int64)
-        sign = np.sign(v)
-        n = np.abs(v) - 1
-        size = np.maximum(((n + ALIGNMENT - 1) // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
-        for row, d in ((ALLOCATIONS, sign), (ALLOCATED, sign * size), (REQUESTED, sign * n)):
-            traj = np.cumsum(d)
-            gained = int(d[d > 0].sum())
-            self._fold_row(row, int(traj[-1]), int(traj.max()), gained, gained - int(traj[-1]))
-        return int((sign > 0).sum())
+            log = self.log[:]
+            self.log.clear()  # in place: the arena's fast path holds this very list
+            sums = fold_log(log) if len(log) < _FOLD_NUMPY_MIN else _fold_numpy(log)  # numpy for a long log
+        for k, row in enumerate((ALLOCATIONS, ALLOCATED, REQUESTED)):
+            net, top, gained = sums[1 + 3 * k], sums[2 + 3 * k], sums[3 + 3 * k]
+            self._fold_row(row, net, top, gained, gained - net)
+        self.hits += sums[0]
 
     def _fold_row(self, row: int, net: int, top: int, gained: int, lost: int) -> None:
         cur, peak = self.cur[row], self.peak[row]

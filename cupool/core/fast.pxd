@@ -1,34 +1,19 @@
 # The C types of cupool/core/fast.py, for Cython (an augmenting .pxd: the .py stays plain Python).
-from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
-                                PyThread_acquire_lock, PyThread_release_lock)
-
 cimport cython
-from cpython.pystate cimport PyThreadState
 
-cdef extern from "Python.h":
-    PyThreadState* PyEval_SaveThread()
-    void PyEval_RestoreThread(PyThreadState*)
-    int PyErr_CheckSignals() except -1
-
-cdef extern from "pythread.h":
-    int PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
+from cupool.core.park cimport Log, Mutex, Parking
 
 cdef class Allocation
 
-
-cdef class Mutex:
-    cdef PyThread_type_lock handle
-    cpdef bint acquire(self, bint blocking=*, double timeout=*) except -1
-    cpdef release(self)
 
 # Attributes are public so that the arena (a Python subclass) and the pool read them as before.
 
 cdef class FastPath:
     cdef public Mutex lock  # a threading.Lock uncompiled
     cdef public object pending
-    cdef public dict stacks
+    cdef public Parking stacks  # a DictParking uncompiled
     cdef public object books
-    cdef public list log
+    cdef public Log log  # a list uncompiled
     cdef public bint parking
     cdef public bint fast
     cdef public bint exact
@@ -37,14 +22,14 @@ cdef class FastPath:
     cdef public object moved
     cdef object __weakref__
 
-    @cython.locals(al=Allocation, stack=list)
+    @cython.locals(al=Allocation)
     cpdef free_locked(self, a)
     @cython.locals(al=Allocation)
     cpdef free(self, a)
     cdef public object stream_key
     cdef public object default_stream
 
-    @cython.locals(stack=list, a=Allocation, log=list)
+    @cython.locals(a=Allocation)
     cpdef malloc(self, n, stream)
     cpdef request(self, nbytes, stream)
     # The slow path the arena provides (cupool.core.arena): a C call when it is compiled too.

@@ -6,11 +6,13 @@ grows, never reclaims, never places a block in the heap and never emits an
 event: a request it cannot serve from a stack, and a free it cannot park, go to
 the two methods the arena provides (``malloc_slow`` and ``free_block``).
 
-It is the one module that runs compiled: ``pip install`` builds it with Cython
-from this very file (its types are declared beside it in ``fast.pxd``), and
-``CUPOOL_PURE_PYTHON=1`` runs this file as it is (``cupool.core.build_info()``
-says which runs).  The same suites run both ways.  So everything here must be
-plain Python that means the same compiled or not.
+``pip install`` builds it with Cython from this very file (its types are
+declared beside it in ``fast.pxd``), and ``CUPOOL_PURE_PYTHON=1`` runs this file
+as it is (``cupool.core.build_info()`` says which runs; Note [One compiled
+core]).  The same suites run both ways.  So everything here must be plain Python
+that means the same compiled or not.  Compiled, its lock, stacks and log are
+``park.pyx``'s C structures, which a C caller reaches without the GIL (Note
+[Hits without the GIL]); uncompiled, ``threading.Lock``, ``DictParking`` and a list.
 
 Note [Fast path]
 ~~~~~~~~~~~~~~~~
@@ -74,6 +76,7 @@ from typing import Any
 
 from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DeadlockError, DoubleFreeError, ForeignAllocationError
+from . import compiled_module
 from .interrupts import OWED, deliver
 from .sizes import ALIGNMENT, SMALL
 
@@ -141,59 +144,12 @@ def fold_log(log: list[int]) -> tuple[int, int, int, int, int, int, int, int, in
     return hits, c_net, c_top, c_gain, a_net, a_top, a_gain, r_net, r_top, r_gain
 
 
-class Mutex:
-    """The pool's lock compiled: ``threading.Lock``'s interface over a C lock (CPython's own
-    ``PyThread`` lock, the one ``threading.Lock`` wraps), which the fast path takes without a
-    Python call.  Uncompiled, the pool uses ``threading.Lock`` itself (``make_lock``), and this
-    class is never made: its body calls C functions that only exist compiled (``fast.pxd``).
-    """
+# The fast path's state in C (``park.pyx``), compiled only: the lock, the parked stacks, the log.
+_park: Any = compiled_module("cupool.core.park")[0] if COMPILED else None
 
-    def __cinit__(self) -> None:
-        self.handle = PyThread_allocate_lock()  # type: ignore[name-defined]  # noqa: F821
-        if not self.handle:
-            raise MemoryError("cupool: cannot allocate a lock")
-
-    def __dealloc__(self) -> None:
-        if self.handle:
-            PyThread_free_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """``threading.Lock.acquire``: a signal that arrives while waiting runs its Python handler
-        (Note [Lock protocol]), as Python's own lock does; a handler that raises ends the wait."""
-        if PyThread_acquire_lock(self.handle, 0):  # type: ignore[name-defined]  # noqa: F821
-            return True
-        if not blocking:
-            return False
-        us = -1 if timeout < 0 else int(timeout * 1e6)
-        while True:
-            state = PyEval_SaveThread()  # type: ignore[name-defined]  # noqa: F821  (waits without the GIL)
-            status = PyThread_acquire_lock_timed(self.handle, us, 1)  # type: ignore[name-defined]  # noqa: F821
-            PyEval_RestoreThread(state)  # type: ignore[name-defined]  # noqa: F821
-            if status == 1:  # PY_LOCK_ACQUIRED
-                return True
-            PyErr_CheckSignals()  # type: ignore[name-defined]  # noqa: F821  (raises what a handler raised)
-            if us >= 0:  # timed out, or interrupted: a timed wait ends either way
-                return False
-
-    def release(self) -> None:
-        PyThread_release_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
-
-    def locked(self) -> bool:
-        if PyThread_acquire_lock(self.handle, 0):  # type: ignore[name-defined]  # noqa: F821
-            PyThread_release_lock(self.handle)  # type: ignore[name-defined]  # noqa: F821
-            return False
-        return True
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-#: A new lock for an arena: a ``Mutex`` compiled, ``threading.Lock`` uncompiled (Python's own is
-#: faster there than any wrapper could be).
-make_lock: Any = Mutex if COMPILED else threading.Lock
+#: A new lock for an arena: ``park.Mutex`` compiled (the torch shim takes it without the GIL),
+#: ``threading.Lock`` uncompiled (Python's own is faster there than any wrapper could be).
+make_lock: Any = _park.Mutex if COMPILED else threading.Lock
 
 
 class Allocation:
@@ -284,6 +240,59 @@ def new_allocation(owner: FastPath, block: Any, size: Any, stream: Any, kind: in
     return a
 
 
+class DictParking:
+    """The parked stacks uncompiled: a list per (block size, stream) in a dict, with
+    ``park.Parking``'s methods (compiled, a C++ map of vectors that a C caller reaches without
+    the GIL); each hit and park is logged (Note [Fast path]).  The pool's lock is held.
+    """
+
+    def __init__(self, lock: Any, pending: Any, log: list[int], log_max: int) -> None:
+        self.slots: dict[tuple[int, Any], list[Any]] = {}
+        self.log = log
+        self.count = 0
+        self.ready = False  # no C caller reaches this one: kept as Parking's
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, n: int, size: int, stream: Any) -> Any:
+        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none."""
+        stack = self.slots.get((size, stream))
+        if not stack:
+            return None
+        block = stack.pop()
+        self.count -= 1
+        block.requested = n
+        self.log.append(n + 1)
+        return block
+
+    def put(self, block: Any, requested: int, stream: Any) -> None:
+        """Park ``block`` (its requested size was ``requested``), logged."""
+        slot = (block.size, stream)
+        stack = self.slots.get(slot)
+        if stack is None:
+            self.slots[slot] = [block]
+        else:
+            stack.append(block)
+        self.count += 1
+        self.log.append(-1 - requested)
+
+    def unpark(self) -> list[tuple[Any, list[Any]]]:
+        """Empty every stack: ``[(stream, [blocks])]``, a stream once per block size."""
+        slots, self.slots, self.count = self.slots, {}, 0
+        return [(stream, blocks) for (_, stream), blocks in slots.items() if blocks]
+
+    def addresses(self) -> set[int]:
+        return {b.addr for stack in self.slots.values() for b in stack}
+
+    def rebind(self, lock: Any) -> None:
+        """Nothing to do: only a C caller would take the lock from here."""
+
+    def state_address(self) -> int:
+        """0: no C caller reaches these stacks (``Parking.state_address``)."""
+        return 0
+
+
 class FastPath:
     """The lock, the finalizer queue, the parked stacks and the accounting log of one arena.
 
@@ -304,22 +313,24 @@ class FastPath:
         # Frees queued by finalizers that found the lock held (Note [Finalizers]): anything
         # with ``finalize_locked() -> int`` (an Allocation, a Movable, a Lease, a close).
         self.pending: collections.deque[Any] = collections.deque()
-        self.stacks: dict[tuple[int, Any], list[Any]] = {}
         self.books = books
-        self.log: list[int] = books.log  # the books fold it (Note [Fast path])
+        self.log: Any = books.log  # the books fold it (Note [Fast path]): a park.Log compiled, a list not
+        # The parked blocks, a stack per (block size, stream), which log their hits and parks.
+        self.stacks: Any = (_park.Parking if COMPILED else DictParking)(self.lock, self.pending, self.log, LOG_MAX)
         self.parking = parking
         self.fast = parking
         self.exact = False  # some subscriber wants every small block's events
         # The thread that holds the lock for a caller (``Pool.hold()``, or while subscribers
         # run): a pool call from it would wait for itself.
         self.holder: int | None = None
-        self.sites: Any = None  # a SiteTracker, or None
+        self.sites: Any = None  # a SiteTracker, or None; set before refresh_fast runs
         # on_move callbacks to run outside the lock: (movable, old pointer, new pointer or None).
         self.moved: collections.deque[Any] = collections.deque()
         # How ``request`` names streams: the device's ``stream_key``, and what it gives for
         # None when that never changes (``Device.fixed_default_key``), else None.
         self.stream_key = device.stream_key
         self.default_stream = device.fixed_default_key
+        self.refresh_fast()
 
     # ------------------------------------------------------------------ locking
     def enter(self, what: str, freeing: bool = False) -> bool:
@@ -389,7 +400,7 @@ class FastPath:
         pending = self.pending
         while pending:
             freed += pending.popleft().finalize_locked()
-        if self.stacks:
+        if len(self.stacks):
             freed += self.unpark()
         if self.log:
             self.books.fold()
@@ -397,6 +408,8 @@ class FastPath:
 
     def refresh_fast(self) -> None:
         self.fast = self.parking and not self.exact
+        # A C caller's hit makes no Allocation, so none while leak sites want one (Note [Hits without the GIL]).
+        self.stacks.ready = self.fast and self.sites is None
 
     # ------------------------------------------------------------ allocation
     def request(self, nbytes: Any, stream: Any) -> Allocation:
@@ -412,14 +425,12 @@ class FastPath:
         if not lock.acquire(False):
             self.enter("malloc()")
         try:
-            stack = self.stacks.get((((n + 511) >> 9) << 9 or ALIGNMENT, stream))
-            if stack and self.fast and not self.pending:
-                block = stack.pop()
+            block = None
+            if self.fast and not self.pending:  # a hit: the stack logs it and writes block.requested
+                block = self.stacks.take(n, ((n + 511) >> 9) << 9 or ALIGNMENT, stream)
+            if block is not None:
                 a = new_allocation(self, block, n, stream, SMALL)
-                block.payload = n
-                log = self.log
-                log.append(n + 1)
-                if len(log) > LOG_MAX:
+                if len(self.log) > LOG_MAX:
                     self.books.fold()
             else:
                 pending = self.pending
@@ -480,13 +491,7 @@ class FastPath:
             if al.kind == SMALL:
                 block = al.block
                 al.block = None
-                slot = (block.size, al.stream)
-                stack = self.stacks.get(slot)
-                if stack is None:
-                    self.stacks[slot] = [block]
-                else:
-                    stack.append(block)
-                self.log.append(-1 - al.size)  # folded at the next malloc past LOG_MAX, or any read
+                self.stacks.put(block, al.size, al.stream)  # logged: folded past LOG_MAX, or at any read
                 return
         self.free_block(a)
 
@@ -495,12 +500,10 @@ class FastPath:
 
     def unpark(self) -> int:
         """Give every parked block to the heap; returns their bytes."""
-        stacks, self.stacks = self.stacks, {}
         moved = 0
-        for (size, stream), blocks in stacks.items():
-            if blocks:
-                self.give_parked(stream, blocks)
-                moved += size * len(blocks)
+        for stream, blocks in self.stacks.unpark():
+            self.give_parked(stream, blocks)
+            moved += blocks[0].size * len(blocks)
         return moved
 
     def give_parked(self, stream: Any, blocks: list[Any]) -> None:
@@ -508,7 +511,26 @@ class FastPath:
 
     def parked(self) -> set[int]:
         """Addresses of parked blocks: allocated in the heap's eyes, free in the books' (Note [Fast path])."""
-        return {b.addr for stack in self.stacks.values() for b in stack}
+        addresses: set[int] = self.stacks.addresses()
+        return addresses
+
+    # ------------------------------------------------- C callers (the torch shim)
+    def lend(self, n: int, stream: Any) -> tuple[Any, int]:
+        """``malloc`` for a C caller that keeps (block, ``n``, stream) itself: ``(block, kind)``.
+
+        The caller then owns the block: it parks it back through ``park.C_API``
+        without the GIL (Note [Hits without the GIL]) or gives it to ``free_lent``.
+        Not for a pool that tracks leak sites, which keeps them per Allocation.
+        """
+        a = self.malloc(n, stream)
+        block = a.block
+        a.block = None  # nobody else holds a: it dies at once, with nothing to free
+        return block, a.kind
+
+    def free_lent(self, block: Any, n: int, stream: Any, kind: int) -> None:
+        """Free a block ``lend`` gave (its ``n`` bytes asked on ``stream``) as its Allocation's finalizer
+        would: now, or queued when the lock is busy (the C caller may be in a finalizer itself)."""
+        self.finalize_later(new_allocation(self, block, n, stream, kind))
 
     def notify_moves(self) -> None:
         raise NotImplementedError("the arena runs on_move callbacks")

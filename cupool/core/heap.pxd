@@ -19,6 +19,7 @@ cdef class Block:
     cdef public object stream
     cdef public object epoch
     cdef public object payload
+    cdef public Py_ssize_t requested
 
 
 cdef class Segment:

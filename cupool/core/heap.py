@@ -35,7 +35,7 @@ Stream = Hashable | None
 
 
 class Block:
-    __slots__ = ("addr", "size", "segment", "prev", "next", "free", "stream", "epoch", "payload")
+    __slots__ = ("addr", "size", "segment", "prev", "next", "free", "stream", "epoch", "payload", "requested")
 
     def __init__(self, addr: int, size: int, segment: Segment, stream: Stream) -> None:
         self.addr = addr
@@ -46,8 +46,11 @@ class Block:
         self.free = True
         self.stream = stream  # a free block's: whose frees it holds (None: any stream's); None while allocated
         self.epoch = 0
-        # Whatever the pool hangs on an allocated block (its Allocation); None when free.
+        # A movable buffer's block: a weak reference to the buffer (Note [Movable lifecycle]); else None.
         self.payload: object = None
+        # An allocated raw block's bytes asked for (a C field compiled, which a hit without the GIL
+        # writes: Note [Hits without the GIL]); meaningless while free.
+        self.requested = 0
 
     def __repr__(self) -> str:
         state = f"free stream={self.stream!r}" if self.free else "used"

@@ -85,7 +85,7 @@ class ArenaView:
                         m = b.payload()
                         requested = 0 if m is None else m.size
                     else:
-                        requested = cast(int, b.payload)  # a raw block's: the bytes asked for
+                        requested = b.requested  # a raw block's: the bytes asked for
                     s = stream if m is None or m.stream is None else m.stream
                     blocks.append(BlockInfo(b.addr, b.size, free, requested, m is not None, s))
                 out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))

@@ -3,16 +3,19 @@
 ``torch.cuda.memory.CUDAPluggableAllocator(path, alloc, free)`` loads a shared
 library and calls two C functions by name.  cupool's library is the compiled
 module ``cupool.hooks.torch_shim`` (``torch_shim.cpp``, built by ``pip
-install`` like the fast path; ``cupool info`` says whether it was).  Its C
-functions take the GIL and call this module: ``serve`` picks the pool, the one
+install`` like the fast path; ``cupool info`` says whether it was).  A request a
+parked block fits, and the free of a small block, are served in C without the
+GIL, through the compiled core's capsule (Note [Hits without the GIL]).  The
+rest take the GIL and call this module: ``_resolve`` picks the pool, the one
 given to ``use(pool)`` for that device or else ``default_pool(device)``, the
 pool CuPy and Numba get there (found once per device, and kept until ``use``
 changes it; a device this machine lacks is refused, ``_check_exists``), and
-takes the block for torch's stream: the stream handle becomes the block's stream
-key (``device.stream_key``), so cupool's stream rules (Note [Streams]) hold for
-torch's streams.  The shim keeps each live block's ``Allocation`` by address (a
-C++ map), so ``free`` finds it; a free of an address it did not serve is logged
-(logger ``cupool.torch``) and ignored.
+the pool lends the block for torch's stream (``Pool.lending``): the stream handle
+becomes the block's stream key (``device.stream_key``), so cupool's stream rules
+(Note [Streams]) hold for torch's streams.  The shim keeps each live block by
+address (a C++ map): the block itself, or its ``Allocation`` where the pool
+lends nothing (it tracks leak sites or checks admissions); a free of an address
+it did not serve is logged (logger ``cupool.torch``) and ignored.
 
 Note [Torch's allocator]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -53,7 +56,6 @@ from types import ModuleType
 from typing import Any
 
 from ..core import compiled_module
-from ..core.fast import Allocation
 from ..device.cuda import check_index
 from ..errors import NoDeviceError, TorchAllocatorError
 from ..pool import Pool
@@ -118,20 +120,24 @@ def _module() -> ModuleType:
                                   "C++ compiler (`pip install .`; `cupool info` says why it was not built)")
     with _setup_lock:
         if not _registered:
-            module.register(_resolve, _report, _unknown)
+            # The core's C functions (hits without the GIL); over an uncompiled core (a stale build) there
+            # are none, and Pool.lending() gives no C state: each block is an Allocation, as before.
+            park, _ = compiled_module("cupool.core.park")
+            module.register(_resolve, _report, _unknown, None if park is None else park.C_API)
             _registered.append(module)
     return module
 
 
-def _resolve(device: int) -> tuple[Pool, Callable[[int, Any], Allocation], Callable[[Any], Any]]:
-    """Where torch's blocks on ``device`` come from: the pool, its ``malloc_key`` and its device's ``stream_key``.
+def _resolve(device: int) -> tuple[Any, ...]:
+    """Where torch's blocks on ``device`` come from: the pool, its ``malloc_key``, its device's
+    ``stream_key``, and ``Pool.lending()``'s three (None, None, 0 where it lends nothing).
 
     The shim asks once per device and keeps the answer (and so the pool) until
     ``use`` changes it, as CuPy's routed allocator keeps the default pool it found.
     """
     pool = serving_pool(device)
     _served[device] = pool
-    return pool, pool.malloc_key, pool.device.stream_key
+    return pool, pool.malloc_key, pool.device.stream_key, *(pool.lending() or (None, None, 0))
 
 
 def _check_exists(device: int) -> None:

@@ -8,12 +8,16 @@
  *   void* cupool_torch_alloc(size_t size, int device, void* stream)
  *   void  cupool_torch_free(void* ptr, size_t size, int device, void* stream)
  *
- * (cudaStream_t is a pointer; no CUDA header is needed).  Each takes the GIL,
- * calls into Python and never lets an exception cross the C boundary.  alloc
- * asks `resolve(device)` once for the pool's malloc_key and stream_key (until
- * forget()), and calls malloc_key(size, stream_key(stream)) itself, remembering
- * the last stream's key: one Python call per allocation, into compiled code.
- * A refused allocation returns NULL and hands the Python exception to `report` (which
+ * (cudaStream_t is a pointer; no CUDA header is needed).  Each first tries the pool
+ * without the GIL (Note [Hits without the GIL], cupool/core/park.pyx): a request whose
+ * size a parked block fits, on the stream seen last, takes that block, and a free of a
+ * small block parks it, through the two C functions the compiled core exports in the
+ * capsule cupool.core.park.C_API.  Everything else takes the GIL and calls into Python,
+ * never letting an exception cross the C boundary.  alloc asks `resolve(device)` once
+ * for the pool's entry points (until forget()): `lend(size, key)` gives (block, kind),
+ * or an Allocation while the pool tracks leak sites or checks admissions, and
+ * `free_lent(block, size, key, kind)` takes a block back; the last stream's key is
+ * remembered.  A refused allocation returns NULL and hands the Python exception to `report` (which
  * keeps it for cupool.torch.last_error()); a free that fails is written to
  * sys.unraisablehook, as Python does for a failing finalizer.  A KeyboardInterrupt
  * is neither: the allocation is tried again and the interrupt re-armed for the
@@ -27,32 +31,78 @@
  * raises it as RuntimeError.  Only a C++ caller may use that one; a C caller
  * (ctypes) uses cupool_torch_alloc and checks for NULL.
  *
- * The live blocks are held here, in a map from address to cupool.Allocation:
- * a free pops its Allocation and drops it, and the Allocation's own finalizer
- * gives the block back to its pool, on the stream it was taken for.
+ * The live blocks are held here, in a map from address to what torch holds (Held):
+ * the block itself (a reference, its size asked and its stream's id) or an
+ * Allocation.  A map guarded by a mutex of its own, which no thread holds while it
+ * waits for the GIL or the pool's lock (the pool's lock is only tried under it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 
 #include <cstddef>
+#include <cstring>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
-PyObject *resolve = nullptr;  // resolve(device) -> (pool, malloc_key, stream_key): where torch's blocks come from
-PyObject *served = nullptr;   // {device: resolve(device)}, until forget()
+// cupool/core/park.pxd's Parked and ParkApi, as the compiled core lays them out (checked at register()).
+struct Parked {
+    PyObject *block;  // a reference its holder owns
+    unsigned long long addr;
+    Py_ssize_t size;
+    Py_ssize_t *requested;
+};
+struct ParkApi {
+    int version;
+    int parked_size;
+    int (*entry)(PyObject *block, Parked *out);  // GIL held: -1 with an exception set
+    int (*hit)(void *state, Py_ssize_t n, long long stream, Parked *out);  // no GIL: 1, or 0 (ask Python)
+    int (*park)(void *state, const Parked *e, Py_ssize_t n, long long stream);  // no GIL: 1, or 0
+};
+constexpr int PARK_API_VERSION = 1;  // park.pyx's API_VERSION
+constexpr int SMALL = 0;  // cupool.core.sizes.SMALL: the blocks a free parks
+
+const ParkApi *park_api = nullptr;  // the compiled core's C functions; nullptr: every call takes the GIL
+
+PyObject *resolve = nullptr;  // resolve(device) -> (pool, malloc_key, stream_key, lend, free_lent, state)
 PyObject *report = nullptr;   // report(exception): keeps a refusal's reason
 PyObject *unknown = nullptr;  // unknown(ptr, size, device, stream): logs a free of a pointer not served here
-std::unordered_map<void *, PyObject *> live;  // address -> Allocation (owned) of the blocks torch holds
 PyObject *ptr_name = nullptr; // "ptr", interned
 
+// What resolve() gave for a device, and the blocks served through it.  A forgotten record
+// (forget()) lives on, retired, while torch holds blocks it served.
+struct Record {
+    PyObject *entry;              // resolve()'s tuple (owned): it keeps the pool alive
+    void *state;                  // the pool's ParkState (Note [Hits without the GIL]), or nullptr
+    long held = 0;                // blocks torch holds through it, and allocations in flight (guard)
+    void *last_stream = nullptr;  // the last stream handle seen (guard), its key (owned) and its id:
+    PyObject *last_key = nullptr; // stream_key is a pure function
+    long long last_id = -1;       // -1: not a stream a C hit can name (a key that is no int in [0, 2**63))
+    bool known = false;
+};
+
+// What torch holds at an address: an Allocation, or the block itself with what freeing it needs.
+struct Held {
+    Record *record;
+    PyObject *allocation;  // owned, or nullptr
+    Parked parked;         // the block (owned) when allocation is nullptr
+    Py_ssize_t n;          // bytes asked
+    long long stream;      // the stream's id (a key that is an int)
+    int kind;
+};
+
+std::mutex guard;  // guards the three below; held without the GIL, never while waiting for Python
+std::unordered_map<int, Record *> records;  // device -> what serves it now
+std::vector<Record *> retired;              // forgotten records still holding blocks
+std::unordered_map<void *, Held> live;      // address -> what torch holds there
+
 thread_local std::string reason;  // this thread's last refusal, for the C++ entry point
-void *last_stream = nullptr;      // the last stream handle seen, and its key (stream_key is a pure function)
-PyObject *last_key = nullptr;
-PyObject *last_key_fn = nullptr;  // the stream_key that gave last_key (held, so its address is not reused)
 
 // Clear the pending exception; a KeyboardInterrupt (Ctrl-C landing in Python code the shim runs) is
 // re-armed (PyErr_SetInterrupt), so Python's SIGINT handler raises it at the program's next bytecode
@@ -100,85 +150,218 @@ void refuse(const char *fallback) {
     Py_XDECREF(tb);
 }
 
-// The (pool, malloc_key, stream_key) serving `device`, a new reference (a forget() on another thread,
-// while this one runs Python code, must not free it under us); nullptr with an exception set.
-PyObject *serving(int device) {
+// Retired records that hold nothing now, deleted (GIL held: their references go).
+void sweep() {
+    std::vector<Record *> done;
+    {
+        std::lock_guard<std::mutex> g(guard);
+        for (auto it = retired.begin(); it != retired.end();) {
+            if ((*it)->held == 0) {
+                done.push_back(*it);
+                it = retired.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
+    for (Record *r : done) {  // outside the guard: a decref may run any Python code
+        Py_XDECREF(r->last_key);
+        Py_DECREF(r->entry);
+        delete r;
+    }
+}
+
+// The record serving `device`, pinned (held + 1: a forget() while this thread runs Python code
+// cannot delete it); nullptr with an exception set.  GIL held.
+Record *pinned_record(int device) {
+    {
+        std::lock_guard<std::mutex> g(guard);
+        auto found = records.find(device);
+        if (found != records.end()) {
+            ++found->second->held;
+            return found->second;
+        }
+    }
     PyObject *d = PyLong_FromLong(device);
     if (d == nullptr) {
         return nullptr;
     }
-    PyObject *entry = PyDict_GetItemWithError(served, d);
-    if (entry == nullptr && !PyErr_Occurred()) {
-        PyObject *made = PyObject_CallOneArg(resolve, d);
-        if (made != nullptr && !(PyTuple_Check(made) && PyTuple_GET_SIZE(made) == 3)) {
-            PyErr_Format(PyExc_TypeError, "resolve() must give (pool, malloc_key, stream_key), got %R", made);
-            Py_CLEAR(made);
-        }
-        if (made != nullptr && PyDict_SetItem(served, d, made) < 0) {
-            Py_CLEAR(made);
-        }
-        entry = made;
-    } else {
-        Py_XINCREF(entry);
-    }
+    PyObject *made = PyObject_CallOneArg(resolve, d);
     Py_DECREF(d);
-    return entry;
+    if (made == nullptr) {
+        return nullptr;
+    }
+    if (!(PyTuple_Check(made) && PyTuple_GET_SIZE(made) == 6)) {
+        PyErr_Format(PyExc_TypeError, "resolve() must give (pool, malloc_key, stream_key, lend, free_lent, state), "
+                     "got %R", made);
+        Py_DECREF(made);
+        return nullptr;
+    }
+    size_t state = PyLong_AsSize_t(PyTuple_GET_ITEM(made, 5));
+    if (state == static_cast<size_t>(-1) && PyErr_Occurred()) {
+        Py_DECREF(made);
+        return nullptr;
+    }
+    Record *rec = new (std::nothrow) Record();
+    if (rec == nullptr) {
+        Py_DECREF(made);
+        PyErr_NoMemory();
+        return nullptr;
+    }
+    rec->entry = made;
+    // Lent blocks and C hits go together: a pool that lends nothing (or runs uncompiled, state 0)
+    // is served through malloc_key, an Allocation per block.
+    rec->state = park_api != nullptr && PyTuple_GET_ITEM(made, 3) != Py_None ? reinterpret_cast<void *>(state) : nullptr;
+    Record *kept = rec;
+    try {
+        std::lock_guard<std::mutex> g(guard);
+        auto placed = records.emplace(device, rec);
+        kept = placed.first->second;  // another thread's, if it resolved the device meanwhile
+        ++kept->held;
+    } catch (const std::bad_alloc &) {
+        kept = nullptr;
+    }
+    if (kept != rec) {
+        Py_DECREF(made);
+        delete rec;
+        if (kept == nullptr) {
+            PyErr_NoMemory();
+        }
+    }
+    return kept;
 }
 
-// The key of `stream` by `key_fn`: remembered for the last stream seen, so one stream costs one call.
-PyObject *stream_key(PyObject *key_fn, void *stream) {
-    if (last_key != nullptr && stream == last_stream && key_fn == last_key_fn) {
-        Py_INCREF(last_key);
-        return last_key;
+void unpin(Record *rec) {
+    {
+        std::lock_guard<std::mutex> g(guard);
+        --rec->held;
+    }
+    sweep();
+}
+
+// The key of `stream` (a new reference), remembered with its id for the last stream seen.  GIL held.
+PyObject *stream_key(Record *rec, void *stream) {
+    {
+        std::lock_guard<std::mutex> g(guard);
+        if (rec->known && rec->last_stream == stream) {
+            Py_INCREF(rec->last_key);
+            return rec->last_key;
+        }
     }
     PyObject *handle = PyLong_FromVoidPtr(stream);
     if (handle == nullptr) {
         return nullptr;
     }
-    PyObject *key = PyObject_CallOneArg(key_fn, handle);
+    PyObject *key = PyObject_CallOneArg(PyTuple_GET_ITEM(rec->entry, 2), handle);
     Py_DECREF(handle);
-    if (key != nullptr) {
-        Py_INCREF(key);
-        Py_INCREF(key_fn);
-        last_stream = stream;  // all three are set before a decref below may run Python code
-        Py_XSETREF(last_key, key);
-        Py_XSETREF(last_key_fn, key_fn);
+    if (key == nullptr) {
+        return nullptr;
     }
+    long long id = -1;
+    if (PyLong_CheckExact(key)) {  // as park.Parking.stream_id names it
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (v >= 0 && !overflow) {
+            id = v;
+        }
+        PyErr_Clear();
+    }
+    Py_INCREF(key);
+    PyObject *old;
+    {
+        std::lock_guard<std::mutex> g(guard);
+        old = rec->last_key;
+        rec->last_key = key;
+        rec->last_stream = stream;
+        rec->last_id = id;
+        rec->known = true;
+    }
+    Py_XDECREF(old);  // outside the guard: a decref may run Python code
     return key;
 }
 
-// One try at a block: its address, or nullptr with a Python exception set.
-void *alloc_once(size_t size, int device, void *stream) {
-    PyObject *entry = serving(device);
-    PyObject *a = nullptr;
-    if (entry != nullptr) {
-        PyObject *args[2] = {PyLong_FromSize_t(size), stream_key(PyTuple_GET_ITEM(entry, 2), stream)};
-        if (args[0] != nullptr && args[1] != nullptr) {
-            a = PyObject_Vectorcall(PyTuple_GET_ITEM(entry, 1), args, 2, nullptr);
-        }
-        Py_XDECREF(args[0]);
-        Py_XDECREF(args[1]);
-        Py_DECREF(entry);
-    }
-    if (a == nullptr) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "cupool could not allocate");
-        }
+// A block from the parked stacks without the GIL, or nullptr (ask Python).
+void *alloc_without_gil(size_t size, int device, void *stream) {
+    if (park_api == nullptr || size > static_cast<size_t>(PY_SSIZE_T_MAX)) {
         return nullptr;
     }
-    void *ptr = nullptr;
-    PyObject *address = PyObject_GetAttr(a, ptr_name);
-    if (address != nullptr) {
-        ptr = PyLong_AsVoidPtr(address);
-        if (ptr == nullptr && !PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "cupool served a block at address 0");
+    std::lock_guard<std::mutex> g(guard);
+    auto found = records.find(device);
+    if (found == records.end()) {
+        return nullptr;
+    }
+    Record *rec = found->second;
+    if (rec->state == nullptr || !rec->known || rec->last_stream != stream || rec->last_id < 0) {
+        return nullptr;
+    }
+    Parked e;
+    Py_ssize_t n = static_cast<Py_ssize_t>(size);
+    if (!park_api->hit(rec->state, n, rec->last_id, &e)) {
+        return nullptr;
+    }
+    void *ptr = reinterpret_cast<void *>(e.addr);
+    try {
+        if (live.emplace(ptr, Held{rec, nullptr, e, n, rec->last_id, SMALL}).second) {
+            ++rec->held;
+            return ptr;
         }
-        Py_DECREF(address);
+    } catch (const std::bad_alloc &) {
+    }
+    // Not recorded (no host memory, or an address torch holds already): the block goes back to
+    // its stack, and the Python path says why.  (A busy lock now strands it until the pool closes.)
+    park_api->park(rec->state, &e, n, rec->last_id);
+    return nullptr;
+}
+
+// Free what `h` holds through Python, keeping the exception set if any (GIL held): an Allocation
+// dies, a block goes to free_lent, which never waits for the pool's lock (a busy one queues the
+// free, Note [Finalizers]).
+void release(const Held &h) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (h.allocation != nullptr) {
+        Py_DECREF(h.allocation);  // its finalizer frees the block
+    } else if (h.parked.block != nullptr) {
+        PyObject *free_lent = PyTuple_GET_ITEM(h.record->entry, 4);
+        PyObject *r = PyObject_CallFunction(free_lent, "OnLi", h.parked.block, h.n, h.stream, h.kind);
+        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            clear_keeping_interrupts();
+        } else if (r == nullptr) {
+            PyErr_WriteUnraisable(free_lent);
+        }
+        Py_XDECREF(r);
+        Py_DECREF(h.parked.block);
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+// What torch will hold for `got` (lend's (block, kind), or an Allocation): its address, or nullptr
+// with an exception set and the block given back.  Takes the reference to `got`.  GIL held.
+void *hold(Record *rec, PyObject *got, Py_ssize_t n, long long stream) {
+    Held h{rec, nullptr, Parked{nullptr, 0, 0, nullptr}, n, stream, SMALL};
+    if (PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {  // lend's (block, kind)
+        PyObject *block = PyTuple_GET_ITEM(got, 0);
+        h.kind = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(got, 1)));
+        if (!PyErr_Occurred()) {
+            park_api->entry(block, &h.parked);  // a new reference, or an exception and none
+        }
+        Py_DECREF(got);
+    } else {  // an Allocation
+        h.allocation = got;
+        PyObject *address = PyObject_GetAttr(got, ptr_name);
+        if (address != nullptr) {
+            h.parked.addr = reinterpret_cast<unsigned long long>(PyLong_AsVoidPtr(address));
+            Py_DECREF(address);
+        }
+    }
+    void *ptr = PyErr_Occurred() ? nullptr : reinterpret_cast<void *>(h.parked.addr);
+    if (ptr == nullptr && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_RuntimeError, "cupool served a block at address 0");
     }
     if (ptr != nullptr) {
         try {
-            auto placed = live.emplace(ptr, a);  // `live` owns the reference now
-            if (!placed.second) {
+            std::lock_guard<std::mutex> g(guard);
+            if (!live.emplace(ptr, h).second) {
                 PyErr_Format(PyExc_RuntimeError, "cupool served %p, which torch already holds", ptr);
                 ptr = nullptr;
             }
@@ -188,10 +371,41 @@ void *alloc_once(size_t size, int device, void *stream) {
         }
     }
     if (ptr == nullptr) {
-        Py_DECREF(a);  // not kept: its block goes back at once
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "cupool could not record the block");
+        release(h);  // not kept: its block goes back at once
+    }
+    return ptr;
+}
+
+// One try at a block through Python: its address, or nullptr with a Python exception set.  GIL held.
+void *alloc_once(size_t size, int device, void *stream) {
+    Record *rec = pinned_record(device);
+    if (rec == nullptr) {
+        return nullptr;
+    }
+    void *ptr = nullptr;
+    PyObject *key = stream_key(rec, stream);
+    if (key != nullptr) {
+        long long id;
+        {
+            std::lock_guard<std::mutex> g(guard);
+            id = rec->last_id;
         }
+        bool lending = rec->state != nullptr && id >= 0;  // else an Allocation, kept as it is
+        PyObject *args[2] = {PyLong_FromSize_t(size), key};
+        PyObject *got = nullptr;
+        if (args[0] != nullptr) {
+            got = PyObject_Vectorcall(PyTuple_GET_ITEM(rec->entry, lending ? 3 : 1), args, 2, nullptr);
+        }
+        Py_XDECREF(args[0]);
+        Py_DECREF(key);
+        if (got != nullptr) {
+            ptr = hold(rec, got, static_cast<Py_ssize_t>(size), id);
+        } else if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "cupool could not allocate");
+        }
+    }
+    if (ptr == nullptr) {
+        unpin(rec);  // served nothing; on success the pin is the held block's count
     }
     return ptr;
 }
@@ -227,22 +441,10 @@ void *alloc_locked(size_t size, int device, void *stream) {
     return ptr;
 }
 
-void free_locked(void *ptr, size_t size, int device, void *stream) {
-    auto found = live.find(ptr);
-    if (found != live.end()) {
-        PyObject *a = found->second;
-        live.erase(found);
-        Py_DECREF(a);  // the Allocation dies here: its finalizer frees the block
-    } else if (unknown != nullptr) {
-        PyObject *r = PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
-                                            PyLong_FromVoidPtr(stream));
-        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            clear_keeping_interrupts();
-        } else if (r == nullptr) {
-            PyErr_WriteUnraisable(unknown);
-        }
-        Py_XDECREF(r);
-    }
+// Free what torch held through Python, and let go of its record.  GIL held.
+void give_back(const Held &h) {
+    release(h);
+    unpin(h.record);
 }
 
 // Whether Python can take a call now: not before it starts, nor while it shuts down (where
@@ -256,6 +458,41 @@ bool python_ready() {
 #endif
 }
 
+
+// Torch's free of `ptr`: parked without the GIL where the pool lets a C caller, else through Python.
+void free_ptr(void *ptr, size_t size, int device, void *stream) {
+    Held h;
+    bool found = false;
+    {
+        std::lock_guard<std::mutex> g(guard);
+        auto it = live.find(ptr);
+        if (it != live.end()) {
+            h = it->second;
+            live.erase(it);
+            found = true;
+            if (h.allocation == nullptr && h.kind == SMALL && h.record->state != nullptr &&
+                park_api->park(h.record->state, &h.parked, h.n, h.stream)) {
+                --h.record->held;  // a retired record is swept at the next call through Python
+                return;
+            }
+        }
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
+    if (found) {
+        give_back(h);
+    } else if (unknown != nullptr) {
+        PyObject *r = PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
+                                            PyLong_FromVoidPtr(stream));
+        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            clear_keeping_interrupts();
+        } else if (r == nullptr) {
+            PyErr_WriteUnraisable(unknown);
+        }
+        Py_XDECREF(r);
+    }
+    PyGILState_Release(g);
+}
+
 }  // namespace
 
 extern "C" {
@@ -266,8 +503,12 @@ void *cupool_torch_alloc(size_t size, int device, void *stream) noexcept {
         reason = "cupool's torch shim was called while Python is not running (or is shutting down)";
         return nullptr;
     }
+    void *ptr = alloc_without_gil(size, device, stream);
+    if (ptr != nullptr) {
+        return ptr;
+    }
     PyGILState_STATE g = PyGILState_Ensure();
-    void *ptr = alloc_locked(size, device, stream);
+    ptr = alloc_locked(size, device, stream);
     PyGILState_Release(g);
     return ptr;
 }
@@ -277,9 +518,7 @@ void cupool_torch_free(void *ptr, size_t size, int device, void *stream) noexcep
     if (ptr == nullptr || !python_ready()) {
         return;
     }
-    PyGILState_STATE g = PyGILState_Ensure();
-    free_locked(ptr, size, device, stream);
-    PyGILState_Release(g);
+    free_ptr(ptr, size, device, stream);
 }
 
 /* cupool_torch_alloc for PyTorch, which does not check for NULL: a refusal throws, with cupool's reason. */
@@ -297,17 +536,20 @@ void *cupool_torch_alloc_or_throw(size_t size, int device, void *stream) {
 namespace {
 
 PyObject *shim_forget(PyObject *, PyObject *) {
-    if (served != nullptr) {
-        PyDict_Clear(served);
+    {
+        std::lock_guard<std::mutex> g(guard);
+        for (auto &entry : records) {
+            retired.push_back(entry.second);
+        }
+        records.clear();
     }
-    Py_CLEAR(last_key);
-    Py_CLEAR(last_key_fn);
+    sweep();
     Py_RETURN_NONE;
 }
 
 PyObject *shim_register(PyObject *, PyObject *args) {
-    PyObject *s, *r, *u;
-    if (!PyArg_ParseTuple(args, "OOO:register", &s, &r, &u)) {
+    PyObject *s, *r, *u, *capsule = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO|O:register", &s, &r, &u, &capsule)) {
         return nullptr;
     }
     for (PyObject *f : {s, r, u}) {
@@ -315,6 +557,24 @@ PyObject *shim_register(PyObject *, PyObject *args) {
             PyErr_Format(PyExc_TypeError, "register() takes three callables, got %R", f);
             return nullptr;
         }
+    }
+    if (capsule != Py_None) {
+        auto api = static_cast<const ParkApi *>(PyCapsule_GetPointer(capsule, "cupool.core.park.C_API"));
+        if (api == nullptr) {
+            return nullptr;
+        }
+        if (api->version != PARK_API_VERSION || api->parked_size != static_cast<int>(sizeof(Parked))) {
+            PyErr_Format(PyExc_ImportError, "cupool.core.park.C_API is version %d (%d-byte blocks); this shim was "
+                         "built for version %d (%d): reinstall cupool", api->version, api->parked_size,
+                         PARK_API_VERSION, static_cast<int>(sizeof(Parked)));
+            return nullptr;
+        }
+        std::lock_guard<std::mutex> g(guard);
+        if (!records.empty() || !live.empty()) {
+            PyErr_SetString(PyExc_RuntimeError, "register(): the core's C functions are given before the first block");
+            return nullptr;
+        }
+        park_api = api;
     }
     Py_INCREF(s);
     Py_INCREF(r);
@@ -326,6 +586,7 @@ PyObject *shim_register(PyObject *, PyObject *args) {
 }
 
 PyObject *shim_live(PyObject *, PyObject *) {
+    std::lock_guard<std::mutex> g(guard);
     return PyLong_FromSize_t(live.size());
 }
 
@@ -335,7 +596,8 @@ PyObject *shim_reason(PyObject *, PyObject *) {
 
 PyMethodDef methods[] = {
     {"register", shim_register, METH_VARARGS,
-     "register(resolve, report, unknown): the Python callables the C functions call."},
+     "register(resolve, report, unknown[, park_api]): the Python callables the C functions call, and the "
+     "capsule cupool.core.park.C_API (hits without the GIL)."},
     {"forget", shim_forget, METH_NOARGS, "Forget which pool serves each device: resolve() is asked again."},
     {"live", shim_live, METH_NOARGS, "How many blocks torch holds through the shim now."},
     {"reason", shim_reason, METH_NOARGS, "This thread's last refusal, as the C++ entry point words it."},
@@ -348,6 +610,12 @@ PyModuleDef module = {
     -1, methods, nullptr, nullptr, nullptr, nullptr,
 };
 
+
+// A fork's child gets `guard` unlocked, whatever a thread of the parent was doing with it (Note [Fork]:
+// the child's pools refuse, but torch may still free there, and must not hang on a lock nobody holds).
+void fork_prepare() { guard.lock(); }
+void fork_release() { guard.unlock(); }
+
 }  // namespace
 
 PyMODINIT_FUNC PyInit_torch_shim(void) {
@@ -355,11 +623,14 @@ PyMODINIT_FUNC PyInit_torch_shim(void) {
     if (m == nullptr) {
         return nullptr;
     }
-    if (served == nullptr) {
-        served = PyDict_New();
+    if (ptr_name == nullptr) {
         ptr_name = PyUnicode_InternFromString("ptr");
+        if (pthread_atfork(fork_prepare, fork_release, fork_release) != 0) {
+            Py_DECREF(m);
+            return PyErr_NoMemory();
+        }
     }
-    if (served == nullptr || ptr_name == nullptr ||
+    if (ptr_name == nullptr ||
         PyModule_AddStringConstant(m, "ALLOC", "cupool_torch_alloc") < 0 ||
         PyModule_AddStringConstant(m, "FREE", "cupool_torch_free") < 0 ||
         PyModule_AddStringConstant(m, "TORCH_ALLOC", "cupool_torch_alloc_or_throw") < 0) {

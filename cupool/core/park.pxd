@@ -1,0 +1,64 @@
+# distutils: language = c++
+# The C types of cupool/core/park.pyx: the fast path (fast.pxd) cimports them, and the torch shim
+# reaches the two nogil functions through the capsule ``C_API`` (its layout is written again in
+# cupool/hooks/torch_shim.cpp, checked there by ``ParkApi.version`` and ``ParkApi.parked_size``).
+from libcpp.map cimport map as cmap
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+from cpython.object cimport PyObject
+from cpython.pythread cimport PyThread_type_lock
+
+from cupool.core.heap cimport Block
+
+ctypedef pair[Py_ssize_t, long long] Slot  # (block size, stream id): one stack
+
+
+cdef struct Parked:
+    PyObject *block  # a reference the holder owns: the stack, or the shim while torch has it
+    unsigned long long addr
+    Py_ssize_t size
+    Py_ssize_t *requested  # &block.requested: written without the GIL on a hit
+
+
+cdef struct ParkState:
+    PyThread_type_lock lock  # the pool's lock (Mutex.handle)
+    PyObject *pending  # the fast path's finalizer queue (a deque, borrowed): Note [Hits without the GIL]
+    bint ready  # parking on, no subscriber wants every event, no leak sites: a hit may skip Python
+    Py_ssize_t log_max
+    vector[long long] *log
+    cmap[Slot, vector[Parked]] *stacks
+    Py_ssize_t count  # parked blocks, all stacks
+
+
+cdef struct ParkApi:
+    int version
+    int parked_size
+    int (*entry)(object block, Parked *out) except -1
+    int (*hit)(ParkState *s, Py_ssize_t n, long long stream, Parked *out) noexcept nogil
+    int (*park)(ParkState *s, const Parked *e, Py_ssize_t n, long long stream) noexcept nogil
+
+
+cdef class Mutex:
+    cdef PyThread_type_lock handle
+    cpdef bint acquire(self, bint blocking=*, double timeout=*) except -1
+    cpdef release(self)
+
+
+cdef class Log:
+    cdef vector[long long] values
+    cpdef append(self, long long v)
+    cpdef tuple fold(self)
+
+
+cdef class Parking:
+    cdef ParkState state
+    cdef public Mutex lock
+    cdef object pending
+    cdef Log log
+    cdef dict ids  # stream keys that are not ints in [0, 2**63): their ids (negative)
+    cdef dict keys  # and back
+
+    cdef long long stream_id(self, object stream) except? -1
+    cdef object stream_key(self, long long sid)
+    cpdef take(self, Py_ssize_t n, Py_ssize_t size, object stream)
+    cpdef put(self, Block block, Py_ssize_t requested, object stream)

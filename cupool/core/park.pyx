@@ -1,0 +1,342 @@
+# distutils: language = c++
+# cython: language_level=3
+"""The fast path's state in C: the pool's lock, the parked stacks and the accounting log.
+
+Charter: this module knows blocks as (reference, address, size, where their
+requested size goes), streams as integers, and the lock; it never decides
+anything the fast path does not (``fast.py`` says when to park and when a hit may
+happen).  It is compiled only (a ``.pyx``); uncompiled, the fast path keeps a
+dict of lists (``fast.DictParking``), a list for the log and ``threading.Lock``,
+with the same methods, and the suites run both (tests/test_both_paths.py).
+
+Note [Hits without the GIL]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A C caller that keeps its blocks itself (PyTorch's shim, ``hooks/torch_shim.cpp``)
+takes a parked block and parks one back without the GIL, through the capsule
+``C_API``: ``hit`` and ``park`` try the pool's lock (never wait: a busy lock sends
+the caller to its Python path, which waits the way Note [Lock protocol] says),
+and serve only while ``ready`` (the fast path's ``fast``, and no leak sites: each
+needs a Python object per block) and no finalizer's free is queued (``pending``'s
+length, read under the lock: a free queued at that instant waits for the next
+Python operation, as it would had the lock holder been Python).  A hit writes the
+block's requested size (``Block.requested``, a C field whose address the stack
+keeps) and logs ``n + 1`` as a Python hit does; past ``log_max`` entries it
+refuses, so that the Python path folds the log into the books.  No reference
+count changes without the GIL: a parked block's reference passes from the stack
+to the caller and back (``Parked.block``).
+"""
+
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.object cimport PyObject
+from cpython.pycapsule cimport PyCapsule_New
+from cpython.pystate cimport PyThreadState
+from cpython.pythread cimport (PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
+                                PyThread_release_lock)
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cython.operator cimport dereference as deref, preincrement as inc
+
+from cupool.core.heap cimport Block
+
+cdef extern from "Python.h":
+    PyThreadState* PyEval_SaveThread()
+    void PyEval_RestoreThread(PyThreadState*)
+    Py_ssize_t Py_SIZE(PyObject*) nogil
+
+cdef extern from "pythread.h":
+    int PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
+
+#: Bumped whenever ``ParkApi`` or ``Parked`` changes; the shim refuses another.
+API_VERSION = 1
+cdef long long ALIGN = 512  # sizes.ALIGNMENT, which the books' fold rounds to
+
+
+cdef class Mutex:
+    """The pool's lock compiled: ``threading.Lock``'s interface over a C lock (CPython's own
+    ``PyThread`` lock, the one ``threading.Lock`` wraps), which the fast path takes without a
+    Python call and the torch shim without the GIL (Note [Hits without the GIL]).
+    """
+
+    def __cinit__(self):
+        self.handle = PyThread_allocate_lock()
+        if not self.handle:
+            raise MemoryError("cupool: cannot allocate a lock")
+
+    def __dealloc__(self):
+        if self.handle:
+            PyThread_free_lock(self.handle)
+
+    cpdef bint acquire(self, bint blocking=True, double timeout=-1) except -1:
+        """``threading.Lock.acquire``: a signal that arrives while waiting runs its Python handler
+        (Note [Lock protocol]), as Python's own lock does; a handler that raises ends the wait."""
+        cdef long long us
+        cdef int status
+        cdef PyThreadState *state
+        if PyThread_acquire_lock(self.handle, 0):
+            return True
+        if not blocking:
+            return False
+        us = -1 if timeout < 0 else <long long>(timeout * 1e6)
+        while True:
+            state = PyEval_SaveThread()  # waits without the GIL
+            status = PyThread_acquire_lock_timed(self.handle, us, 1)
+            PyEval_RestoreThread(state)
+            if status == 1:  # PY_LOCK_ACQUIRED
+                return True
+            PyErr_CheckSignals()  # raises what a handler raised
+            if us >= 0:  # timed out, or interrupted: a timed wait ends either way
+                return False
+
+    cpdef release(self):
+        PyThread_release_lock(self.handle)
+
+    def locked(self):
+        if PyThread_acquire_lock(self.handle, 0):
+            PyThread_release_lock(self.handle)
+            return False
+        return True
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+cdef class Log:
+    """The fast path's accounting log: ``+(requested + 1)`` per hit, ``-(requested + 1)`` per park.
+
+    A C vector, so that a hit without the GIL appends to it; the books fold it
+    (``fold``: the same sums as ``fast.fold_log``, which folds the uncompiled list).
+    """
+
+    cpdef append(self, long long v):
+        self.values.push_back(v)
+
+    def extend(self, values):
+        for v in values:
+            self.values.push_back(v)
+
+    def __len__(self):
+        return self.values.size()
+
+    def __iter__(self):
+        return iter([v for v in self.values])
+
+    cpdef tuple fold(self):
+        """Sum and empty the log: ``fast.fold_log``'s ten figures."""
+        cdef long long hits = 0, c_net = 0, c_top = 0, c_gain = 0, a_net = 0, a_top = 0, a_gain = 0
+        cdef long long r_net = 0, r_top = 0, r_gain = 0, v, n, size
+        for v in self.values:
+            if v > 0:
+                n = v - 1
+                hits += 1
+                size = ((n + ALIGN - 1) // ALIGN) * ALIGN or ALIGN
+                c_net += 1
+                c_gain += 1
+                a_net += size
+                a_gain += size
+                r_net += n
+                r_gain += n
+                if c_net > c_top:
+                    c_top = c_net
+                if a_net > a_top:
+                    a_top = a_net
+                if r_net > r_top:
+                    r_top = r_net
+            else:
+                n = -v - 1
+                size = ((n + ALIGN - 1) // ALIGN) * ALIGN or ALIGN
+                c_net -= 1
+                a_net -= size
+                r_net -= n
+        self.values.clear()
+        return hits, c_net, c_top, c_gain, a_net, a_top, a_gain, r_net, r_top, r_gain
+
+
+cdef class Parking:
+    """Parked blocks, a stack per (block size, stream), with the lock and log a hit needs.
+
+    Invariant (the pool's lock held to change it): every block on a stack is
+    allocated in the heap and free in the books (Note [Fast path]); the stacks
+    hold one reference to each.
+    """
+
+    def __cinit__(self, Mutex lock, object pending, Log log, Py_ssize_t log_max):
+        self.state.stacks = new cmap[Slot, vector[Parked]]()
+        self.state.log = &log.values
+        self.state.log_max = log_max
+        self.state.pending = <PyObject *>pending
+        self.state.ready = False
+        self.state.count = 0
+        self.lock = lock
+        self.state.lock = lock.handle
+        self.pending = pending
+        self.log = log
+        self.ids = {}
+        self.keys = {}
+
+    def __dealloc__(self):
+        cdef cmap[Slot, vector[Parked]].iterator it
+        if self.state.stacks != NULL:
+            it = self.state.stacks.begin()
+            while it != self.state.stacks.end():
+                for e in deref(it).second:
+                    Py_DECREF(<object>e.block)
+                inc(it)
+            del self.state.stacks
+
+    property ready:
+        """Whether a C caller may hit and park without Python (the fast path keeps it)."""
+        def __get__(self):
+            return self.state.ready
+
+        def __set__(self, bint value):
+            self.state.ready = value
+
+    def rebind(self, Mutex lock):
+        """Use ``lock`` from now on (a fork's child makes its arena a new one)."""
+        self.lock = lock
+        self.state.lock = lock.handle
+
+    def __len__(self):
+        return self.state.count
+
+    cdef long long stream_id(self, object stream) except? -1:
+        cdef int overflow = 0
+        cdef long long v
+        if type(stream) is int:
+            v = PyLong_AsLongLongAndOverflow(stream, &overflow)
+            if not overflow and v >= 0:
+                return v
+        sid = self.ids.get(stream)
+        if sid is None:
+            sid = self.ids[stream] = -2 - len(self.ids)
+            self.keys[sid] = stream
+        return sid
+
+    cdef object stream_key(self, long long sid):
+        return sid if sid >= 0 else self.keys[sid]
+
+    def stream_of(self, stream):
+        """The integer a C caller names ``stream`` by."""
+        return self.stream_id(stream)
+
+    cpdef take(self, Py_ssize_t n, Py_ssize_t size, object stream):
+        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none."""
+        cdef Parked e
+        if not hit_locked(&self.state, n, size, self.stream_id(stream), &e):
+            return None
+        block = <object>e.block
+        Py_DECREF(block)  # the stack's reference, now the local's
+        return block
+
+    cpdef put(self, Block block, Py_ssize_t requested, object stream):
+        """Park ``block`` (its requested size was ``requested``), logged."""
+        cdef Parked e
+        make_entry(block, &e)
+        park_locked(&self.state, &e, requested, self.stream_id(stream))
+
+    def unpark(self):
+        """Empty every stack: ``[(stream, [blocks])]``, a stream once per block size."""
+        out = []
+        cdef cmap[Slot, vector[Parked]].iterator it = self.state.stacks.begin()
+        while it != self.state.stacks.end():
+            if deref(it).second.size():
+                blocks = []
+                for e in deref(it).second:
+                    blocks.append(<object>e.block)
+                    Py_DECREF(<object>e.block)
+                out.append((self.stream_key(deref(it).first.second), blocks))
+            inc(it)
+        self.state.stacks.clear()
+        self.state.count = 0
+        return out
+
+    def addresses(self):
+        """The parked blocks' addresses."""
+        cdef cmap[Slot, vector[Parked]].iterator it = self.state.stacks.begin()
+        out = set()
+        while it != self.state.stacks.end():
+            for e in deref(it).second:
+                out.add(e.addr)
+            inc(it)
+        return out
+
+    def state_address(self):
+        """Where this object's ``ParkState`` is, for the capsule's functions (the caller keeps this
+        object alive as long as it uses the address)."""
+        return <size_t>&self.state
+
+
+cdef int make_entry(object block, Parked *out) except -1:
+    """``out`` for ``block`` (a heap Block), holding a new reference to it.  GIL held."""
+    cdef Block b = <Block?>block
+    out.addr = b.addr
+    out.size = b.size
+    out.requested = &b.requested
+    Py_INCREF(b)
+    out.block = <PyObject *>b
+    return 0
+
+
+cdef inline int hit_locked(ParkState *s, Py_ssize_t n, Py_ssize_t size, long long stream, Parked *out) noexcept nogil:
+    """Pop a parked block of ``size`` on ``stream`` for ``n`` bytes into ``out``, logged (lock held)."""
+    cdef cmap[Slot, vector[Parked]].iterator it = s.stacks.find(Slot(size, stream))
+    if it == s.stacks.end() or deref(it).second.empty():
+        return 0
+    out[0] = deref(it).second.back()
+    deref(it).second.pop_back()
+    s.count -= 1
+    out.requested[0] = n
+    s.log.push_back(n + 1)
+    return 1
+
+
+cdef inline int park_locked(ParkState *s, const Parked *e, Py_ssize_t n, long long stream) noexcept nogil:
+    """Push ``e`` (its reference passes to the stack), logged (lock held)."""
+    deref(s.stacks)[Slot(e.size, stream)].push_back(e[0])
+    s.count += 1
+    s.log.push_back(-1 - n)
+    return 1
+
+
+cdef inline bint open_for_c(ParkState *s) noexcept nogil:
+    """Try the lock; True when held and a C caller may go on (Note [Hits without the GIL])."""
+    if not PyThread_acquire_lock(s.lock, 0):
+        return False
+    if s.ready and Py_SIZE(s.pending) == 0 and <Py_ssize_t>s.log.size() < s.log_max:
+        return True
+    PyThread_release_lock(s.lock)
+    return False
+
+
+cdef int c_hit(ParkState *s, Py_ssize_t n, long long stream, Parked *out) noexcept nogil:
+    """A parked block for ``n`` bytes on ``stream``, without the GIL: 1, or 0 (ask Python)."""
+    cdef Py_ssize_t size = ((n + ALIGN - 1) // ALIGN) * ALIGN or ALIGN
+    cdef int got
+    if not open_for_c(s):
+        return 0
+    got = hit_locked(s, n, size, stream, out)
+    PyThread_release_lock(s.lock)
+    return got
+
+
+cdef int c_park(ParkState *s, const Parked *e, Py_ssize_t n, long long stream) noexcept nogil:
+    """Park ``e`` for a free of ``n`` bytes asked on ``stream``, without the GIL: 1, or 0 (ask Python)."""
+    if not open_for_c(s):
+        return 0
+    park_locked(s, e, n, stream)
+    PyThread_release_lock(s.lock)
+    return 1
+
+
+cdef ParkApi api
+api.version = API_VERSION
+api.parked_size = sizeof(Parked)
+api.entry = make_entry
+api.hit = c_hit
+api.park = c_park
+
+#: The C functions a C caller uses (``ParkApi`` in park.pxd): a capsule named ``cupool.core.park.C_API``.
+C_API = PyCapsule_New(&api, b"cupool.core.park.C_API", NULL)
