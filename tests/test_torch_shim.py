@@ -661,3 +661,14 @@ def test_a_pool_with_an_admission_check_lends_nothing(lib, pool, counted):
     _pairs(lib, [4096], 3)
     assert counted["lend"] == 0 and counted["malloc_key"] == 4
     pool.set_admission(None)
+
+
+def test_the_shim_lends_the_sizes_that_park_and_keeps_an_allocation_for_larger_ones(lib, pool, counted):
+    from cupool.core.sizes import SMALL_MAX
+    from cupool.hooks import torch as front
+
+    assert front._module().LENDS_UP_TO == SMALL_MAX
+    _pairs(lib, [SMALL_MAX + 1, 16 * MiB], 1)  # cached first: a large miss would unpark the small block
+    _pairs(lib, [SMALL_MAX, SMALL_MAX + 1, 16 * MiB], 3)
+    assert counted["lend"] == 1 and counted["malloc_key"] == 2 + 6  # the small block lent once, then C hits
+    assert pool.stats()["allocation.all.current"] == 0

@@ -14,10 +14,10 @@
  * small block parks it, through the two C functions the compiled core exports in the
  * capsule cupool.core.park.C_API.  Everything else takes the GIL and calls into Python,
  * never letting an exception cross the C boundary.  alloc asks `resolve(device)` once
- * for the pool's entry points (until forget()): `lend(size, key)` gives (block, kind),
- * or an Allocation while the pool tracks leak sites or checks admissions, and
- * `free_lent(block, size, key, kind)` takes a block back; the last stream's key is
- * remembered.  A refused allocation returns NULL and hands the Python exception to `report` (which
+ * for the pool's entry points (until forget()): `lend(size, key)` gives (block, kind)
+ * for a size that parks (<= 1 MiB), and `free_lent(block, size, key, kind)` takes one
+ * back; a larger size, or any while the pool tracks leak sites or checks admissions,
+ * gets an Allocation from `malloc_key`; the last stream's key is remembered.  A refused allocation returns NULL and hands the Python exception to `report` (which
  * keeps it for cupool.torch.last_error()); a free that fails is written to
  * sys.unraisablehook, as Python does for a failing finalizer.  A KeyboardInterrupt
  * is neither: the allocation is tried again and the interrupt re-armed for the
@@ -67,6 +67,9 @@ struct ParkApi {
 };
 constexpr int PARK_API_VERSION = 1;  // park.pyx's API_VERSION
 constexpr int SMALL = 0;  // cupool.core.sizes.SMALL: the blocks a free parks
+// cupool.core.sizes.SMALL_MAX (the module's LENDS_UP_TO, which a test compares): larger requests never
+// park, so they gain nothing from being lent, and keep their Allocation (one object per block, not two).
+constexpr size_t SMALL_MAX = size_t(1) << 20;
 
 const ParkApi *park_api = nullptr;  // the compiled core's C functions; nullptr: every call takes the GIL
 
@@ -323,7 +326,12 @@ void release(const Held &h) {
         Py_DECREF(h.allocation);  // its finalizer frees the block
     } else if (h.parked.block != nullptr) {
         PyObject *free_lent = PyTuple_GET_ITEM(h.record->entry, 4);
-        PyObject *r = PyObject_CallFunction(free_lent, "OnLi", h.parked.block, h.n, h.stream, h.kind);
+        PyObject *args[4] = {h.parked.block, PyLong_FromSsize_t(h.n), PyLong_FromLongLong(h.stream),
+                             PyLong_FromLong(h.kind)};
+        PyObject *r = args[1] && args[2] && args[3] ? PyObject_Vectorcall(free_lent, args, 4, nullptr) : nullptr;
+        for (int i = 1; i < 4; ++i) {
+            Py_XDECREF(args[i]);
+        }
         if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
             clear_keeping_interrupts();
         } else if (r == nullptr) {
@@ -390,7 +398,7 @@ void *alloc_once(size_t size, int device, void *stream) {
             std::lock_guard<std::mutex> g(guard);
             id = rec->last_id;
         }
-        bool lending = rec->state != nullptr && id >= 0;  // else an Allocation, kept as it is
+        bool lending = rec->state != nullptr && id >= 0 && size <= SMALL_MAX;  // else an Allocation, kept
         PyObject *args[2] = {PyLong_FromSize_t(size), key};
         PyObject *got = nullptr;
         if (args[0] != nullptr) {
@@ -633,7 +641,8 @@ PyMODINIT_FUNC PyInit_torch_shim(void) {
     if (ptr_name == nullptr ||
         PyModule_AddStringConstant(m, "ALLOC", "cupool_torch_alloc") < 0 ||
         PyModule_AddStringConstant(m, "FREE", "cupool_torch_free") < 0 ||
-        PyModule_AddStringConstant(m, "TORCH_ALLOC", "cupool_torch_alloc_or_throw") < 0) {
+        PyModule_AddStringConstant(m, "TORCH_ALLOC", "cupool_torch_alloc_or_throw") < 0 ||
+        PyModule_AddIntConstant(m, "LENDS_UP_TO", static_cast<long>(SMALL_MAX)) < 0) {
         Py_DECREF(m);
         return nullptr;
     }
