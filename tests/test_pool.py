@@ -679,3 +679,14 @@ def test_a_small_ring_records_without_a_path():
         for _ in range(600):
             p.malloc(1000).free()
     assert rec.n_events > 1200 and len(rec.events()) == 1024 and rec.events()[-1][1] == "free"
+
+
+@pytest.mark.parametrize("n", [2**63 - 1, 2**63 - 100, 2**62])
+def test_a_request_near_2_63_bytes_is_an_out_of_memory_not_an_overflow(n):
+    """The parked stacks' C integers must not meet a size no stack holds (a stack lookup raised
+    OverflowError for sizes near 2**63 once the stacks went to C)."""
+    pool = cupool.Pool("sim", capacity="64MiB")
+    pool.malloc(4096).free()  # a block parked: the stacks are looked at
+    with pytest.raises(cupool.OutOfMemoryError):
+        pool.malloc(n)
+    pool.check()

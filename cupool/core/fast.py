@@ -78,7 +78,7 @@ from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DeadlockError, DoubleFreeError, ForeignAllocationError
 from . import compiled_module
 from .interrupts import OWED, deliver
-from .sizes import ALIGNMENT, SMALL
+from .sizes import ALIGNMENT, SMALL, SMALL_SEGMENT
 
 #: How long one wait for a busy lock lasts before it looks for an interrupt owed (Note [Lock protocol]).
 LOCK_SLICE_S = 0.05
@@ -426,7 +426,9 @@ class FastPath:
             self.enter("malloc()")
         try:
             block = None
-            if self.fast and not self.pending:  # a hit: the stack logs it and writes block.requested
+            # A hit: the stack logs it and writes block.requested.  A parked block is a small one, no
+            # larger than a small segment (and larger sizes would not fit the stacks' C integers).
+            if self.fast and not self.pending and n <= SMALL_SEGMENT:
                 block = self.stacks.take(n, ((n + 511) >> 9) << 9 or ALIGNMENT, stream)
             if block is not None:
                 a = new_allocation(self, block, n, stream, SMALL)

@@ -68,7 +68,8 @@ struct ParkApi {
 constexpr int PARK_API_VERSION = 1;  // park.pyx's API_VERSION
 constexpr int SMALL = 0;  // cupool.core.sizes.SMALL: the blocks a free parks
 // cupool.core.sizes.SMALL_MAX (the module's LENDS_UP_TO, which a test compares): larger requests never
-// park, so they gain nothing from being lent, and keep their Allocation (one object per block, not two).
+// park, so they gain nothing from being lent, and keep their Allocation (one object per block, not two);
+// nor does the C path try them (Python, which it leaves them to, decides the same).
 constexpr size_t SMALL_MAX = size_t(1) << 20;
 
 const ParkApi *park_api = nullptr;  // the compiled core's C functions; nullptr: every call takes the GIL
@@ -285,7 +286,7 @@ PyObject *stream_key(Record *rec, void *stream) {
 
 // A block from the parked stacks without the GIL, or nullptr (ask Python).
 void *alloc_without_gil(size_t size, int device, void *stream) {
-    if (park_api == nullptr || size > static_cast<size_t>(PY_SSIZE_T_MAX)) {
+    if (park_api == nullptr || size > SMALL_MAX) {  // a larger request never finds a block parked for it
         return nullptr;
     }
     std::lock_guard<std::mutex> g(guard);
