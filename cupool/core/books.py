@@ -81,7 +81,8 @@ COLUMNS = (*POOL_NAMES, "all")
 # Below this many entries a fold is cheaper in plain Python than through numpy.
 _FOLD_NUMPY_MIN = 64
 # The fast path's log compiled: a C vector a hit without the GIL appends to (Note [Hits without the GIL]).
-_new_log: Any = compiled_module("cupool.core.park")[0].Log if COMPILED else list
+_park: Any = compiled_module("cupool.core.park")[0]  # compiled wherever this module is (listed before it)
+_new_log: Any = _park.Log if COMPILED else list
 
 
 def _fold_numpy(log: list[int]) -> tuple[int, ...]:

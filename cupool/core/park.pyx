@@ -120,9 +120,6 @@ cdef class Log:
     def __len__(self):
         return self.values.size()
 
-    def __iter__(self):
-        return iter([v for v in self.values])
-
     cpdef tuple fold(self):
         """Sum and empty the log: ``fast.fold_log``'s ten figures."""
         cdef long long hits = 0, c_net = 0, c_top = 0, c_gain = 0, a_net = 0, a_top = 0, a_gain = 0
