@@ -38,6 +38,9 @@ side is measured with stand-ins of the same shape: a no-argument builtin that
 returns an int for each call, and CuPy's own ``Stream.null.ptr`` read for the
 stream (``lookups``).
 
+The same allocations counted in instructions (valgrind; steady where CPU time is
+not): ``benchmarks/bench_hook_instructions.py``.
+
     python benchmarks/bench_hooks.py [--number 20000] [--rounds 15] [--hold 2000]
 """
 

@@ -95,6 +95,52 @@ def test_objects_kept_alive_per_allocation(pool, path):
 
 
 @needs_object
+def test_the_pointer_cupool_writes_in_c_is_cupys_own_memory_pointer(pool):
+    """``pointer_to`` fills CuPy's ``MemoryPointer`` without calling it: CuPy reads it as one it built."""
+    alloc = cupool.cupy_allocator(pool)
+    p = alloc(1000)
+    assert type(p) is cupy.cuda.MemoryPointer
+    assert (p.ptr, p.device_id, int(p)) == (p.mem.ptr, 0, p.mem.ptr) and p.mem.size == 1000
+    q = p + 256  # CuPy's own arithmetic makes the next pointer over the same memory
+    assert (q.ptr, q.mem) == (p.ptr + 256, p.mem)
+    del p
+    assert live(pool) == 1  # q keeps the memory, and so the block
+    with cupool.using(pool):
+        x = cupy.empty((256,), np.float32)
+    view = x[10:]
+    assert (view.data.ptr, view.data.mem) == (x.data.ptr + 40, x.data.mem)
+    del q, x
+    assert live(pool) == 1  # the view keeps the array's memory
+    del view
+    assert live(pool) == 0
+    pool.check()
+
+
+@needs_object
+def test_shells_are_reused_and_never_leak(pool):
+    """200 memories dying at once fill the 64 shells and let the rest go; a churn after reuses them, keeping none."""
+    alloc = cupool.cupy_allocator(pool)
+    held = [alloc(512) for _ in range(200)]
+    del held
+    for _ in range(1000):
+        p = alloc(512)
+        del p
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(2000):
+            p = alloc(512)
+            del p
+        pool._arena.books.fold()  # the fast path's log: the pool's ints, not the hook's
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert grown < 2048, grown  # a shell or a memory kept per allocation would be 2000 objects
+    assert live(pool) == 0
+    pool.check()
+
+
+@needs_object
 def test_frees_in_any_order_keep_the_books_exact(pool):
     rng = np.random.default_rng(5)
     alloc = cupool.cupy_allocator(pool)

@@ -45,7 +45,11 @@ when nobody holds the pool's lock, queued when a finalizer finds it held (Note
 [Finalizers]), never waiting.  The free protocol is written once, in
 ``cupool.core.fast``; ``cupool.hooks.cupy_memory`` never touches the pool's lock
 or stacks.  Shells are touched only with the GIL held and no Python code running
-between taking one and filling it.
+between taking one and filling it; they sit in a C array, since a list that empties
+and refills at every allocation reallocates its items each time.  CuPy's
+``MemoryPointer`` is made by its own ``tp_new`` and its fields written in C, as its
+``_init`` writes them, rather than called through Python: its layout is checked with
+``BaseMemory``'s (``layout_mismatch``).
 
 A pool that records call sites (``track_sites``) keeps a weak reference to each
 ``Allocation``: there the memory holds the ``Allocation`` instead of adopting its

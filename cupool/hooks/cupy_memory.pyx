@@ -12,16 +12,19 @@ CuPy ships no ``.pxd``), and imports only with CuPy and the compiled fast path.
 
 How it is used, and why one object: Note [One memory object] in ``cupool.hooks.cupy``.
 
-The layout declared below is checked against the installed CuPy before first use
-(``layout_mismatch``): the base's size and ancestry, and a round trip of
+The layouts declared below are checked against the installed CuPy before first
+use (``layout_mismatch``): the base's size and ancestry, a round trip of
 ``ptr``, ``size`` and ``device_id`` written here and read back through CuPy's
-own accessors and its ``MemoryPointer``.
+own accessors and its ``MemoryPointer``; and ``MemoryPointer``'s own size,
+ancestry and fields, which ``pointer_to`` writes instead of calling CuPy's
+constructor (a Python call and its argument parsing, a fifth of the hook's cost).
 """
 
 cimport cython
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer, PyCapsule_IsValid
 from libc.stdint cimport intptr_t
 from libc.string cimport strcmp
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 
 from cupool.core.fast cimport Allocation, FastPath, new_allocation
 
@@ -44,6 +47,25 @@ cdef extern from *:
         cdef Py_ssize_t size
         cdef int device_id
 
+cdef extern from *:
+    """
+    /* CuPy's MemoryPointer (cupy/cuda/memory.pxd): its C methods' table, then three fields. */
+    typedef struct {
+        PyObject_HEAD
+        void *vtab;
+        intptr_t ptr;
+        int device_id;
+        PyObject *mem;
+    } cupool_MemoryPointerObject;
+    """
+    ctypedef struct cupool_MemoryPointerObject:
+        pass
+
+    ctypedef class cupy.cuda.memory.MemoryPointer [object cupool_MemoryPointerObject, check_size ignore]:
+        cdef intptr_t ptr
+        cdef int device_id
+        cdef BaseMemory mem
+
 
 @cython.no_gc  # as BaseMemory and Allocation: it holds no container that could lead back to it
 @cython.final
@@ -51,24 +73,29 @@ cdef class PoolMemory(BaseMemory):
     """Device memory of a cupool pool, as CuPy holds it (Note [One memory object]).
 
     ``ptr``, ``size`` (the bytes CuPy asked for) and ``device_id`` are CuPy's
-    fields.  The rest is the block's, adopted from an ``Allocation``.
-    Invariant: ``block`` is not None until the memory dies.
+    fields.  The rest is the block's, adopted from an ``Allocation``: ``addr`` is
+    its ``ptr`` (the pool's own int, so that a free makes none and reads nothing
+    of the block).  Invariant: ``block`` is not None until the memory dies.
     """
 
     cdef FastPath owner
     cdef object block
+    cdef object addr
     cdef object requested
     cdef object stream
     cdef int kind
     cdef Allocation held  # only where the pool records call sites: that Allocation, alive with the memory
 
     def __dealloc__(self):
+        global _nshells
         cdef Allocation a
         if self.block is not None:
             # The one free protocol (Note [Finalizers]): an Allocation's own finalizer, as it drops.
-            if _shells:
-                a = _shells.pop()
-                a.ptr = self.block.addr
+            if _nshells:
+                _nshells -= 1
+                a = <Allocation>_shells[_nshells]
+                Py_DECREF(a)  # the slot's reference: ``a`` holds its own
+                a.ptr = self.addr
                 a.size = self.requested
                 a.stream = self.stream
                 a.owner = self.owner
@@ -87,13 +114,19 @@ cdef class PoolMemory(BaseMemory):
         return 0 if self.block is None else int(self.block.size)
 
 
-#: Allocations that gave their block away, for a free to fill and drop (Note [One memory object]).
-cdef list _shells = []
-cdef Py_ssize_t SHELLS = 64
+cdef enum:
+    SHELLS = 64
+
+#: Allocations that gave their block away, for a free to fill and drop (Note [One memory object]):
+#: ``_shells[:_nshells]``, a reference each.  A C array, not a list: a list that empties and
+#: refills at every allocation (one live array at a time) reallocates its items at both ends.
+cdef PyObject* _shells[SHELLS]
+cdef Py_ssize_t _nshells = 0
 
 
 cdef PoolMemory adopt(Allocation a, int device_id):
     """A ``PoolMemory`` for ``a``, which hands its block over (or is held: Note [One memory object])."""
+    global _nshells
     cdef PoolMemory m = PoolMemory.__new__(PoolMemory)
     m.ptr = a.ptr
     m.size = a.size
@@ -101,16 +134,28 @@ cdef PoolMemory adopt(Allocation a, int device_id):
     if a.owner.sites is None:
         m.owner = a.owner
         m.block = a.block
+        m.addr = a.ptr
         m.requested = a.size
         m.stream = a.stream
         m.kind = a.kind
         a.block = None  # nobody else has seen a: kept for a free to fill, or dies without freeing
-        if len(_shells) < SHELLS:
+        if _nshells < SHELLS:
             a.owner = None
-            _shells.append(a)
+            Py_INCREF(a)
+            _shells[_nshells] = <PyObject*>a
+            _nshells += 1
     else:
         m.held = a
     return m
+
+
+cdef inline MemoryPointer pointer_to(PoolMemory m):
+    """``MemoryPointer(m, 0)``, its fields written here (as its ``_init`` writes them) without a Python call."""
+    cdef MemoryPointer p = MemoryPointer.__new__(MemoryPointer)
+    p.ptr = <intptr_t>m.ptr
+    p.device_id = m.device_id
+    p.mem = m
+    return p
 
 
 # ------------------------------------------------------------------- CuPy's C lookups
@@ -162,7 +207,6 @@ def pointer_allocator(pool, malloc, int index, bint cuda, wrong_device):
     ``wrong_device(current, index)``.  Without, stream 0 (the sim device: CuPy
     has no streams there).  The allocator keeps ``pool`` alive (``allocate.pool``).
     """
-    from cupy.cuda.memory import MemoryPointer
     from cupy.cuda import get_current_stream
     from cupy.cuda.runtime import getDevice
 
@@ -179,8 +223,8 @@ def pointer_allocator(pool, malloc, int index, bint cuda, wrong_device):
                 raise wrong_device(current, index)
             stream = _stream_ptr() if _stream_ptr != NULL else get_current_stream().ptr
         if arena is not None:
-            return MemoryPointer(adopt(arena.malloc(nbytes, stream), index), 0)
-        return MemoryPointer(adopt(<Allocation?>malloc(nbytes, stream), index), 0)
+            return pointer_to(adopt(arena.malloc(nbytes, stream), index))
+        return pointer_to(adopt(<Allocation?>malloc(nbytes, stream), index))
 
     allocate.pool = pool
     return allocate
@@ -211,4 +255,13 @@ def layout_mismatch():
     p = cm.MemoryPointer(m, 0x100)
     if (p.ptr, p.device_id, p.mem) != (0x7F5EED000300, 3, m):
         return f"CuPy's MemoryPointer over cupool's memory reads ptr {p.ptr:#x}, device {p.device_id}"
+    pointer = cm.MemoryPointer
+    if pointer.__mro__ != (pointer, object):
+        return f"cupy.cuda.memory.MemoryPointer derives from {pointer.__mro__[1:]}, not from object alone"
+    if pointer.__basicsize__ != sizeof(cupool_MemoryPointerObject):
+        return (f"cupy.cuda.memory.MemoryPointer is {pointer.__basicsize__} bytes, "
+                f"cupool declares {sizeof(cupool_MemoryPointerObject)}")
+    cdef object q = pointer_to(m)  # untyped: read back through CuPy's own accessors
+    if (type(q), q.ptr, q.device_id, q.mem, (q + 0x100).ptr) != (pointer, 0x7F5EED000200, 3, m, 0x7F5EED000300):
+        return f"CuPy reads the MemoryPointer cupool writes as ptr {q.ptr:#x}, device {q.device_id}"
     return None
