@@ -55,7 +55,7 @@ cdef extern from *:
         void *vtab;
         intptr_t ptr;
         int device_id;
-        PyObject *mem;
+        cupool_BaseMemoryObject *mem;  /* a BaseMemory: typed so that C++ (this module is C++) assigns one */
     } cupool_MemoryPointerObject;
     """
     ctypedef struct cupool_MemoryPointerObject:
