@@ -50,6 +50,7 @@ cdef class Allocation:
     cpdef free(self)
 
 
+@cython.locals(a=Allocation)
 cdef Allocation new_allocation(FastPath owner, object block, object size, object stream, int kind)
 
 @cython.locals(hits=cython.longlong, c_net=cython.longlong, c_top=cython.longlong, c_gain=cython.longlong, a_net=cython.longlong,
