@@ -181,12 +181,13 @@ class Books:
         """
         if not self.log:
             return
-        if COMPILED:  # a C loop over the C log, which it empties
-            sums = self.log.fold()
+        if COMPILED:  # the C log's entries; fold_log is a C loop
+            log = self.log.take()
         else:
             log = self.log[:]
             self.log.clear()  # in place: the arena's fast path holds this very list
-            sums = fold_log(log) if len(log) < _FOLD_NUMPY_MIN else _fold_numpy(log)  # numpy for a long log
+        # plain Python for a short log uncompiled, numpy for a long one
+        sums = fold_log(log) if COMPILED or len(log) < _FOLD_NUMPY_MIN else _fold_numpy(log)
         for k, row in enumerate((ALLOCATIONS, ALLOCATED, REQUESTED)):
             net, top, gained = sums[1 + 3 * k], sums[2 + 3 * k], sums[3 + 3 * k]
             self._fold_row(row, net, top, gained, gained - net)

@@ -47,7 +47,7 @@ cdef class Mutex:
 cdef class Log:
     cdef vector[long long] values
     cpdef append(self, long long v)
-    cpdef tuple fold(self)
+    cpdef list take(self)
 
 
 cdef class Parking:

@@ -48,7 +48,7 @@ cdef extern from "pythread.h":
 
 #: Bumped whenever ``ParkApi`` or ``Parked`` changes; the shim refuses another.
 API_VERSION = 1
-cdef long long ALIGN = 512  # sizes.ALIGNMENT, which the books' fold rounds to
+cdef long long ALIGN = 512  # sizes.ALIGNMENT: a hit rounds as the fast path does
 
 
 cdef class Mutex:
@@ -106,8 +106,8 @@ cdef class Mutex:
 cdef class Log:
     """The fast path's accounting log: ``+(requested + 1)`` per hit, ``-(requested + 1)`` per park.
 
-    A C vector, so that a hit without the GIL appends to it; the books fold it
-    (``fold``: the same sums as ``fast.fold_log``, which folds the uncompiled list).
+    A C vector, so that a hit without the GIL appends to it; the books take it and fold it
+    with ``fast.fold_log``, as they fold the uncompiled list.
     """
 
     cpdef append(self, long long v):
@@ -120,35 +120,11 @@ cdef class Log:
     def __len__(self):
         return self.values.size()
 
-    cpdef tuple fold(self):
-        """Sum and empty the log: ``fast.fold_log``'s ten figures."""
-        cdef long long hits = 0, c_net = 0, c_top = 0, c_gain = 0, a_net = 0, a_top = 0, a_gain = 0
-        cdef long long r_net = 0, r_top = 0, r_gain = 0, v, n, size
-        for v in self.values:
-            if v > 0:
-                n = v - 1
-                hits += 1
-                size = ((n + ALIGN - 1) // ALIGN) * ALIGN or ALIGN
-                c_net += 1
-                c_gain += 1
-                a_net += size
-                a_gain += size
-                r_net += n
-                r_gain += n
-                if c_net > c_top:
-                    c_top = c_net
-                if a_net > a_top:
-                    a_top = a_net
-                if r_net > r_top:
-                    r_top = r_net
-            else:
-                n = -v - 1
-                size = ((n + ALIGN - 1) // ALIGN) * ALIGN or ALIGN
-                c_net -= 1
-                a_net -= size
-                r_net -= n
+    cpdef list take(self):
+        """The entries, in order, and the log emptied: for the books' fold (``fast.fold_log``)."""
+        out = [v for v in self.values]
         self.values.clear()
-        return hits, c_net, c_top, c_gain, a_net, a_top, a_gain, r_net, r_top, r_gain
+        return out
 
 
 cdef class Parking:
