@@ -191,10 +191,6 @@ cdef class Parking:
     cdef object stream_key(self, long long sid):
         return sid if sid >= 0 else self.keys[sid]
 
-    def stream_of(self, stream):
-        """The integer a C caller names ``stream`` by."""
-        return self.stream_id(stream)
-
     cpdef take(self, Py_ssize_t n, Py_ssize_t size, object stream):
         """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none."""
         cdef Parked e
