@@ -118,6 +118,17 @@ void clear_keeping_interrupts() {
     PyErr_Clear();
 }
 
+// The end of a call into Python whose result nobody takes (`r`, new or nullptr): a failure is
+// cleared, a KeyboardInterrupt re-armed, anything else written to sys.unraisablehook for `callee`.
+void settle(PyObject *r, PyObject *callee) {
+    if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        clear_keeping_interrupts();
+    } else if (r == nullptr) {
+        PyErr_WriteUnraisable(callee);
+    }
+    Py_XDECREF(r);
+}
+
 // The pending Python exception, given to `report` and kept (as text) in `reason`; nothing stays raised.
 void refuse(const char *fallback) {
     PyObject *type, *value, *tb;
@@ -141,13 +152,7 @@ void refuse(const char *fallback) {
         clear_keeping_interrupts();
     }
     if (report != nullptr && value != nullptr) {
-        PyObject *r = PyObject_CallOneArg(report, value);
-        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            clear_keeping_interrupts();
-        } else if (r == nullptr) {
-            PyErr_WriteUnraisable(report);
-        }
-        Py_XDECREF(r);
+        settle(PyObject_CallOneArg(report, value), report);
     }
     Py_XDECREF(type);
     Py_XDECREF(value);
@@ -333,12 +338,7 @@ void release(const Held &h) {
         for (int i = 1; i < 4; ++i) {
             Py_XDECREF(args[i]);
         }
-        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            clear_keeping_interrupts();
-        } else if (r == nullptr) {
-            PyErr_WriteUnraisable(free_lent);
-        }
-        Py_XDECREF(r);
+        settle(r, free_lent);
         Py_DECREF(h.parked.block);
     }
     PyErr_Restore(type, value, tb);
@@ -490,14 +490,9 @@ void free_ptr(void *ptr, size_t size, int device, void *stream) {
     if (found) {
         give_back(h);
     } else if (unknown != nullptr) {
-        PyObject *r = PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
-                                            PyLong_FromVoidPtr(stream));
-        if (r == nullptr && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            clear_keeping_interrupts();
-        } else if (r == nullptr) {
-            PyErr_WriteUnraisable(unknown);
-        }
-        Py_XDECREF(r);
+        settle(PyObject_CallFunction(unknown, "NnlN", PyLong_FromVoidPtr(ptr), (Py_ssize_t)size, (long)device,
+                                     PyLong_FromVoidPtr(stream)),
+               unknown);
     }
     PyGILState_Release(g);
 }
