@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 from pathlib import Path
 
 import pytest
@@ -172,8 +173,15 @@ def test_on_a_pipe_lines_say_what_is_running_as_it_runs(refused):
     while first.startswith("cupool: ") or "uncompiled" in first or first.startswith(" "):  # notices, warnings
         first = proc.stderr.readline()
     running = proc.poll() is None  # the line came while the demo was still at work
-    out, rest = proc.communicate(timeout=300)
-    assert proc.returncode == 0, rest
+    # The rest through the same buffered reader: communicate() reads the pipe itself, and would lose a
+    # line readline() had already buffered (stage 2, when it came in one read with stage 1).
+    outs: list[str] = []
+    reader = threading.Thread(target=lambda: outs.append(proc.stdout.read()))
+    reader.start()
+    rest = proc.stderr.read()
+    reader.join(timeout=300)
+    assert proc.wait(timeout=300) == 0, rest
+    out = outs[0]
     assert running and first.startswith("cupool demo [1/"), first
     err = first + rest
     assert "\r" not in err and "\x1b" not in err
