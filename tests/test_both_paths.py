@@ -37,6 +37,7 @@ SUITES = (
     "tests/test_testing.py",
     "tests/test_fold.py",  # the log's two folds: fold_log compiled, numpy uncompiled
     "tests/test_lifetimes.py",  # finalizers, re-entrancy and interrupts through the fast path
+    "tests/test_cold_stacks.py",  # which parked blocks a new size sees: C stacks compiled, DictParking not
     "tests/test_cupy_hook.py",  # CuPy on cupool: PoolMemory compiled, UnownedMemory uncompiled
     "tests/test_cupy_memory.py",  # the memory object itself, and its fallback
 )

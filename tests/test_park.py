@@ -29,23 +29,24 @@ OPS = st.lists(
         st.tuples(st.just("put"), SIZES, st.integers(0, 1 << 20), STREAMS),
         st.tuples(st.just("take"), SIZES, st.integers(0, 1 << 20), STREAMS),
         st.tuples(st.just("unpark"), st.none(), st.none(), st.none()),
+        st.tuples(st.just("unpark_cold"), st.none(), st.none(), st.none()),
     ),
     max_size=60,
 )
 
 
-def _pair():
+def _pair(warm_ticks=1 << 16):
     """A compiled Parking and a DictParking, each with its own log."""
     c_log, d_log = park.Log(), []
-    c = park.Parking(make_lock(), collections.deque(), c_log, 4096)
-    d = DictParking(threading.Lock(), collections.deque(), d_log, 4096)
+    c = park.Parking(make_lock(), collections.deque(), c_log, 4096, warm_ticks)
+    d = DictParking(threading.Lock(), collections.deque(), d_log, 4096, warm_ticks)
     return c, c_log, d, d_log
 
 
 @settings(max_examples=200, deadline=None)
-@given(OPS)
-def test_the_compiled_stacks_answer_as_the_dict_of_lists(ops):
-    c, c_log, d, d_log = _pair()
+@given(OPS, st.integers(1, 12))
+def test_the_compiled_stacks_answer_as_the_dict_of_lists(ops, warm_ticks):
+    c, c_log, d, d_log = _pair(warm_ticks)
     blocks = {}  # one Block per (address), shared by both sides
     addr = 1 << 20
     for op, size, n, stream in ops:
@@ -59,11 +60,15 @@ def test_the_compiled_stacks_answer_as_the_dict_of_lists(ops):
             assert got_c is got_d
             if got_c is not None:
                 assert got_c.requested == n
+        elif op == "unpark_cold":  # in the order the cold stacks were listed, on both
+            assert [(s, [b.addr for b in bs]) for s, bs in c.unpark_cold()] == [
+                (s, [b.addr for b in bs]) for s, bs in d.unpark_cold()]
         else:
             got_c = [(s, [b.addr for b in bs]) for s, bs in c.unpark()]
             got_d = [(s, [b.addr for b in bs]) for s, bs in d.unpark()]
             assert sorted(got_c, key=repr) == sorted(got_d, key=repr)
         assert len(c) == len(d)
+        assert c.warm() == d.warm()
         assert c.addresses() == d.addresses()
     assert c_log.take() == d_log
 

@@ -148,6 +148,8 @@ class Arena(FastPath):
             if self.stacks:  # compaction plans on the heap: parked blocks are free space (Note [Fast path])
                 self.unpark()
             self.policy.compact_if_due()  # 0. compact first, when fragmentation calls for it
+        if kind == SMALL and self.stacks:  # a size no stack served: cold stacks' blocks first (Note [Cold stacks])
+            self.unpark_cold()
         block = heap.find(size, stream)  # 1. best fit among the free blocks this stream may use
         if block is None and self.stacks:  # 2. the parked blocks (Note [Fast path])
             self.unpark()

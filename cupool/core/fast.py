@@ -27,6 +27,33 @@ compaction plans, and before anyone reads the layout or closes the pool
 (``drain``).  A request the heap serves on its own leaves the stacks alone, so a
 mix of sizes keeps hitting them.
 
+Note [Cold stacks]
+~~~~~~~~~~~~~~~~~~
+A parked block is hidden from best fit: the heap sees it allocated.  Where sizes
+recur (a training loop, churn over a few sizes) that is the point.  Where they do
+not (random sizes, shapes that keep changing), parked blocks are free space best
+fit cannot use: each new request splits another free block where the parked ones
+would have coalesced into a better fit, and small-size programs reserved a
+granule more than a pool that never parks (docs/benchmarks.md, "Cold stacks").
+
+So the stacks keep parked only sizes that recur.  They remember every (size,
+stream) asked of them, and their clock ticks once per request of a size they did
+not know.  A size is *warm* while its last request came less than ``WARM_TICKS``
+ticks ago and either took a parked block or came less than ``WARM_TICKS`` ticks
+after the request before it; *cold* otherwise.  A small request no stack serves
+gives the blocks of cold stacks to the heap before best fit (``unpark_cold``,
+``Arena.place``), so that a new size sees them.  The sweep visits only the stacks
+that were empty and cold when a block was parked on them, so where every size
+recurs it costs nothing; a stack that goes cold while it holds blocks keeps them
+until the heap falls short, as before.
+
+Why new sizes for a clock: counted in requests or time, a random program's 15 KiB
+size (back every 230 requests) and a training step of 280 recurring sizes (each
+back every 280) look alike; counted in new sizes, the step, once warm, asks none.
+Nothing is forgotten (at most 2,048 small sizes a stream), so once a program has
+asked for all its sizes the clock stops, and every size asked twice stays warm:
+the stacks then park as they did before this Note.
+
 Parking is off while some subscriber wants every small block's ``alloc`` and
 ``free`` (``Observers.exact``), while the pool releases memory eagerly
 (``release_threshold``: empty segments must be noticed at once), and after
@@ -78,7 +105,11 @@ from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DeadlockError, DoubleFreeError, ForeignAllocationError
 from . import compiled_module
 from .interrupts import OWED, deliver
-from .sizes import ALIGNMENT, SMALL, SMALL_SEGMENT
+from .sizes import ALIGNMENT, SMALL, SMALL_MAX
+
+#: A size asked for again less than this many new sizes later is warm, and keeps its parked blocks
+#: from a sweep (Note [Cold stacks]; 2 to 32 measured in docs/benchmarks.md, "Cold stacks").
+WARM_TICKS = 2
 
 #: How long one wait for a busy lock lasts before it looks for an interrupt owed (Note [Lock protocol]).
 LOCK_SLICE_S = 0.05
@@ -246,8 +277,13 @@ class DictParking:
     the GIL); each hit and park is logged (Note [Fast path]).  The pool's lock is held.
     """
 
-    def __init__(self, lock: Any, pending: Any, log: list[int], log_max: int) -> None:
+    def __init__(self, lock: Any, pending: Any, log: list[int], log_max: int, warm_ticks: int) -> None:
         self.slots: dict[tuple[int, Any], list[Any]] = {}
+        # A slot's last request: (its tick, whether it came within warm_ticks of the one before).
+        self.asked: dict[tuple[int, Any], tuple[int, bool]] = {}
+        self.tick = 1  # 1 + the requests of sizes not remembered: the stacks' clock
+        self.warm_ticks = warm_ticks
+        self.cold: list[tuple[int, Any]] = []  # slots parked on empty and cold since the last sweep
         self.log = log
         self.count = 0
         self.ready = False  # no C caller reaches this one: kept as Parking's
@@ -255,32 +291,75 @@ class DictParking:
     def __len__(self) -> int:
         return self.count
 
+    def is_warm(self, slot: tuple[int, Any]) -> bool:
+        """Last asked for within ``warm_ticks``, by a hit or within ``warm_ticks`` of the request before
+        (Note [Cold stacks])."""
+        tick, again = self.asked.get(slot, (0, False))
+        return again and self.tick - tick < self.warm_ticks
+
+    def is_stale(self, slot: tuple[int, Any]) -> bool:
+        """Asked for last too long ago to make a next request a second one."""
+        tick = self.asked.get(slot, (0, False))[0]
+        return tick == 0 or self.tick - tick >= self.warm_ticks
+
     def take(self, n: int, size: int, stream: Any) -> Any:
-        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none."""
-        stack = self.slots.get((size, stream))
+        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none,
+        and the request remembered (Note [Cold stacks])."""
+        slot = (size, stream)
+        stack = self.slots.get(slot)
         if not stack:
+            if stack is None:  # a size not remembered: the clock ticks
+                self.slots[slot] = []
+                self.tick += 1
+            self.asked[slot] = (self.tick, not self.is_stale(slot))
             return None
         block = stack.pop()
+        self.asked[slot] = (self.tick, True)  # a parked block asked for: the size recurred
         self.count -= 1
         block.requested = n
         self.log.append(n + 1)
         return block
 
     def put(self, block: Any, requested: int, stream: Any) -> None:
-        """Park ``block`` (its requested size was ``requested``), logged."""
+        """Park ``block`` (its requested size was ``requested``), logged; list a cold stack it starts."""
         slot = (block.size, stream)
         stack = self.slots.get(slot)
         if stack is None:
-            self.slots[slot] = [block]
-        else:
-            stack.append(block)
+            stack = self.slots[slot] = []
+        if not stack and not self.is_warm(slot):
+            self.cold.append(slot)
+        stack.append(block)
         self.count += 1
         self.log.append(-1 - requested)
 
     def unpark(self) -> list[tuple[Any, list[Any]]]:
         """Empty every stack: ``[(stream, [blocks])]``, a stream once per block size."""
-        slots, self.slots, self.count = self.slots, {}, 0
-        return [(stream, blocks) for (_, stream), blocks in slots.items() if blocks]
+        out: list[tuple[Any, list[Any]]] = []
+        for slot in list(self.slots):
+            self.take_all(slot, out)
+        self.cold.clear()
+        return out
+
+    def unpark_cold(self) -> list[tuple[Any, list[Any]]]:
+        """Empty the cold stacks blocks were parked on since the last call, as ``unpark`` (Note [Cold stacks])."""
+        out: list[tuple[Any, list[Any]]] = []
+        for slot in self.cold:
+            if slot in self.slots and not self.is_warm(slot):
+                self.take_all(slot, out)
+        self.cold.clear()
+        return out
+
+    def take_all(self, slot: tuple[int, Any], out: list[tuple[Any, list[Any]]]) -> None:
+        """Move a stack's blocks to ``out``; the stack stays, with what was asked of it."""
+        blocks = self.slots[slot]
+        if blocks:
+            out.append((slot[1], blocks))
+            self.count -= len(blocks)
+            self.slots[slot] = []
+
+    def warm(self) -> set[tuple[int, Any]]:
+        """The (block size, stream) of every warm stack, empty or not (Note [Cold stacks])."""
+        return {slot for slot in self.slots if self.is_warm(slot)}
 
     def addresses(self) -> set[int]:
         return {b.addr for stack in self.slots.values() for b in stack}
@@ -316,7 +395,8 @@ class FastPath:
         self.books = books
         self.log: Any = books.log  # the books fold it (Note [Fast path]): a park.Log compiled, a list not
         # The parked blocks, a stack per (block size, stream), which log their hits and parks.
-        self.stacks: Any = (_park.Parking if COMPILED else DictParking)(self.lock, self.pending, self.log, LOG_MAX)
+        self.stacks: Any = (_park.Parking if COMPILED else DictParking)(self.lock, self.pending, self.log, LOG_MAX,
+                                                                       WARM_TICKS)
         self.parking = parking
         self.fast = parking
         self.exact = False  # some subscriber wants every small block's events
@@ -426,9 +506,9 @@ class FastPath:
             self.enter("malloc()")
         try:
             block = None
-            # A hit: the stack logs it and writes block.requested.  A parked block is a small one, no
-            # larger than a small segment (and larger sizes would not fit the stacks' C integers).
-            if self.fast and not self.pending and n <= SMALL_SEGMENT:
+            # A hit: the stack logs it and writes block.requested; a miss is remembered (Note [Cold
+            # stacks]).  A parked block is a small one (and larger sizes would not fit C integers).
+            if self.fast and not self.pending and n <= SMALL_MAX:
                 block = self.stacks.take(n, ((n + 511) >> 9) << 9 or ALIGNMENT, stream)
             if block is not None:
                 a = new_allocation(self, block, n, stream, SMALL)
@@ -507,6 +587,11 @@ class FastPath:
             self.give_parked(stream, blocks)
             moved += blocks[0].size * len(blocks)
         return moved
+
+    def unpark_cold(self) -> None:
+        """Give the blocks of cold stacks to the heap (Note [Cold stacks])."""
+        for stream, blocks in self.stacks.unpark_cold():
+            self.give_parked(stream, blocks)
 
     def give_parked(self, stream: Any, blocks: list[Any]) -> None:
         raise NotImplementedError("the arena gives parked blocks to its heap")

@@ -20,14 +20,23 @@ cdef struct Parked:
     Py_ssize_t *requested  # &block.requested: written without the GIL on a hit
 
 
+cdef struct Stack:
+    vector[Parked] blocks
+    long long asked  # the tick of the last request of this size on this stream (0: none)
+    bint again  # that request came within warm_ticks of the one before it (Note [Cold stacks])
+
+
 cdef struct ParkState:
     PyThread_type_lock lock  # the pool's lock (Mutex.handle)
     PyObject *pending  # the fast path's finalizer queue (a deque, borrowed): Note [Hits without the GIL]
     bint ready  # parking on, no subscriber wants every event, no leak sites: a hit may skip Python
     Py_ssize_t log_max
     vector[long long] *log
-    cmap[Slot, vector[Parked]] *stacks
+    cmap[Slot, Stack] *stacks  # an entry per (size, stream) asked for or parked on, kept (2,048 sizes at most)
     Py_ssize_t count  # parked blocks, all stacks
+    long long tick  # 1 + the requests of sizes not remembered: the stacks' clock (Note [Cold stacks])
+    long long warm_ticks  # a size asked for again within this many ticks is warm
+    vector[Slot] *cold  # stacks that were empty and cold when a block was parked on them, since the last sweep
 
 
 cdef struct ParkApi:
@@ -58,6 +67,8 @@ cdef class Parking:
     cdef dict ids  # stream keys that are not ints in [0, 2**63): their ids (negative)
     cdef dict keys  # and back
 
+    cdef list empty(self, bint cold_only)
+    cdef take_all(self, cmap[Slot, Stack].iterator it, list out)
     cdef long long stream_id(self, object stream) except? -1
     cdef object stream_key(self, long long sid)
     cpdef take(self, Py_ssize_t n, Py_ssize_t size, object stream)

@@ -4,10 +4,12 @@
 
 Charter: this module knows blocks as (reference, address, size, where their
 requested size goes), streams as integers, and the lock; it never decides
-anything the fast path does not (``fast.py`` says when to park and when a hit may
-happen).  It is compiled only (a ``.pyx``); uncompiled, the fast path keeps a
-dict of lists (``fast.DictParking``), a list for the log and ``threading.Lock``,
-with the same methods, and the suites run both (tests/test_both_paths.py).
+anything the fast path does not (``fast.py`` says when to park, when a hit may
+happen, and which stacks are cold: Note [Cold stacks], whose clock is kept here
+because a hit without the GIL is a request too).  It is compiled only (a
+``.pyx``); uncompiled, the fast path keeps a dict of lists (``fast.DictParking``),
+a list for the log and ``threading.Lock``, with the same methods, and the suites
+run both (tests/test_both_paths.py).
 
 Note [Hits without the GIL]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -130,13 +132,17 @@ cdef class Log:
 cdef class Parking:
     """Parked blocks, a stack per (block size, stream), with the lock and log a hit needs.
 
-    Invariant (the pool's lock held to change it): every block on a stack is
+    Invariants (the pool's lock held to change them): every block on a stack is
     allocated in the heap and free in the books (Note [Fast path]); the stacks
-    hold one reference to each.
+    hold one reference to each; every stack that was empty and cold when a block
+    was parked on it since the last sweep is in ``state.cold`` (Note [Cold stacks]).
     """
 
-    def __cinit__(self, Mutex lock, object pending, Log log, Py_ssize_t log_max):
-        self.state.stacks = new cmap[Slot, vector[Parked]]()
+    def __cinit__(self, Mutex lock, object pending, Log log, Py_ssize_t log_max, long long warm_ticks):
+        self.state.stacks = new cmap[Slot, Stack]()
+        self.state.cold = new vector[Slot]()
+        self.state.tick = 1
+        self.state.warm_ticks = warm_ticks
         self.state.log = &log.values
         self.state.log_max = log_max
         self.state.pending = <PyObject *>pending
@@ -150,14 +156,16 @@ cdef class Parking:
         self.keys = {}
 
     def __dealloc__(self):
-        cdef cmap[Slot, vector[Parked]].iterator it
+        cdef cmap[Slot, Stack].iterator it
         if self.state.stacks != NULL:
             it = self.state.stacks.begin()
             while it != self.state.stacks.end():
-                for e in deref(it).second:
+                for e in deref(it).second.blocks:
                     Py_DECREF(<object>e.block)
                 inc(it)
             del self.state.stacks
+        if self.state.cold != NULL:
+            del self.state.cold
 
     property ready:
         """Whether a C caller may hit and park without Python (the fast path keeps it)."""
@@ -192,9 +200,20 @@ cdef class Parking:
         return sid if sid >= 0 else self.keys[sid]
 
     cpdef take(self, Py_ssize_t n, Py_ssize_t size, object stream):
-        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none."""
+        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none,
+        and the request remembered (Note [Cold stacks])."""
         cdef Parked e
-        if not hit_locked(&self.state, n, size, self.stream_id(stream), &e):
+        cdef long long sid = self.stream_id(stream)
+        cdef Stack *st
+        cdef cmap[Slot, Stack].iterator it
+        if not hit_locked(&self.state, n, size, sid, &e):
+            it = self.state.stacks.find(Slot(size, sid))
+            if it == self.state.stacks.end():  # a size not remembered: the clock ticks
+                self.state.tick += 1
+                st = &deref(self.state.stacks)[Slot(size, sid)]
+            else:
+                st = &deref(it).second
+            asked(&self.state, st)
             return None
         block = <object>e.block
         Py_DECREF(block)  # the stack's reference, now the local's
@@ -208,26 +227,61 @@ cdef class Parking:
 
     def unpark(self):
         """Empty every stack: ``[(stream, [blocks])]``, a stream once per block size."""
-        out = []
-        cdef cmap[Slot, vector[Parked]].iterator it = self.state.stacks.begin()
+        return self.empty(False)
+
+    def unpark_cold(self):
+        """Empty the cold stacks blocks were parked on since the last call, as ``unpark`` (Note [Cold stacks])."""
+        return self.empty(True)
+
+    cdef list empty(self, bint cold_only):
+        """Empty every stack, or only the cold ones listed since the last sweep."""
+        cdef list out = []
+        cdef cmap[Slot, Stack].iterator it
+        cdef Slot slot
+        cdef size_t i = 0
+        if cold_only:
+            while i < self.state.cold.size():
+                slot = deref(self.state.cold)[i]
+                i += 1
+                it = self.state.stacks.find(slot)
+                if it != self.state.stacks.end() and not is_warm(&self.state, &deref(it).second):
+                    self.take_all(it, out)
+        else:
+            it = self.state.stacks.begin()
+            while it != self.state.stacks.end():
+                self.take_all(it, out)
+                inc(it)
+        self.state.cold.clear()
+        return out
+
+    cdef take_all(self, cmap[Slot, Stack].iterator it, list out):
+        """Move a stack's blocks (their references) to ``out``; the stack stays, with what was asked of it."""
+        cdef Stack *st = &deref(it).second
+        if st.blocks.size():
+            blocks = []
+            for e in st.blocks:
+                blocks.append(<object>e.block)
+                Py_DECREF(<object>e.block)
+            out.append((self.stream_key(deref(it).first.second), blocks))
+            self.state.count -= st.blocks.size()
+            st.blocks.clear()
+
+    def warm(self):
+        """The (block size, stream) of every warm stack, empty or not (Note [Cold stacks])."""
+        cdef cmap[Slot, Stack].iterator it = self.state.stacks.begin()
+        out = set()
         while it != self.state.stacks.end():
-            if deref(it).second.size():
-                blocks = []
-                for e in deref(it).second:
-                    blocks.append(<object>e.block)
-                    Py_DECREF(<object>e.block)
-                out.append((self.stream_key(deref(it).first.second), blocks))
+            if is_warm(&self.state, &deref(it).second):
+                out.add((deref(it).first.first, self.stream_key(deref(it).first.second)))
             inc(it)
-        self.state.stacks.clear()
-        self.state.count = 0
         return out
 
     def addresses(self):
         """The parked blocks' addresses."""
-        cdef cmap[Slot, vector[Parked]].iterator it = self.state.stacks.begin()
+        cdef cmap[Slot, Stack].iterator it = self.state.stacks.begin()
         out = set()
         while it != self.state.stacks.end():
-            for e in deref(it).second:
+            for e in deref(it).second.blocks:
                 out.add(e.addr)
             inc(it)
         return out
@@ -249,13 +303,32 @@ cdef int make_entry(object block, Parked *out) except -1:
     return 0
 
 
+cdef inline bint is_warm(const ParkState *s, const Stack *st) noexcept nogil:
+    """Last asked for within ``warm_ticks``, by a hit or within ``warm_ticks`` of the request before
+    (Note [Cold stacks])."""
+    return st.again and s.tick - st.asked < s.warm_ticks
+
+
+cdef inline bint is_stale(const ParkState *s, const Stack *st) noexcept nogil:
+    """Asked for last too long ago to make a next request a second one."""
+    return st.asked == 0 or s.tick - st.asked >= s.warm_ticks
+
+
+cdef inline void asked(ParkState *s, Stack *st) noexcept nogil:
+    """Remember a request of the stack's size, made at ``s.tick`` (Note [Cold stacks])."""
+    st.again = not is_stale(s, st)
+    st.asked = s.tick
+
+
 cdef inline int hit_locked(ParkState *s, Py_ssize_t n, Py_ssize_t size, long long stream, Parked *out) noexcept nogil:
     """Pop a parked block of ``size`` on ``stream`` for ``n`` bytes into ``out``, logged (lock held)."""
-    cdef cmap[Slot, vector[Parked]].iterator it = s.stacks.find(Slot(size, stream))
-    if it == s.stacks.end() or deref(it).second.empty():
+    cdef cmap[Slot, Stack].iterator it = s.stacks.find(Slot(size, stream))
+    if it == s.stacks.end() or deref(it).second.blocks.empty():
         return 0
-    out[0] = deref(it).second.back()
-    deref(it).second.pop_back()
+    out[0] = deref(it).second.blocks.back()
+    deref(it).second.blocks.pop_back()
+    deref(it).second.again = True  # a parked block asked for: the size recurred
+    deref(it).second.asked = s.tick
     s.count -= 1
     out.requested[0] = n
     s.log.push_back(n + 1)
@@ -263,8 +336,12 @@ cdef inline int hit_locked(ParkState *s, Py_ssize_t n, Py_ssize_t size, long lon
 
 
 cdef inline int park_locked(ParkState *s, const Parked *e, Py_ssize_t n, long long stream) noexcept nogil:
-    """Push ``e`` (its reference passes to the stack), logged (lock held)."""
-    deref(s.stacks)[Slot(e.size, stream)].push_back(e[0])
+    """Push ``e`` (its reference passes to the stack), logged (lock held); list a cold stack it starts."""
+    cdef Slot slot = Slot(e.size, stream)
+    cdef Stack *st = &deref(s.stacks)[slot]
+    if st.blocks.empty() and not is_warm(s, st):
+        s.cold.push_back(slot)
+    st.blocks.push_back(e[0])
     s.count += 1
     s.log.push_back(-1 - n)
     return 1
