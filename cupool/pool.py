@@ -31,7 +31,7 @@ cyclic garbage collection, so arena -> subscriber -> array -> allocation -> aren
 would be a cycle nothing ever collects (issue 28).  A closed pool still gives its users their
 data back: a spilled buffer's ``array()`` restores it (its block returns to the
 device when it is freed), and ``spill()`` on a closed pool is refused. So a dropped pool
-dies by reference counting, at once, and its spill file with it.
+dies by reference counting, at once, and its spill file with it (at exit: Note [Exit]).
 """
 
 from __future__ import annotations

@@ -874,3 +874,22 @@ def test_36_5_a_forked_child_neither_shares_nor_hangs(segments):
     assert "held 0" in r.stdout, "the child " + ("hangs" if "held hangs" in r.stdout else "was not refused") + "\n" + out
     assert "parent fine" in r.stdout, out
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, out
+
+
+def test_a_subscribed_pool_with_live_arrays_exits_quietly():
+    """Note [Exit]: each block still live at exit was freed while Python tore its modules down, where
+    the pool's code ran without its globals, and printed "Error in sys.excepthook" (a TypeError each)."""
+    script = textwrap.dedent("""
+        import cupool
+        pool = cupool.Pool("sim", capacity="1GiB")
+        seen = []
+        def saw(event):
+            seen.append(event[1])
+        pool.subscribe(saw, kinds=["segment_alloc", "segment_free", "segment_map", "segment_unmap"],
+                       small_blocks=False)
+        live = [pool.malloc(64 << 20) for _ in range(3)]
+        live.pop().free()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Error in sys.excepthook" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr

@@ -12,6 +12,7 @@ spill or give memory back; it does not know movable buffers beyond their count
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -429,6 +430,22 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# Note [Exit]
+# ~~~~~~~~~~~
+# At the interpreter's end (``atexit``) every live arena stops freeing: a handle
+# finalized after that frees nothing.  The process's end returns the device's
+# memory (on a GPU, CUDA may already be gone: the arena's own finalizer does not
+# run at exit either), and Python finalizes the last handles while it tears its
+# modules down, where the pool's code runs without its modules' globals: a
+# subscribed pool's live arrays each printed "Error in sys.excepthook" at exit.
+def _at_exit() -> None:
+    for arena in list(_LIVE):
+        arena.exiting = True
+
+
+atexit.register(_at_exit)
 
 
 def _give_back(source: SegmentSource) -> None:

@@ -17,6 +17,7 @@ cdef class FastPath:
     cdef public bint parking
     cdef public bint fast
     cdef public bint exact
+    cdef public bint exiting
     cdef public object holder
     cdef public object sites
     cdef public object moved

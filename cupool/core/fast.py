@@ -224,6 +224,8 @@ class Allocation:
     def __del__(self) -> None:
         if self.block is not None:
             owner = self.owner
+            if owner.exiting:  # the process's end returns the memory (Note [Exit])
+                return
             # The owner's finalize_later, inlined: a finalizer is the hot free of CuPy
             # arrays, and each call saved shows in the allocate-and-drop loop.
             lock = owner.lock
@@ -400,6 +402,7 @@ class FastPath:
         self.parking = parking
         self.fast = parking
         self.exact = False  # some subscriber wants every small block's events
+        self.exiting = False  # the interpreter is ending: a handle's finalizer frees nothing (Note [Exit])
         # The thread that holds the lock for a caller (``Pool.hold()``, or while subscribers
         # run): a pool call from it would wait for itself.
         self.holder: int | None = None
