@@ -2,7 +2,7 @@
 back to the heap before best fit, and keeps the blocks of sizes that do.
 
 Run on both fast paths (tests/test_both_paths.py): compiled, the stacks and their clock are
-``park.Parking``'s C structures; uncompiled, ``fast.DictParking``.
+``park.Parking``'s C structures; uncompiled, ``parking.DictParking``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The parked stacks, compiled (``park.Parking``, a C++ map of vectors) and not (``fast.DictParking``).
+"""The parked stacks, compiled (``park.Parking``, a C++ map of vectors) and not (``parking.DictParking``).
 
 Both answer every call alike, and log alike, over any sequence of parks, hits and
 unparks, with streams of any hashable key (the compiled stacks name an int in
@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupool.core import compiled_module
-from cupool.core.fast import DictParking, make_lock
+from cupool.core.fast import make_lock
+from cupool.core.parking import DictParking
 from cupool.core.heap import Block
 
 park, why = compiled_module("cupool.core.park")

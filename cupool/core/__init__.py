@@ -50,7 +50,7 @@ an ordered C++ set compiled (``free_index.pyx``) and a ``SortedList`` uncompiled
 (``heap.SortedFreeIndex``), in best fit's order; and the fast path's lock, parked
 stacks and log, C structures compiled (``park.pyx``, which PyTorch's shim reaches
 without the GIL: Note [Hits without the GIL]) and ``threading.Lock``, a dict of
-lists (``fast.DictParking``) and a list uncompiled.
+lists (``parking.DictParking``) and a list uncompiled.
 
 What stays Python, and why: the rule book and the size classes (``rules``,
 ``sizes``), which the Numba replay engine compiles from their Python functions

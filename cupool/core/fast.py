@@ -105,6 +105,7 @@ from .._units import MAX_NBYTES, as_nbytes
 from ..errors import DeadlockError, DoubleFreeError, ForeignAllocationError
 from . import compiled_module
 from .interrupts import OWED, deliver
+from .parking import DictParking
 from .sizes import ALIGNMENT, SMALL, SMALL_MAX
 
 #: A size asked for again less than this many new sizes later is warm, and keeps its parked blocks
@@ -271,107 +272,6 @@ def new_allocation(owner: FastPath, block: Any, size: Any, stream: Any, kind: in
     a.block = block
     a.kind = kind
     return a
-
-
-class DictParking:
-    """The parked stacks uncompiled: a list per (block size, stream) in a dict, with
-    ``park.Parking``'s methods (compiled, a C++ map of vectors that a C caller reaches without
-    the GIL); each hit and park is logged (Note [Fast path]).  The pool's lock is held.
-    """
-
-    def __init__(self, lock: Any, pending: Any, log: list[int], log_max: int, warm_ticks: int) -> None:
-        self.slots: dict[tuple[int, Any], list[Any]] = {}
-        # A slot's last request: (its tick, whether it came within warm_ticks of the one before).
-        self.asked: dict[tuple[int, Any], tuple[int, bool]] = {}
-        self.tick = 1  # 1 + the requests of sizes not remembered: the stacks' clock
-        self.warm_ticks = warm_ticks
-        self.cold: list[tuple[int, Any]] = []  # slots parked on empty and cold since the last sweep
-        self.log = log
-        self.count = 0
-        self.ready = False  # no C caller reaches this one: kept as Parking's
-
-    def __len__(self) -> int:
-        return self.count
-
-    def is_warm(self, slot: tuple[int, Any]) -> bool:
-        """Last asked for within ``warm_ticks``, by a hit or within ``warm_ticks`` of the request before
-        (Note [Cold stacks])."""
-        tick, again = self.asked.get(slot, (0, False))
-        return again and self.tick - tick < self.warm_ticks
-
-    def is_stale(self, slot: tuple[int, Any]) -> bool:
-        """Asked for last too long ago to make a next request a second one."""
-        tick = self.asked.get(slot, (0, False))[0]
-        return tick == 0 or self.tick - tick >= self.warm_ticks
-
-    def take(self, n: int, size: int, stream: Any) -> Any:
-        """A parked block of ``size`` bytes on ``stream`` for ``n`` bytes asked, logged; None if none,
-        and the request remembered (Note [Cold stacks])."""
-        slot = (size, stream)
-        stack = self.slots.get(slot)
-        if not stack:
-            if stack is None:  # a size not remembered: the clock ticks
-                self.slots[slot] = []
-                self.tick += 1
-            self.asked[slot] = (self.tick, not self.is_stale(slot))
-            return None
-        block = stack.pop()
-        self.asked[slot] = (self.tick, True)  # a parked block asked for: the size recurred
-        self.count -= 1
-        block.requested = n
-        self.log.append(n + 1)
-        return block
-
-    def put(self, block: Any, requested: int, stream: Any) -> None:
-        """Park ``block`` (its requested size was ``requested``), logged; list a cold stack it starts."""
-        slot = (block.size, stream)
-        stack = self.slots.get(slot)
-        if stack is None:
-            stack = self.slots[slot] = []
-        if not stack and not self.is_warm(slot):
-            self.cold.append(slot)
-        stack.append(block)
-        self.count += 1
-        self.log.append(-1 - requested)
-
-    def unpark(self) -> list[tuple[Any, list[Any]]]:
-        """Empty every stack: ``[(stream, [blocks])]``, a stream once per block size."""
-        out: list[tuple[Any, list[Any]]] = []
-        for slot in list(self.slots):
-            self.take_all(slot, out)
-        self.cold.clear()
-        return out
-
-    def unpark_cold(self) -> list[tuple[Any, list[Any]]]:
-        """Empty the cold stacks blocks were parked on since the last call, as ``unpark`` (Note [Cold stacks])."""
-        out: list[tuple[Any, list[Any]]] = []
-        for slot in self.cold:
-            if slot in self.slots and not self.is_warm(slot):
-                self.take_all(slot, out)
-        self.cold.clear()
-        return out
-
-    def take_all(self, slot: tuple[int, Any], out: list[tuple[Any, list[Any]]]) -> None:
-        """Move a stack's blocks to ``out``; the stack stays, with what was asked of it."""
-        blocks = self.slots[slot]
-        if blocks:
-            out.append((slot[1], blocks))
-            self.count -= len(blocks)
-            self.slots[slot] = []
-
-    def warm(self) -> set[tuple[int, Any]]:
-        """The (block size, stream) of every warm stack, empty or not (Note [Cold stacks])."""
-        return {slot for slot in self.slots if self.is_warm(slot)}
-
-    def addresses(self) -> set[int]:
-        return {b.addr for stack in self.slots.values() for b in stack}
-
-    def rebind(self, lock: Any) -> None:
-        """Nothing to do: only a C caller would take the lock from here."""
-
-    def state_address(self) -> int:
-        """0: no C caller reaches these stacks (``Parking.state_address``)."""
-        return 0
 
 
 class FastPath:

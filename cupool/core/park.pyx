@@ -7,7 +7,7 @@ requested size goes), streams as integers, and the lock; it never decides
 anything the fast path does not (``fast.py`` says when to park, when a hit may
 happen, and which stacks are cold: Note [Cold stacks], whose clock is kept here
 because a hit without the GIL is a request too).  It is compiled only (a
-``.pyx``); uncompiled, the fast path keeps a dict of lists (``fast.DictParking``),
+``.pyx``); uncompiled, the fast path keeps a dict of lists (``parking.DictParking``),
 a list for the log and ``threading.Lock``, with the same methods, and the suites
 run both (tests/test_both_paths.py).
 
