@@ -435,11 +435,12 @@ if hasattr(os, "register_at_fork"):
 # Note [Exit]
 # ~~~~~~~~~~~
 # At the interpreter's end (``atexit``) every live arena stops freeing: a handle
-# finalized after that frees nothing.  The process's end returns the device's
-# memory (on a GPU, CUDA may already be gone: the arena's own finalizer does not
-# run at exit either), and Python finalizes the last handles while it tears its
-# modules down, where the pool's code runs without its modules' globals: a
-# subscribed pool's live arrays each printed "Error in sys.excepthook" at exit.
+# finalized after that frees nothing (``Allocation.__del__``, and ``finalize_later``,
+# which every other handle's finalizer goes through).  The process's end returns
+# the device's memory (on a GPU, CUDA may already be gone: the arena's own
+# finalizer does not run at exit either), and Python finalizes the last handles
+# while it tears its modules down, where the pool's code runs without its modules'
+# globals: a subscribed pool's live arrays each printed "Error in sys.excepthook".
 def _at_exit() -> None:
     for arena in list(_LIVE):
         arena.exiting = True

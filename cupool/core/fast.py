@@ -366,7 +366,10 @@ class FastPath:
             deliver()
 
     def finalize_later(self, h: Any) -> None:
-        """Free on behalf of a finalizer, which may run inside the arena's own critical section."""
+        """Free on behalf of a finalizer, which may run inside the arena's own critical section;
+        nothing at the interpreter's end (Note [Exit])."""
+        if self.exiting:
+            return
         if self.lock.acquire(False):
             try:
                 h.finalize_locked()
