@@ -312,7 +312,7 @@ class Pool(CupyPoolMethods):
         exception logged on the ``cupool`` logger; the pool's state is untouched
         (Note [Subscribers]).  Unsubscribing is safe from anywhere, finalizers included.
         """
-        return self._arena.observers.subscribe(callback, kinds, small_blocks)
+        return self._arena.subscribe(callback, kinds, small_blocks)
 
     @property
     def view(self) -> ArenaView:

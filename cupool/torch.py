@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from .core.books import Stat
 from .hooks.routing import current_device
 from .hooks.torch import (
     Shim,
@@ -79,22 +80,29 @@ _recorders: dict[int, EventRecorder] = {}
 
 def memory_allocated(device: Device = None) -> int:
     """``torch.cuda.memory_allocated``: bytes held by live allocations in the pool serving torch on ``device``."""
-    return _pool(device, "memory_allocated").stats()["allocated_bytes.all.current"]
+    return _stat(device, "memory_allocated", "allocated_bytes").current
 
 
 def max_memory_allocated(device: Device = None) -> int:
     """``torch.cuda.max_memory_allocated``: the peak of ``memory_allocated`` since ``reset_peak_memory_stats``."""
-    return _pool(device, "max_memory_allocated").stats()["allocated_bytes.all.peak"]
+    return _stat(device, "max_memory_allocated", "allocated_bytes").peak
 
 
 def memory_reserved(device: Device = None) -> int:
     """``torch.cuda.memory_reserved``: bytes the pool holds from the device, in use or cached."""
-    return _pool(device, "memory_reserved").stats()["reserved_bytes.all.current"]
+    return _stat(device, "memory_reserved", "reserved_bytes").current
 
 
 def max_memory_reserved(device: Device = None) -> int:
     """``torch.cuda.max_memory_reserved``: the peak of ``memory_reserved`` since ``reset_peak_memory_stats``."""
-    return _pool(device, "max_memory_reserved").stats()["reserved_bytes.all.peak"]
+    return _stat(device, "max_memory_reserved", "reserved_bytes").peak
+
+
+def _stat(device: Device, what: str, name: str) -> Stat:
+    """One figure of the pool serving torch on ``device``, read under its lock: one read, not
+    ``stats()``' walk over every block (a training loop may log one a step)."""
+    with _pool(device, what).hold() as view:
+        return view.books.stat(name)
 
 
 def reset_peak_memory_stats(device: Device = None) -> None:

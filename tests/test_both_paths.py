@@ -38,6 +38,7 @@ SUITES = (
     "tests/test_fold.py",  # the log's two folds: fold_log compiled, numpy uncompiled
     "tests/test_lifetimes.py",  # finalizers, re-entrancy and interrupts through the fast path
     "tests/test_cold_stacks.py",  # which parked blocks a new size sees: C stacks compiled, DictParking not
+    "tests/test_reads_park_nothing.py",  # reads leave the stacks alone, on both kinds of stacks
     "tests/test_cupy_hook.py",  # CuPy on cupool: PoolMemory compiled, UnownedMemory uncompiled
     "tests/test_cupy_memory.py",  # the memory object itself, and its fallback
 )

@@ -22,7 +22,7 @@ def pool():
 
 def parked(pool: cupool.Pool) -> set[int]:
     """Addresses of the parked blocks (allocated in the heap's eyes, free in the books')."""
-    return pool._arena.parked()
+    return set(pool._arena.parked())
 
 
 def test_a_new_size_is_placed_where_a_size_asked_for_once_was_parked(pool):

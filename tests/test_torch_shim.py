@@ -635,9 +635,11 @@ def test_a_subscriber_that_wants_every_block_sends_each_call_through_python(lib,
         assert [e[1] for e in events].count("alloc") == 10 and [e[1] for e in events].count("free") == 10
     finally:
         stop()
+    # The subscriber's arrival gave the parked block to the heap (Note [Reads park nothing]): the
+    # first pair after it goes through Python and parks its block, the other nine hit from C.
     before = counted["lend"]
     _pairs(lib, [4096], 10)
-    assert counted["lend"] - before == 0
+    assert counted["lend"] - before == 1
 
 
 def test_a_pool_that_tracks_leak_sites_lends_nothing_and_keeps_each_allocation(lib, counted):

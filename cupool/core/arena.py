@@ -281,6 +281,8 @@ class Arena(FastPath):
         with ``holes`` (``empty_cache``) what the source can give back between live blocks too; ``synced``:
         the caller waited for the device with the lock held since, so unmapping need not wait again."""
         self.refuse_if_forked()
+        if len(self.stacks):  # parked blocks are free memory to give back (Note [Reads park nothing])
+            self.unpark()
         return self.segments.trim_all(kept_too, holes, synced)
 
     def close(self) -> tuple[int, int]:
@@ -329,11 +331,32 @@ class Arena(FastPath):
 
     # ------------------------------------------------------------------ streams
     def settle_streams(self, wait: bool) -> int:
-        """Make blocks whose stream is done with them usable by every stream (Note [Streams])."""
+        """Make blocks whose stream is done with them usable by every stream (Note [Streams]).
+
+        Waiting, parked blocks go to the heap first: the wait makes them anyone's too, and one
+        given back after it would keep its stream's tag, apart from its neighbours of other
+        streams (Note [Reads park nothing]).
+        """
         if wait:
             self.refuse_if_forked()  # waiting is for the device, which is the parent's
             self.books.syncs += 1
+            if len(self.stacks):
+                self.unpark()
         return self.streams.settle(self.heaps, wait)
+
+    # ------------------------------------------------------------------ observers
+    def subscribe(self, callback: Any, kinds: Any, small: bool) -> Any:
+        """``Observers.subscribe``; one that turns parking off (it wants every small block's events)
+        finds no block parked: they go to the heap first, as they would had it never parked
+        (Note [Reads park nothing]), so that a recorder's replay sees the heap the pool has."""
+        unsubscribe = self.observers.subscribe(callback, kinds, small)
+        if not self.fast and len(self.stacks):
+            if self.holds():
+                self.unpark()
+            else:
+                with self.locked("subscribe()"):  # Note [Lock protocol]
+                    self.unpark()
+        return unsubscribe
 
     def holds(self) -> bool:
         """Whether this thread already holds the lock for a caller: inside ``hold()`` or a subscriber."""
@@ -373,14 +396,26 @@ class Arena(FastPath):
         return max(h.largest_free() for h in self.heaps)
 
     def check(self) -> None:
-        """Verify the heaps' invariants and that the books agree with them (lock held, drained)."""
+        """Verify the heaps' invariants and that the books agree with them (lock held, log folded),
+        parked blocks as they lie: allocated small blocks to the heap, free ones to the books."""
         cur = self.books.cur
+        parked = self.parked()
+        found = 0
         for kind, heap in enumerate(self.heaps):
             heap.check()
+            n = nbytes = 0
+            for seg in heap.segments.values():
+                for b in seg.blocks():
+                    if b.addr in parked:
+                        assert kind == SMALL and not b.free, f"parked {b!r} is not a live small block"
+                        n += 1
+                        nbytes += b.size
             assert cur[RESERVED][kind] == heap.reserved, "reserved bytes disagree with the heap"
-            assert cur[ALLOCATED][kind] == heap.allocated, "allocated bytes disagree with the heap"
-            assert cur[ALLOCATIONS][kind] == heap.n_allocated, "allocation count disagrees"
+            assert cur[ALLOCATED][kind] == heap.allocated - nbytes, "allocated bytes disagree with the heap"
+            assert cur[ALLOCATIONS][kind] == heap.n_allocated - n, "allocation count disagrees"
             assert cur[SEGMENTS][kind] == len(heap.segments), "segment count disagrees"
+            found += n
+        assert found == len(parked) == len(self.stacks), "parked blocks the heap does not hold"
         self.segments.check()
 
 

@@ -23,9 +23,10 @@ or coalesce.  Its accounting goes to a log (``+/-(requested + 1)``), which the
 books fold in, peaks exactly, before anything reads or changes them.  Parked
 blocks go back to the heap (``unpark``) when the heap needs them: when it cannot
 serve a request from its own free blocks (before the pool grows), before
-compaction plans, and before anyone reads the layout or closes the pool
-(``drain``).  A request the heap serves on its own leaves the stacks alone, so a
-mix of sizes keeps hitting them.
+compaction plans, before free memory is given back (``empty_cache``, ``close``),
+when parking stops, and on the reclaim ladder (``drain``).  A request
+the heap serves on its own leaves the stacks alone, so a mix of sizes keeps
+hitting them.  Reading the pool leaves them alone too (Note [Reads park nothing]).
 
 Note [Cold stacks]
 ~~~~~~~~~~~~~~~~~~
@@ -53,6 +54,25 @@ back every 280) look alike; counted in new sizes, the step, once warm, asks none
 Nothing is forgotten (at most 2,048 small sizes a stream), so once a program has
 asked for all its sizes the clock stops, and every size asked twice stays warm:
 the stacks then park as they did before this Note.
+
+Note [Reads park nothing]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Reading the pool (``stats()``, ``snapshot()``, ``hold()``, the ``cupool.torch``
+figures) changes nothing: its parked blocks stay parked.  When every read gave
+them to the heap, a training loop that logged ``memory_allocated()`` once a step
+missed every size after each read (1,176 against 172 ns an allocation, a loop of
+100 sizes; docs/benchmarks.md, "Reads park nothing"), and a pool read in a test
+behaved unlike one nobody read.  So a locked operation applies the finalizers'
+queue and folds the log, no more, and readers see parked blocks as free where
+they lie, merged with their free neighbours as the heap would merge them
+(``view.free_runs``): the figures are those an unpark would leave.  What plans on
+the heap's free blocks unparks first, each in one place: ``Arena.place`` (Note
+[Cold stacks], and before it grows), ``compact``, a wait for the device
+(``Arena.settle_streams``: a block freed on one stream becomes anyone's, and a
+parked one must join its neighbours before it is retagged), giving free memory
+back (``Arena.release_free_segments``: ``empty_cache``, ``close``),
+``Arena.subscribe`` when a subscriber turns parking off, ``set_eager``, and the
+reclaim ladder (``drain``).
 
 Parking is off while some subscriber wants every small block's ``alloc`` and
 ``free`` (``Observers.exact``), while the pool releases memory eagerly
@@ -84,7 +104,8 @@ way, written once, in ``FastPath.locked(what)``:
    that interrupted this thread's own operation), and otherwise wait, in slices
    of ``LOCK_SLICE_S``, so that a Ctrl-C that arrives while waiting is raised
    at once, compiled or not: nothing has changed yet (Note [Interrupts]);
-2. apply the frees finalizers queued (``drain``);
+2. apply the frees finalizers queued (``apply_pending``) and fold the log; parked
+   blocks stay parked (Note [Reads park nothing]);
 3. the operation;
 4. ``unlock``: apply the queue again, release, take the lock back for frees
    queued in between, then raise an interrupt deferred to the end of the
@@ -234,7 +255,7 @@ class Allocation:
                 try:
                     owner.free_locked(self)  # parks small blocks: the common case
                     if owner.pending:
-                        owner.drain()
+                        owner.apply_pending()
                 finally:
                     lock.release()
             else:
@@ -358,7 +379,7 @@ class FastPath:
         lock = self.lock
         while True:
             if self.pending:
-                self.drain()
+                self.apply_pending()
             lock.release()
             if not self.pending or not lock.acquire(False):
                 break
@@ -374,18 +395,24 @@ class FastPath:
             try:
                 h.finalize_locked()
                 if self.pending:
-                    self.drain()
+                    self.apply_pending()
             finally:
                 self.lock.release()
         else:
             self.pending.append(h)
 
-    def drain(self) -> int:
-        """Apply queued finalizations and parked blocks and fold the log; returns bytes freed."""
+    def apply_pending(self) -> int:
+        """Apply the frees finalizers queued (Note [Finalizers]); returns their bytes."""
         freed = 0
         pending = self.pending
         while pending:
             freed += pending.popleft().finalize_locked()
+        return freed
+
+    def drain(self) -> int:
+        """Apply queued finalizations, give every parked block to the heap and fold the log; returns bytes
+        freed.  For what plans on the heap's free blocks; a read needs none of it (Note [Reads park nothing])."""
+        freed = self.apply_pending()
         if len(self.stacks):
             freed += self.unpark()
         if self.log:
@@ -426,7 +453,7 @@ class FastPath:
                     pending.popleft().finalize_locked()
                 a = self.malloc_slow(n, stream)
                 if self.pending:
-                    self.drain()
+                    self.apply_pending()
         except BaseException:
             if OWED:  # a failure ends the operation too: the interrupt owed goes now, chained to it
                 deliver()
@@ -462,7 +489,7 @@ class FastPath:
                 raise DoubleFreeError(al.ptr)
             self.free_locked(al)
             if self.pending:
-                self.drain()
+                self.apply_pending()
         except BaseException:
             if OWED:  # as in malloc (Note [Interrupts])
                 deliver()
@@ -502,9 +529,9 @@ class FastPath:
     def give_parked(self, stream: Any, blocks: list[Any]) -> None:
         raise NotImplementedError("the arena gives parked blocks to its heap")
 
-    def parked(self) -> set[int]:
-        """Addresses of parked blocks: allocated in the heap's eyes, free in the books' (Note [Fast path])."""
-        addresses: set[int] = self.stacks.addresses()
+    def parked(self) -> dict[int, Any]:
+        """Parked blocks, ``{address: stream}``: allocated in the heap's eyes, free in the books' (Note [Fast path])."""
+        addresses: dict[int, Any] = self.stacks.addresses()
         return addresses
 
     # ------------------------------------------------- C callers (the torch shim)
@@ -542,8 +569,10 @@ class Locked:
         owner = self.owner
         if not owner.lock.acquire(False):
             owner.enter(self.what)
-        try:
-            owner.drain()
+        try:  # the parked stacks stay (Note [Reads park nothing]): what plans on the heap unparks
+            owner.apply_pending()
+            if owner.log:
+                owner.books.fold()
         except BaseException:
             owner.unlock()
             raise

@@ -1,7 +1,8 @@
 """The flat statistics dict of ``Pool.stats()``: PyTorch's ``memory_stats`` names, then cupool's own.
 
 Kept apart from the pool because it reads only mechanism (the books, the heaps,
-the segment source) and is long; the pool holds the lock around it (Note [Statistics]).
+the segment source) and is long; the pool holds the lock around it (Note [Statistics]), and
+reading parks nothing (Note [Reads park nothing]).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TypedDict, cast
 
 from .arena import Arena
+from .view import layout
 
 #: The figures every pool has: PyTorch's ``memory_stats`` keys (``Books.figures``), then cupool's counters.
 #: Counts and bytes are ``int``, the two ratios ``float``; ``tests/test_types.py`` holds the keys to what
@@ -113,17 +115,29 @@ class Stats(PoolStats, ExpandableStats, UpstreamStats):
 
 
 def figures(arena: Arena, limit: int) -> Stats:
-    """Every figure, read under the arena's lock (the caller holds it, the fast path drained)."""
+    """Every figure, read under the arena's lock (the caller holds it), parked blocks counted free
+    where they lie, as an unpark would leave them (Note [Reads park nothing])."""
     books = arena.books
+    parked = arena.parked()
+    largest = arena.largest_free()
     # Non-releasable free memory: free blocks in segments that still hold a live block.
     inactive, inactive_n = [0, 0], [0, 0]
     for kind, heap in enumerate(arena.heaps):
         for seg in heap.segments.values():
-            if seg.used:
+            if not seg.used:
+                continue
+            if not parked:
                 for b in seg.blocks():
                     if b.free:
                         inactive[kind] += b.size
                         inactive_n[kind] += 1
+                continue
+            runs = list(layout(seg, parked))
+            free = [size for b, _, size in runs if b is None]
+            if len(free) < len(runs):  # a live block left: its free runs are split off it
+                inactive[kind] += sum(free)
+                inactive_n[kind] += len(free)
+            largest = max(largest, *free, 0)
     books.sample_inactive((inactive_n[0], inactive_n[1]), (inactive[0], inactive[1]))
     out: dict[str, int | float] = dict(books.figures())
     out["num_compactions"] = books.compactions
@@ -136,7 +150,7 @@ def figures(arena: Arena, limit: int) -> Stats:
     out["num_device_free"] = books.device_frees
     out["num_releases_before_split"] = books.releases_before_split
     out["fragmentation"] = arena.fragmentation()
-    out["largest_free_block"] = arena.largest_free()
+    out["largest_free_block"] = largest
     n = books.hits + books.misses
     out["cache_hit_rate"] = books.hits / n if n else 0.0
     out["limit"] = limit

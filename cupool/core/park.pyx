@@ -277,12 +277,14 @@ cdef class Parking:
         return out
 
     def addresses(self):
-        """The parked blocks' addresses."""
+        """The parked blocks' addresses, each with its stack's stream: ``{address: stream}``."""
         cdef cmap[Slot, Stack].iterator it = self.state.stacks.begin()
-        out = set()
+        out = {}
         while it != self.state.stacks.end():
-            for e in deref(it).second.blocks:
-                out.add(e.addr)
+            if deref(it).second.blocks.size():
+                stream = self.stream_key(deref(it).first.second)
+                for e in deref(it).second.blocks:
+                    out[e.addr] = stream
             inc(it)
         return out
 

@@ -106,8 +106,9 @@ class DictParking:
         """The (block size, stream) of every warm stack, empty or not (Note [Cold stacks])."""
         return {slot for slot, stack in self.slots.items() if self.is_warm(stack)}
 
-    def addresses(self) -> set[int]:
-        return {b.addr for stack in self.slots.values() for b in stack}
+    def addresses(self) -> dict[int, Any]:
+        """The parked blocks' addresses, each with its stack's stream: ``{address: stream}``."""
+        return {b.addr: slot[1] for slot, stack in self.slots.items() for b in stack}
 
     def rebind(self, lock: Any) -> None:
         """Nothing to do: only a C caller would take the lock from here."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, cast
 
 from .books import BooksView
-from .heap import Heap
+from .heap import Block, Heap, Segment
+from .rules import merged_stream, mergeable
 from .sizes import SMALL
 
 
@@ -45,7 +47,44 @@ class _Arena(Protocol):
     heaps: tuple[Heap, Heap]
     device: Any
 
-    def parked(self) -> set[int]: ...
+    def parked(self) -> dict[int, Any]: ...
+
+
+def layout(seg: Segment, parked: Mapping[int, Any]) -> Iterator[tuple[Block | None, int, int]]:
+    """``seg``'s blocks in address order as unparking would leave them (Note [Reads park nothing]):
+    ``(block, addr, size)`` for a live block, ``(None, addr, size)`` for a free one.
+
+    A parked block (``parked``: address -> its stack's stream) is free, and merges with its free
+    neighbours under the heap's own rules (``rules.mergeable``, the stricter stream kept).  Runs
+    without a parked block are the heap's free blocks as they are: the heap never leaves two
+    mergeable free blocks side by side.  Merged left to right, as the heap merges a block with the
+    one after it before the one before it; only where a block free for every stream lies between
+    parked blocks of two other streams can the heap's own unpark, in its stacks' order, share it
+    out the other way (the same bytes free, in other sizes).
+    """
+    start = size = 0
+    tag: Any = None
+    run = False
+    for b in seg.blocks():
+        if b.free:
+            stream = b.stream
+        elif b.addr in parked:
+            stream = parked[b.addr]
+        else:
+            if run:
+                yield None, start, size
+                run = False
+            yield b, b.addr, b.size
+            continue
+        if run and mergeable(tag, stream, None):
+            size += b.size
+            tag = merged_stream(tag, stream, None)
+        else:
+            if run:
+                yield None, start, size
+            start, size, tag, run = b.addr, b.size, stream, True
+    if run:
+        yield None, start, size
 
 
 class ArenaView:
@@ -68,26 +107,25 @@ class ArenaView:
     def segments(self) -> list[SegmentInfo]:
         """Every segment in address order, with its blocks."""
         out = []
-        parked = self._arena.parked()  # freed through the fast path: free, whatever the heap says
+        parked = self._arena.parked()  # freed through the fast path: free where they lie (Note [Reads park nothing])
         for kind, heap in enumerate(self._arena.heaps):
             for seg in heap.segments.values():
                 stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
                 blocks = []
-                used = seg.used
-                for b in seg.blocks():
-                    free = b.free or b.addr in parked
-                    if free and not b.free:
-                        used -= b.size
+                used = 0
+                for b, addr, size in layout(seg, parked):
                     m = None
-                    if free:
+                    if b is None:
                         requested = 0
                     elif isinstance(b.payload, weakref.ReferenceType):
                         m = b.payload()
                         requested = 0 if m is None else m.size
                     else:
                         requested = b.requested  # a raw block's: the bytes asked for
+                    if b is not None:
+                        used += size
                     s = stream if m is None or m.stream is None else m.stream
-                    blocks.append(BlockInfo(b.addr, b.size, free, requested, m is not None, s))
+                    blocks.append(BlockInfo(addr, size, b is None, requested, m is not None, s))
                 out.append(SegmentInfo(seg.addr, seg.size, used, stream, kind == SMALL, seg.keep, tuple(blocks)))
         out.sort(key=lambda s: s.addr)
         return out

@@ -66,6 +66,7 @@ def compact(arena: Arena, movables: Movables, max_bytes: int | None, max_moves: 
     live = movables.live()  # held until the moves are done (Note [Movable lifecycle])
     books = arena.view.books
     t0 = time.perf_counter()
+    arena.unpark()  # the plan sees parked blocks as the free space they are (Note [Reads park nothing])
     frag0 = books.fragmentation
     largest0 = arena.largest_free()
     reserved0 = books.reserved

@@ -165,17 +165,23 @@ class EventRecorder:
         if pool is None:
             raise StateError("this recorder's pool is gone")
         self._config = recording_config(pool)
-        # One hold of the pool's lock for reading the live state and subscribing:
-        # an event between the two would be in neither.  subscribe() does not take
-        # the pool's lock, so it may be called here.
+        # One hold of the pool's lock for subscribing and reading the live state: no
+        # event comes between the two.  Subscribed first: wanting every event turns the
+        # pool's parking off, which gives its parked blocks to the heap (Note [Reads park
+        # nothing]), so the live state read next is the heap the replay then follows.
         with pool.hold() as view:
-            segment = "segment_map" if self._config.get("expandable_segments") else "segment_alloc"
-            seed, self._config["seed"] = _live_state(view, time.perf_counter_ns(), segment)
-            if self._writer is not None:
-                self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
+            unsubscribe = pool.subscribe(self._on_event)
+            try:
+                segment = "segment_map" if self._config.get("expandable_segments") else "segment_alloc"
+                seed, self._config["seed"] = _live_state(view, time.perf_counter_ns(), segment)
+                if self._writer is not None:
+                    self._writer.open(self._config)  # a TraceError here leaves nothing subscribed
+            except BaseException:
+                unsubscribe()
+                raise
             for ev in seed:
                 self._on_event(ev)
-            self._unsubscribe = pool.subscribe(self._on_event)
+            self._unsubscribe = unsubscribe
         self._death = weakref.ref(pool, self._pool_died)
         self._held = None
         with _active_lock:
