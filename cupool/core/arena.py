@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from .._units import format_bytes
 from ..errors import ClosedError, DeadlockError, DeviceOutOfMemory, OutOfMemoryError, StateError
-from .books import ALL, ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
+from .books import ALLOCATED, ALLOCATIONS, REQUESTED, RESERVED, SEGMENTS, Books
 from .events import Observers, log_callback_error
 from .fast import Allocation, FastPath, make_lock
 from . import interrupts
@@ -230,7 +230,7 @@ class Arena(FastPath):
 
     def room(self) -> int:
         """Bytes the limit still lets the pool reserve."""
-        return room(self.limit, int(self.books.cur[RESERVED][ALL]))
+        return room(self.limit, self.books.current(RESERVED))
 
     # ----------------------------------------------------------------- freeing
     def free_block(self, a: Any) -> None:
@@ -293,7 +293,7 @@ class Arena(FastPath):
         """
         with self.locked("close()"):  # Note [Lock protocol]
             self.close_locked()
-            return self.books.cur[ALLOCATIONS][ALL], self.books.cur[ALLOCATED][ALL]
+            return self.books.current(ALLOCATIONS), self.books.current(ALLOCATED)
 
     def forget_after_fork(self, parent: int) -> None:
         """In a fork's child: refuse every request from now on, and never give back the parent's memory (Note [Fork])."""

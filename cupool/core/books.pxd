@@ -7,10 +7,12 @@ from cupool.core.park cimport Log
 
 
 cdef class Books:
-    cdef public list cur
-    cdef public list peak
-    cdef public list total_in
-    cdef public list total_out
+    # ROWS x (small, large, all), C integers: read from outside through ``current`` (a read of
+    # the attribute from Python is a copy, as lists of lists).
+    cdef readonly long long cur[7][3]
+    cdef readonly long long peak[7][3]
+    cdef readonly long long total_in[7][3]
+    cdef readonly long long total_out[7][3]
     cdef public Log log  # a list uncompiled
     cdef public Py_ssize_t hits
     cdef public Py_ssize_t misses
@@ -27,6 +29,8 @@ cdef class Books:
     cdef public bint _sampled_peaks_reset
     cdef object __weakref__
 
-    @cython.locals(cur=list, t=list, peak=list)
-    cpdef account(self, int kind, int row, object delta)
+    cpdef account(self, int kind, int row, long long delta)
+    cpdef long long current(self, int row, int col=*) except? -1
+    @cython.locals(col=int)
+    cpdef _fold_row(self, int row, long long net, long long top, long long gained, long long lost)
     cpdef fold(self)

@@ -70,6 +70,8 @@ STAT_NAMES = ("allocation", "segment", "allocated_bytes", "reserved_bytes", "req
 #: Rows ``stats()`` samples rather than the hot path keeping them (``Books.sample_inactive``).
 INACTIVE_SPLIT, INACTIVE_SPLIT_BYTES = range(len(STAT_NAMES), len(STAT_NAMES) + 2)
 SAMPLED_NAMES = ("inactive_split", "inactive_split_bytes")
+#: Rows of the tables in all (``books.pxd`` sizes them so).
+ROWS = len(STAT_NAMES) + len(SAMPLED_NAMES)
 #: Rows that mirror others: active blocks are the allocated ones (see ``Books.figures``).
 MIRRORED = (("active", ALLOCATIONS), ("active_bytes", ALLOCATED))
 #: PyTorch's ``max_split_size`` when unset (SIZE_MAX read as int64): cupool splits blocks of any size.
@@ -126,11 +128,12 @@ class Books:
     """Counters of one pool.  Changed only with the pool's lock held."""
 
     def __init__(self) -> None:
-        rows = len(STAT_NAMES) + len(SAMPLED_NAMES)
-        self.cur = [[0, 0, 0] for _ in range(rows)]
-        self.peak = [[0, 0, 0] for _ in range(rows)]
-        self.total_in = [[0, 0, 0] for _ in range(rows)]
-        self.total_out = [[0, 0, 0] for _ in range(rows)]
+        # Compiled, C arrays of ROWS x 3 (books.pxd), each figure a C integer: a miss's six
+        # ``account`` calls do no Python arithmetic.  Read from outside through ``current``.
+        self.cur = [[0, 0, 0] for _ in range(ROWS)]
+        self.peak = [[0, 0, 0] for _ in range(ROWS)]
+        self.total_in = [[0, 0, 0] for _ in range(ROWS)]
+        self.total_out = [[0, 0, 0] for _ in range(ROWS)]
         # Fast path: +(requested + 1) per hit, -(requested + 1) per free.  Never rebound: the
         # fast path holds it too (a park.Log compiled, folded in C; a list uncompiled).
         self.log: Any = _new_log()
@@ -151,26 +154,34 @@ class Books:
         self._sampled_peaks_reset = False
 
     def account(self, kind: int, row: int, delta: int) -> None:
+        """Add ``delta`` to figure ``row`` of pool ``kind`` (and the all column), peaks and totals.
+
+        Compiled, the tables are C arrays (``books.pxd``): index them, never alias a row
+        (``r = self.cur[row]`` would be a copy there).
+        """
         if self.log:
             self.fold()
-        cur = self.cur[row]
-        cur[kind] += delta
-        cur[ALL] += delta
+        self.cur[row][kind] += delta
+        self.cur[row][ALL] += delta
         if delta > 0:
-            t = self.total_in[row]
-            t[kind] += delta
-            t[ALL] += delta
-            peak = self.peak[row]
-            if cur[kind] > peak[kind]:
-                peak[kind] = cur[kind]
-            if cur[ALL] > peak[ALL]:
-                peak[ALL] = cur[ALL]
+            self.total_in[row][kind] += delta
+            self.total_in[row][ALL] += delta
+            if self.cur[row][kind] > self.peak[row][kind]:
+                self.peak[row][kind] = self.cur[row][kind]
+            if self.cur[row][ALL] > self.peak[row][ALL]:
+                self.peak[row][ALL] = self.cur[row][ALL]
             if row == ALLOCATED and self._windows:
-                self._raise_windows(cur[ALL])
+                self._raise_windows(self.cur[row][ALL])
         else:
-            t = self.total_out[row]
-            t[kind] -= delta
-            t[ALL] -= delta
+            self.total_out[row][kind] -= delta
+            self.total_out[row][ALL] -= delta
+
+    def current(self, row: int, col: int = ALL) -> int:
+        """Figure ``row``'s current value in column ``col``, the log folded: one C read compiled."""
+        if self.log:
+            self.fold()
+        value: int = self.cur[row][col]
+        return value
 
     def fold(self) -> None:
         """Apply the fast path's log to the tables, peaks included, exactly.
@@ -194,14 +205,12 @@ class Books:
         self.hits += sums[0]
 
     def _fold_row(self, row: int, net: int, top: int, gained: int, lost: int) -> None:
-        cur, peak = self.cur[row], self.peak[row]
         if row == ALLOCATED and self._windows:
-            self._raise_windows(cur[ALL] + top)
+            self._raise_windows(self.cur[row][ALL] + top)
         for col in (SMALL, ALL):
-            if cur[col] + top > peak[col]:
-                peak[col] = cur[col] + top
-            cur[col] += net
-        for col in (SMALL, ALL):
+            if self.cur[row][col] + top > self.peak[row][col]:
+                self.peak[row][col] = self.cur[row][col] + top
+            self.cur[row][col] += net
             self.total_in[row][col] += gained
             self.total_out[row][col] += lost
 
@@ -233,20 +242,22 @@ class Books:
         calls, so they are lower bounds of the true figures.
         """
         for row, new in ((INACTIVE_SPLIT, blocks), (INACTIVE_SPLIT_BYTES, nbytes)):
-            deltas = [n - c for n, c in zip(new, self.cur[row])]
+            deltas = [new[kind] - self.cur[row][kind] for kind in range(len(new))]
             # Decreases first: the all column then never passes the larger of its old and new values.
             for kind in sorted(range(len(deltas)), key=deltas.__getitem__):
                 if deltas[kind]:
                     self.account(kind, row, deltas[kind])
             if self._sampled_peaks_reset:  # their last values are stale: the peak since is at least now's
-                self.peak[row][:] = self.cur[row]
+                for col in range(len(COLUMNS)):
+                    self.peak[row][col] = self.cur[row][col]
         self._sampled_peaks_reset = False
 
     def reset_peaks(self) -> None:
         if self.log:
             self.fold()
-        for row in range(len(self.peak)):
-            self.peak[row][:] = self.cur[row]
+        for row in range(ROWS):
+            for col in range(len(COLUMNS)):
+                self.peak[row][col] = self.cur[row][col]
         self._sampled_peaks_reset = True
 
     def stat(self, row: int, col: int = ALL) -> Stat:

@@ -110,7 +110,7 @@ from ..device.base import Device
 from ..device.costs import remap_pays
 from ..device.vmm import Chunk, VirtualMemory
 from ..errors import DeviceOutOfMemory
-from .books import ALL, RESERVED, SEGMENTS, Books
+from .books import RESERVED, SEGMENTS, Books
 from .events import Observers
 from .heap import Block, Heap, PlannedMove, Segment
 from .rules import (
@@ -196,7 +196,7 @@ class Expander:
     def _retires(self, region: Region, size: int, stream: Any) -> bool:
         """Whether ``region`` gives way to a new one before this grow (``rules.region_retires``)."""
         return region_retires(region.frontier, region.base, region.base + region.size,
-                              int(self.books.cur[RESERVED][ALL]), self.most, self._tail_need(region, size, stream))
+                              self.books.current(RESERVED), self.most, self._tail_need(region, size, stream))
 
     def grow(self, kind: int, size: int, stream: Any, room: int, exact: bool) -> Block | None:
         """Map granules at the end of ``stream``'s region; a free block of at least ``size``.
@@ -571,7 +571,7 @@ class Expander:
 
     def _mapped(self, kind: int, addr: int, n: int, stream: Any) -> None:
         self.books.account(kind, RESERVED, n)
-        self.most = max(self.most, int(self.books.cur[RESERVED][ALL]))
+        self.most = max(self.most, self.books.current(RESERVED))
         self.books.device_allocs += 1
         if self.observers.active:
             self.observers.emit("segment_map", addr, n, 0 if stream is None else stream)

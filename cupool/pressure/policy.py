@@ -84,7 +84,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core.arena import Arena
-from ..core.books import ALL, RESERVED
+from ..core.books import RESERVED
 from ..core.heap import Block
 from ..core.movables import Movables
 from ..core.rules import eager_threshold, gives_back_before_split, over_threshold
@@ -140,7 +140,7 @@ class PoolPolicy:
         if not self.release_before_split:
             return False
         arena, _, _ = self._parts()
-        reserved = int(arena.books.cur[RESERVED][ALL])
+        reserved = arena.books.current(RESERVED)
         return gives_back_before_split(round_page(size), block.size, arena.limit, reserved)
 
     def reclaim(self, kind: int, size: int, stream: Any) -> Iterator[None]:
@@ -155,5 +155,5 @@ class PoolPolicy:
 
     def releases_now(self) -> bool:
         arena = None if self._arena is None else self._arena()
-        return arena is not None and over_threshold(int(arena.books.cur[RESERVED][ALL]),
+        return arena is not None and over_threshold(arena.books.current(RESERVED),
                                                     eager_threshold(self.release_threshold))
