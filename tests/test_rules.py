@@ -14,7 +14,7 @@ import pytest
 import cupool
 import numpy as np
 
-from cupool.core import rules
+from cupool.core import module_source, rules
 from cupool.core.rules import gives_back_before_split, release_cuts_holes
 from cupool.core.sizes import LARGE, MEDIUM_MAX, MEDIUM_SEGMENT, PAGE, SMALL, SMALL_SEGMENT
 from cupool.replay import replay
@@ -152,22 +152,26 @@ def test_release_before_split_preconditions_all_needed():
 
 
 def test_the_engine_compiles_the_same_rule_book():
-    """Every function of the rule book is registered for the engine, and compiled it answers as it does
-    uncompiled: there is no twin to drift."""
+    """Every function of the rule book is registered for the engine, from the same source the pool's
+    compiled rule book is built from, and Numba's build answers as the pool's does: no twin to drift."""
     from numba import njit
 
     from cupool.replay import engine_rules
 
-    public = {getattr(rules, n) for n in dir(rules) if callable(getattr(rules, n)) and getattr(rules, n).__module__
-              == rules.__name__}
-    assert public <= set(engine_rules.REGISTERED)
-    compiled = njit(lambda: (rules.grow_target(LARGE, 3 * MEDIUM_SEGMENT, 1 << 40, False),
-                             rules.hole(PAGE + 512, 5 * PAGE, PAGE), rules.mergeable(-1, 3, -1)))
-    assert compiled() == (3 * MEDIUM_SEGMENT, (2 * PAGE, 6 * PAGE), True)
+    public = {n for n in dir(rules) if callable(getattr(rules, n)) and getattr(rules, n).__module__ == rules.__name__}
+    registered = {f.__name__ for f in engine_rules.REGISTERED if f.__module__ == rules.__name__}
+    assert public and public <= registered
+    er = engine_rules.rules  # the module Numba reads the rule book from: rules.py's text, run as Python
+    assert all(getattr(er, n).__code__.co_filename == str(module_source("cupool.core.rules")) for n in public)
+    pool_answers = (rules.grow_target(LARGE, 3 * MEDIUM_SEGMENT, 1 << 40, False), rules.hole(PAGE + 512, 5 * PAGE, PAGE),
+                    rules.mergeable(-1, 3, -1))
+    compiled = njit(lambda: (er.grow_target(LARGE, 3 * MEDIUM_SEGMENT, 1 << 40, False),
+                             er.hole(PAGE + 512, 5 * PAGE, PAGE), er.mergeable(-1, 3, -1)))
+    assert compiled() == pool_answers == (3 * MEDIUM_SEGMENT, (2 * PAGE, 6 * PAGE), True)
     # The miss chain's arithmetic (issue 33), compiled as the engine calls it: integers and booleans.
-    chain = njit(lambda: (rules.room(3, 5), rules.above_limit(PAGE + 1, PAGE), rules.settles_on_miss(2),
-                          rules.retry_pages(MEDIUM_SEGMENT, PAGE + 1), rules.runs_past(4, 2, 5),
-                          rules.region_size(4, 9), rules.releases_before_split(True, False, True, True, False)))
+    chain = njit(lambda: (er.room(3, 5), er.above_limit(PAGE + 1, PAGE), er.settles_on_miss(2),
+                          er.retry_pages(MEDIUM_SEGMENT, PAGE + 1), er.runs_past(4, 2, 5),
+                          er.region_size(4, 9), er.releases_before_split(True, False, True, True, False)))
     assert chain() == (0, True, True, 2 * PAGE, True, 9, True)
 
 

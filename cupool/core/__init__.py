@@ -52,11 +52,13 @@ stacks and log, C structures compiled (``park.pyx``, which PyTorch's shim reache
 without the GIL: Note [Hits without the GIL]) and ``threading.Lock``, a dict of
 lists (``parking.DictParking``) and a list uncompiled.
 
-What stays Python, and why: the rule book and the size classes (``rules``,
-``sizes``), which the Numba replay engine compiles from their Python functions
-(``register_jitable`` needs a function's bytecode, not an extension's); the
-segment sources, which call the device; and the policy above.  A miss pays a
-few Python calls into them; a hit pays none.
+The rule book and the size classes (``rules``, ``sizes``) compile too, as they
+are: the heap and the arena call them as extension functions.  The Numba replay
+engine compiles the same functions from their Python text, which it gets from
+``source_twins`` (``register_jitable`` needs a function's bytecode, not an
+extension's).  What stays Python, and why: the segment sources, which call the
+device, the stream epochs, and the policy above.  A miss pays a few Python calls
+into them; a hit pays none.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from pathlib import Path
 from types import ModuleType
 
 #: Every module setup.py compiles, by dotted name, in build order: one may cimport those before it.
-COMPILED_MODULES = ("cupool.core.free_index", "cupool.core.heap", "cupool.core.park", "cupool.core.fast", "cupool.core.books", "cupool.core.arena", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
+COMPILED_MODULES = ("cupool.core.sizes", "cupool.core.rules", "cupool.core.free_index", "cupool.core.heap", "cupool.core.park", "cupool.core.fast", "cupool.core.books", "cupool.core.arena", "cupool.hooks.cupy_memory", "cupool.hooks.torch_shim")
 #: The source suffixes of a listed module, in the order they are looked for; Cython compiles the first two.
 SOURCE_SUFFIXES = (".py", ".pyx", ".cpp")
 #: Beside a built extension: the sha256 of the source it was compiled from.
@@ -192,6 +194,27 @@ def _choose(dotted: str) -> tuple[str, str]:
     if source.suffix == ".py":
         _publish(dotted, _exec_source(dotted, source))
     return _chosen[dotted]
+
+
+def source_twins(*dotted: str) -> tuple[ModuleType, ...]:
+    """The listed modules ``dotted`` run from their ``.py`` whether or not they run compiled, in order,
+    each importing the twins before it: for Numba, which compiles a function from its bytecode, not an
+    extension's (``cupool.replay.engine_rules``), while the pool calls the compiled modules.  The same
+    text, so the same rules.  A module that runs from its source anyway is its own twin."""
+    twins: list[ModuleType] = []
+    compiled: dict[str, ModuleType] = {}
+    try:
+        for name in dotted:
+            if _choose(name)[0] == "pure":
+                twins.append(sys.modules[name])
+                continue
+            compiled[name] = sys.modules[name]
+            source = module_source(name)
+            assert source is not None, name
+            twins.append(_exec_source(name, source))  # in sys.modules while those after it import it
+    finally:
+        sys.modules.update(compiled)
+    return tuple(twins)
 
 
 def _exec_source(dotted: str, source: Path) -> ModuleType:

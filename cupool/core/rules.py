@@ -1,9 +1,10 @@
 """The rule book: placement and growth decisions as pure integer functions, written once.
 
 Charter: integers and booleans in, an answer out; no state, no device, no Numba.
-The pool calls these functions as they are; the numba replay engine compiles the
-very same functions inline wherever it calls them (``cupool.replay.engine_rules``
-registers each with ``register_jitable``), so a rule changed here changes in the
+The pool calls these functions compiled by Cython from this text (or the text
+itself, uncompiled); the numba replay engine compiles the very same text inline
+wherever it calls them (``cupool.replay.engine_rules`` registers each, run as
+Python, with ``register_jitable``), so a rule changed here changes in the
 pool and in its replay together (and recompiles the engine: ``SOURCES`` in
 ``cupool.kernels.caching``), and ``tests/test_rules.py`` checks each one
 exhaustively over small integers.

@@ -4,7 +4,8 @@ They follow PyTorch's caching allocator, whose numbers users already know:
 requests round up to 512 bytes; requests up to 1 MiB come from 2 MiB "small"
 segments so that they never split large ones; requests up to 10 MiB come from
 20 MiB segments; larger ones get a segment of their own size rounded up to the
-device's 2 MiB page.  See Note [Size classes] below.
+device's 2 MiB page.  See Note [Size classes] below.  Compiled by Cython for the
+pool, and run as Python for the replay engine's Numba (``cupool.replay.engine_rules``).
 
 Note [Size classes]
 ~~~~~~~~~~~~~~~~~~~

@@ -58,13 +58,11 @@ import numpy as np
 from numba.core import event
 from numba.core.registry import CPUDispatcher
 
-from ..core import rules
-from ..core.sizes import LARGE, pool_of, round_page, round_size
 from ..device.vmm import GRANULE
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
 from .calls import EMPTY_CACHE
 from . import engine_live as live
-from . import engine_rules  # noqa: F401 - makes the rule book callable here
+from .engine_rules import LARGE, pool_of, round_page, round_size, rules  # the rule book, callable here
 from .engine_heap import find, give, settle, take
 from .engine_layout import (  # noqa: F401 - the state's names, for the driver
     ADDR, ALLOC, BLOCK_IDS, C_ARENA, C_CAPACITY, C_INITIAL, C_LIMIT, C_SPAN, C_SPLIT, C_STITCH, C_THRESHOLD, C_VMM,

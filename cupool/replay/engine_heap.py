@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros  # LLVM's ctlz and cttz: no public name
 
-from ..core import rules
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
-from . import engine_rules  # noqa: F401 - makes the rule book callable here
+from .engine_rules import rules  # the rule book, callable here
 from .engine_layout import (
     ADDR, ALIVE, BITS, BLOCK_IDS, FREE, FREE_BLOCK_IDS, FREE_INDEXED, IX_ADDR, IX_LEFT, IX_PRI, IX_RIGHT, IX_SIZE,
     IX_UP, NBITS, NEXT, PREV, ROOT, SEG, SIZE, STREAM, S_TAIL, S_USED, STREAMS_SEEN,

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core import rules
-from ..core.sizes import SMALL, round_page, round_up
+from .._units import round_up
 from ..device import ranges
 from ..device.vmm import GRANULE, RANGE_GAP
 from ..kernels.caching import njit  # numba.njit; cache=True caches outside the package
-from . import engine_rules  # noqa: F401 - makes the rule book callable here
+from .engine_rules import SMALL, round_page, rules  # the rule book, callable here
 from .engine_heap import coalesce, ix_insert, ix_remove, kill_block, new_block, of_stream_into
 from .engine_layout import (
     ADDR, C_CAPACITY, C_HOLDS, C_THRESHOLD, C_VSPAN, DEV_ALLOCS, DEV_FREES, DEV_USED, FREE, FREE_EXTENTS, FREE_INDEXED,

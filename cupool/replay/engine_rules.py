@@ -4,10 +4,13 @@ ranges (``cupool.device.ranges``), made callable from the engine's compiled code
 Charter: this module only registers; it decides nothing.  Numba cannot call a
 plain Python function from compiled code, so each rule is registered with
 ``numba.extending.register_jitable``, which leaves the function itself as it is
-(the pool still calls it uncompiled) and lets Numba compile it inline wherever
-an engine function calls it.  So the engine calls ``rules.fits_before(...)``
-exactly as the heap does: one function, not a twin.  Import this module before
-compiling any engine function (``engine_heap`` and ``engine_memory`` do).
+and lets Numba compile it inline wherever an engine function calls it.  The pool
+runs ``rules`` and ``sizes`` compiled by Cython, whose functions have no bytecode
+for Numba to read; so the engine takes them from ``rules`` and ``sizes`` here,
+the same source run as Python (``cupool.core.source_twins``).  The engine calls
+``rules.fits_before(...)`` as the heap does: one text, not a twin to drift.
+Import this module before compiling any engine function, and take ``rules`` and
+the size classes from it (``engine_heap`` and ``engine_memory`` do).
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from __future__ import annotations
 from numba.extending import register_jitable
 
 from .._units import round_up
-from ..core import rules, sizes
+from ..core import source_twins
 from ..device import ranges
+
+#: The rule book and the size classes from their source (Numba compiles them from it).
+sizes, rules = source_twins("cupool.core.sizes", "cupool.core.rules")
+LARGE, SMALL = sizes.LARGE, sizes.SMALL
+pool_of, round_page, round_size = sizes.pool_of, sizes.round_page, sizes.round_size
 
 #: Every function of the two modules the engine calls, registered once at import.
 REGISTERED = (
