@@ -29,6 +29,7 @@ class StreamEpochs:
         self._epoch: dict[Any, int] = {}
         self._events: dict[Any, collections.deque[Any]] = {}
         self._dirty: set[Any] = set()
+        self._done: dict[Any, int] = {}  # each stream's newest epoch known complete
 
     def freed(self, stream: Any) -> int:
         """Note a free on ``stream``; returns the epoch the freed block carries."""
@@ -66,19 +67,26 @@ class StreamEpochs:
         return moved
 
     def _done_epoch(self, stream: Any, wait: bool) -> int | None:
-        """The newest epoch of ``stream`` whose frees are known complete, or None."""
+        """The newest epoch of ``stream`` whose frees are known complete, or None while none is.
+
+        Remembered across calls: a stream with nothing new since its last completed event still
+        answers it, so free memory it grew and never used (a fresh tail, epoch 0) goes to every
+        stream at the next settle.  Answering only the events completed in this call kept such a
+        tail the stream's own until the stream freed something again (docs/benchmarks.md, "Why
+        small/4s/0 maps a fifth granule"); the numba engine's ``settle`` remembers the same.
+        """
         epoch = self._epoch.get(stream, 0)
         if wait:
             self._events.pop(stream, None)
             self._dirty.discard(stream)
             self._epoch[stream] = epoch + 1
+            self._done[stream] = epoch
             return epoch
         q = self._events.setdefault(stream, collections.deque())
         if stream in self._dirty:
             q.append((epoch, self._device.record_event(stream)))
             self._epoch[stream] = epoch + 1
             self._dirty.discard(stream)
-        done = None
         while q and self._device.event_done(q[0][1]):
-            done = q.popleft()[0]
-        return done
+            self._done[stream] = q.popleft()[0]
+        return self._done.get(stream)

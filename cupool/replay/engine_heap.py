@@ -395,9 +395,9 @@ def settle(E, wait):
             t = PS[h, 2, k]
             if t == -1 or PS[h, 0, t + 1] == 0:
                 continue
-            if not wait and DT[t] == 0:
+            if not wait and DT[t] == 0:  # nothing freed and never settled: no epoch of it is known done
                 continue
-            DT[t] = 2  # settled: its flag goes down once both heaps are done
+            DT[t] = 2  # settling: its flag changes once both heaps are done
             m = of_stream_into(E, h, t, 0, W[0], W[1])  # the order the heap visits them in
             for j in range(m):
                 b = W[0, j]
@@ -410,5 +410,5 @@ def settle(E, wait):
     # stream's done epoch once for all heaps).
     for t in range(DT.shape[0]):
         if DT[t] == 2:
-            DT[t] = 0
+            DT[t] = 3  # settled: the pool remembers its done epoch, so its next settle takes its fresh tails
     return moved
