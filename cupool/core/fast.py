@@ -60,12 +60,12 @@ Note [Reads park nothing]
 Reading the pool (``stats()``, ``snapshot()``, ``hold()``, the ``cupool.torch``
 figures) changes nothing: its parked blocks stay parked.  When every read gave
 them to the heap, a training loop that logged ``memory_allocated()`` once a step
-missed every size after each read (1,176 against 172 ns an allocation, a loop of
-100 sizes; docs/benchmarks.md, "Reads park nothing"), and a pool read in a test
+missed every size after each read (1,446 against 291 ns an allocation and free, a
+loop of 100 sizes; docs/benchmarks.md, "Reads park nothing"), and a pool read in a test
 behaved unlike one nobody read.  So a locked operation applies the finalizers'
 queue and folds the log, no more, and readers see parked blocks as free where
 they lie, merged with their free neighbours as the heap would merge them
-(``view.free_runs``): the figures are those an unpark would leave.  What plans on
+(``view.layout``): the figures are those an unpark would leave.  What plans on
 the heap's free blocks unparks first, each in one place: ``Arena.place`` (Note
 [Cold stacks], and before it grows), ``compact``, a wait for the device
 (``Arena.settle_streams``: a block freed on one stream becomes anyone's, and a

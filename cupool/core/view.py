@@ -9,8 +9,8 @@ the fast path's log, which changes how the books are kept, not what they say).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from .books import BooksView

@@ -29,8 +29,9 @@ from ..core import rules
 from ..device.vmm import LANE_ARENAS, address_arena, region_span
 
 #: st, fst, cfg: scalars, floats and settings; B/FB: blocks and free block ids; S/FS: segments and
-#: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: per stream, 1 with frees since
-#: its last settle, 3 settled before and clean since, 0 neither (``engine_heap.settle``); EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
+#: free segment ids; IX, PS: the free index and its tables per stream (``engine_heap``); DT: per
+#: stream, 1 with frees since its last settle, 3 settled before and clean since, 0 neither
+#: (``engine_heap.settle``); EXT: the plain device's free extents; R/FR: virtual-memory regions and free region ids;
 #: GR: each (size class, stream)'s growing region; VA: free address ranges for regions; W: two scratch
 #: rows as long as B (a list of blocks and a walk's stack), so that a settle and the list of a stitch's
 #: holes (``engine_memory.holes``) allocate nothing.
