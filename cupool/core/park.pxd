@@ -6,7 +6,10 @@ from libcpp.map cimport map as cmap
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 from cpython.object cimport PyObject
-from cpython.pythread cimport PyThread_type_lock
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
 
 from cupool.core.heap cimport Block
 
@@ -27,7 +30,7 @@ cdef struct Stack:
 
 
 cdef struct ParkState:
-    PyThread_type_lock lock  # the pool's lock (Mutex.handle)
+    pthread_mutex_t *lock  # the pool's lock (Mutex.handle)
     PyObject *pending  # the fast path's finalizer queue (a deque, borrowed): Note [Hits without the GIL]
     bint ready  # parking on, no subscriber wants every event, no leak sites: a hit may skip Python
     Py_ssize_t log_max
@@ -48,7 +51,7 @@ cdef struct ParkApi:
 
 
 cdef class Mutex:
-    cdef PyThread_type_lock handle
+    cdef pthread_mutex_t *handle
     cpdef bint acquire(self, bint blocking=*, double timeout=*) except -1
     cpdef release(self)
 
