@@ -103,7 +103,8 @@ way, written once, in ``FastPath.locked(what)``:
    thread holds the lock for a caller, or a finalizer runs under a collection
    that interrupted this thread's own operation), and otherwise wait, in slices
    of ``LOCK_SLICE_S``, so that a Ctrl-C that arrives while waiting is raised
-   at once, compiled or not: nothing has changed yet (Note [Interrupts]);
+   by the end of the slice, compiled or not (the compiled lock, a mutex, is not
+   woken by a signal): nothing has changed yet (Note [Interrupts]);
 2. apply the frees finalizers queued (``apply_pending``) and fold the log; parked
    blocks stay parked (Note [Reads park nothing]);
 3. the operation;
