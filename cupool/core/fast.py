@@ -65,7 +65,7 @@ loop of 100 sizes; docs/benchmarks.md, "Reads park nothing"), and a pool read in
 behaved unlike one nobody read.  So a locked operation applies the finalizers'
 queue and folds the log, no more, and readers see parked blocks as free where
 they lie, merged with their free neighbours as the heap would merge them
-(``view.layout``): the figures are those an unpark would leave.  What plans on
+(``Segment.layout``): the figures are those an unpark would leave.  What plans on
 the heap's free blocks unparks first, each in one place: ``Arena.place`` (Note
 [Cold stacks], and before it grows), ``compact``, a wait for the device
 (``Arena.settle_streams``: a block freed on one stream becomes anyone's, and a

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TypedDict, cast
 
 from .arena import Arena
-from .view import layout
 
 #: The figures every pool has: PyTorch's ``memory_stats`` keys (``Books.figures``), then cupool's counters.
 #: Counts and bytes are ``int``, the two ratios ``float``; ``tests/test_types.py`` holds the keys to what
@@ -132,9 +131,8 @@ def figures(arena: Arena, limit: int) -> Stats:
                         inactive[kind] += b.size
                         inactive_n[kind] += 1
                 continue
-            runs = list(layout(seg, parked))
-            free = [size for b, _, size in runs if b is None]
-            if len(free) < len(runs):  # a live block left: its free runs are split off it
+            free = [size for _, _, size in seg.layout(parked, live=False)]
+            if sum(free) < seg.size:  # a live block left: its free runs are split off it
                 inactive[kind] += sum(free)
                 inactive_n[kind] += len(free)
             largest = max(largest, *free, 0)

@@ -32,6 +32,9 @@ cdef class Segment:
     cdef public object stream
     cdef public object region
 
+    @cython.locals(out=list, b=Block, start=object, size=Py_ssize_t, run=bint, tag=object, stream=object)
+    cpdef list layout(self, dict parked, bint live=*)
+
 
 cdef class Heap:
     cdef public Py_ssize_t alignment

@@ -137,6 +137,51 @@ class Segment:
             yield b
             b = b.next
 
+    def layout(self, parked: dict[int, Stream], live: bool = True) -> list[tuple[Block | None, int, int]]:
+        """The blocks in address order as unparking would leave them (Note [Reads park nothing]):
+        ``(block, addr, size)`` for a live block (left out without ``live``: the figures need only
+        the free ones, and a tuple per live block made the reads of a large pool collect garbage),
+        ``(None, addr, size)`` for a free one.
+
+        A parked block (``parked``: address -> its stack's stream) is free, and merges with its free
+        neighbours under the heap's own rules (``mergeable``, the stricter stream kept).  Runs
+        without a parked block are the heap's free blocks as they are: the heap never leaves two
+        mergeable free blocks side by side.  Merged left to right, as the heap merges a block with the
+        one after it before the one before it; only where a block free for every stream lies between
+        parked blocks of two other streams can the heap's own unpark, in its stacks' order, share it
+        out the other way (the same bytes free, in other sizes).  Compiled with the heap: a read of
+        the pool walks every block of a segment that holds one.
+        """
+        out: list[tuple[Block | None, int, int]] = []
+        start = size = 0
+        tag: Stream = None
+        run = False
+        b = self.head
+        while b is not None:
+            if b.free:
+                stream = b.stream
+            elif b.addr in parked:
+                stream = parked[b.addr]
+            else:
+                if run:
+                    out.append((None, start, size))
+                    run = False
+                if live:
+                    out.append((b, b.addr, b.size))
+                b = b.next
+                continue
+            if run and mergeable(tag, stream, None):
+                size += b.size
+                tag = merged_stream(tag, stream, None)
+            else:
+                if run:
+                    out.append((None, start, size))
+                start, size, tag, run = b.addr, b.size, stream, True
+            b = b.next
+        if run:
+            out.append((None, start, size))
+        return out
+
     def __repr__(self) -> str:
         return f"Segment({self.addr:#x}, {self.size}, used={self.used})"
 

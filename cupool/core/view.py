@@ -9,13 +9,11 @@ the fast path's log, which changes how the books are kept, not what they say).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from .books import BooksView
-from .heap import Block, Heap, Segment
-from .rules import merged_stream, mergeable
+from .heap import Heap
 from .sizes import SMALL
 
 
@@ -50,43 +48,6 @@ class _Arena(Protocol):
     def parked(self) -> dict[int, Any]: ...
 
 
-def layout(seg: Segment, parked: Mapping[int, Any]) -> Iterator[tuple[Block | None, int, int]]:
-    """``seg``'s blocks in address order as unparking would leave them (Note [Reads park nothing]):
-    ``(block, addr, size)`` for a live block, ``(None, addr, size)`` for a free one.
-
-    A parked block (``parked``: address -> its stack's stream) is free, and merges with its free
-    neighbours under the heap's own rules (``rules.mergeable``, the stricter stream kept).  Runs
-    without a parked block are the heap's free blocks as they are: the heap never leaves two
-    mergeable free blocks side by side.  Merged left to right, as the heap merges a block with the
-    one after it before the one before it; only where a block free for every stream lies between
-    parked blocks of two other streams can the heap's own unpark, in its stacks' order, share it
-    out the other way (the same bytes free, in other sizes).
-    """
-    start = size = 0
-    tag: Any = None
-    run = False
-    for b in seg.blocks():
-        if b.free:
-            stream = b.stream
-        elif b.addr in parked:
-            stream = parked[b.addr]
-        else:
-            if run:
-                yield None, start, size
-                run = False
-            yield b, b.addr, b.size
-            continue
-        if run and mergeable(tag, stream, None):
-            size += b.size
-            tag = merged_stream(tag, stream, None)
-        else:
-            if run:
-                yield None, start, size
-            start, size, tag, run = b.addr, b.size, stream, True
-    if run:
-        yield None, start, size
-
-
 class ArenaView:
     """``pool.view``: figures (``books``, ``limit``, ``fragmentation``) and ``segments()``."""
 
@@ -113,7 +74,7 @@ class ArenaView:
                 stream = 0 if seg.stream is None else cast(int, seg.stream)  # tags are stream keys
                 blocks = []
                 used = 0
-                for b, addr, size in layout(seg, parked):
+                for b, addr, size in seg.layout(parked):
                     m = None
                     if b is None:
                         requested = 0
