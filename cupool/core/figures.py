@@ -125,12 +125,6 @@ def figures(arena: Arena, limit: int) -> Stats:
         for seg in heap.segments.values():
             if not seg.used:
                 continue
-            if not parked:
-                for b in seg.blocks():
-                    if b.free:
-                        inactive[kind] += b.size
-                        inactive_n[kind] += 1
-                continue
             free = [size for _, _, size in seg.layout(parked, live=False)]
             if sum(free) < seg.size:  # a live block left: its free runs are split off it
                 inactive[kind] += sum(free)
